@@ -1,0 +1,112 @@
+"""Settings: every knob of the service, from CLI flags, `FFN_*` variables or a TOML file.
+
+Precedence, highest first: command-line flags, environment variables, the config file, defaults.
+The config file holds the same keys at its top level, plus one `[[models]]` table per model.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class ModelSpec(BaseModel):
+    """One `[[models]]` table: where a model's weights are and how to read and place them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=MODEL_NAME_PATTERN, description="Name in URLs; letters, digits, '_', '.', '-'.")
+    weights: Path | None = Field(
+        default=None, description="Weights file, relative to the config file. None: the built-in demo weights."
+    )
+    format: Literal["native", "torch", "bert", "gpt2", "llama"] = Field(
+        default="native", description="native safetensors, a torch state dict, or one layer of a checkpoint family."
+    )
+    layer: int | None = Field(default=None, ge=0, description="Layer index, for the bert, gpt2 and llama formats.")
+    activation: Literal["relu", "gelu", "gelu_tanh", "silu", "identity"] | None = Field(
+        default=None, description="Activation, where the file does not say."
+    )
+    gated: bool | None = Field(default=None, description="Gated (GLU) FFN, where the file does not say.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(default="float32", description="Compute dtype.")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="auto = cuda when available.")
+
+
+class Settings(BaseSettings):
+    """The service's settings. Each field is also `FFN_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="FFN_", extra="forbid", frozen=True)
+
+    config: Path | None = Field(default=None, description="TOML config file with settings and [[models]].")
+    host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(default="info")
+    max_batch_rows: int = Field(default=1024, ge=1, description="Most rows in one forward pass.")
+    max_wait_ms: float = Field(
+        default=0.0, ge=0.0, le=1000.0,
+        description="How long a batch may wait for more rows after its first entry. 0 = greedy: "
+        "the model never idles while work is queued; what arrives during a pass forms the next batch.",
+    )
+    max_queue_rows: int = Field(default=65536, ge=1, description="Rows that may wait per model before 429.")
+    default_timeout_ms: float = Field(
+        default=30000.0, gt=0.0, description="Deadline of a request that sets none (X-Timeout-Ms or V2 `timeout`)."
+    )
+    drain_timeout_s: float = Field(default=20.0, ge=0.0, description="On SIGTERM, how long to finish accepted work.")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
+    api_key: SecretStr | None = Field(default=None, description="If set, every route but health needs Bearer auth.")
+    cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
+    torch_threads: int = Field(default=0, ge=0, description="torch intra-op threads; 0 = torch's default.")
+    warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
+    models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelSpec]) -> list[ModelSpec]:
+        names = [m.name for m in models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique, repeated: {duplicates}")
+        return models
+
+    def served_models(self) -> list[ModelSpec]:
+        """The configured models, or the built-in `demo` when none are."""
+        return self.models or [ModelSpec(name="demo")]
+
+
+class ConfigFileError(ValueError):
+    """The config file cannot be read or does not hold valid settings."""
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML file's values, model weight paths made relative to the file's folder."""
+    try:
+        with path.open("rb") as f:
+            values = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
+    models = values.get("models", [])
+    if not isinstance(models, list):
+        raise ConfigFileError(f"config file {path}: `models` must be an array of tables ([[models]])")
+    for model in models:
+        if isinstance(model, dict) and isinstance(model.get("weights"), str):
+            model["weights"] = str((path.parent / model["weights"]).resolve())
+    return values
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from flags (`overrides`, None = not given), the environment and the config file."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    from_env = Settings(**overrides)
+    file_values: dict[str, Any] = {}
+    if from_env.config is not None:
+        file_values = read_config_file(from_env.config)
+        file_values.pop("config", None)
+    explicit = {name: getattr(from_env, name) for name in from_env.model_fields_set}
+    return Settings(**{**file_values, **explicit})

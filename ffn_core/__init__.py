@@ -1,0 +1,26 @@
+"""ffn_core: the position-wise feed-forward network, its variants and its weight formats.
+
+Plain PyTorch; knows nothing of HTTP.
+"""
+
+from ffn_core.activations import ACTIVATIONS, get_activation
+from ffn_core.config import FFNConfig
+from ffn_core.dropout import mc_dropout
+from ffn_core.model import DEMO_CONFIG, FeedForward, GatedFeedForward, build_ffn, demo_ffn
+from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
+
+__all__ = [
+    "ACTIVATIONS",
+    "DEMO_CONFIG",
+    "FORMATS",
+    "FFNConfig",
+    "FeedForward",
+    "GatedFeedForward",
+    "WeightsError",
+    "build_ffn",
+    "demo_ffn",
+    "get_activation",
+    "load_ffn",
+    "mc_dropout",
+    "save_ffn",
+]
