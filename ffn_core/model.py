@@ -64,4 +64,4 @@ def demo_ffn(seed: int = 0) -> FeedForward:
             # weights are identical on every machine and torch version.
             bound = 1.0 / (param.shape[-1] ** 0.5) if param.ndim == 2 else 0.02
             param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=generator))
-    return model
+    return model.requires_grad_(False)

@@ -1,0 +1,298 @@
+"""Batcher: a row-level async micro-batcher in front of one model.
+
+Requests are split into entries of at most `max_batch_rows` rows and queued; a single collector
+task cuts a batch when the queued rows reach `max_batch_rows`, or `max_wait_s` after the first
+entry arrived (0 = greedy: whatever is queued goes at once, and whatever arrives during a
+forward pass forms the next batch). The batch's rows are concatenated (the FFN is
+position-wise, so no padding), run on the model's device thread and split back in order.
+
+The queue is bounded in rows: a request that does not fit is refused with `Overloaded` before
+it is queued. An entry whose client left (cancelled future) or whose deadline passed is
+skipped and never computed. Out of memory splits the batch in halves and retries; only an
+entry that fails alone gets `InsufficientMemory`, and the batch size ceiling is lowered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+
+from app.errors import (
+    DeadlineExceeded,
+    InsufficientMemory,
+    ModelError,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
+from app.metrics import Metrics
+
+log = logging.getLogger("ffn_serve.batcher")
+
+# forward(parts) -> the FFN of their concatenation, (sum of rows, d_model), on the host.
+Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+
+
+@dataclass(eq=False)
+class Entry:
+    """A queued slice of one request: its rows and the future its answer goes to."""
+
+    rows: torch.Tensor  # (n, d_model), on the host
+    future: asyncio.Future[torch.Tensor]
+    enqueued_at: float
+    deadline: float | None
+    queued: bool = True  # still counted in the queue's rows
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def n(self) -> int:
+        return self.rows.shape[0]
+
+
+class Batcher:
+    """Queue, collector task and dispatch to the model thread for one model."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        *,
+        name: str = "model",
+        max_batch_rows: int = 1024,
+        max_wait_s: float = 0.0,
+        max_queue_rows: int = 65536,
+        executor: Executor | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0:
+            raise ValueError("max_batch_rows and max_queue_rows must be >= 1, max_wait_s >= 0")
+        self.name = name
+        self.max_batch_rows = max_batch_rows
+        self.max_wait_s = max_wait_s
+        self.max_queue_rows = max_queue_rows
+        self._forward = forward
+        self._executor = executor
+        self._metrics = metrics or Metrics()
+        self._ceiling = max_batch_rows  # lowered after out-of-memory
+        self._queue: deque[Entry] = deque()
+        self._queued_rows = 0
+        self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._collector: asyncio.Task[None] | None = None
+        self._accepting = False
+        self._labels = {"model": name}
+        self._metrics.batch_ceiling.labels(**self._labels).set(self._ceiling)
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        assert self._collector is None, "Batcher.start() called twice; this is a bug."
+        self._accepting = True
+        self._collector = asyncio.create_task(self._collect(), name=f"batcher-{self.name}")
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new work, then wait up to `timeout_s` for accepted work to finish. True if it did."""
+        self._accepting = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._queued_rows or not self._idle.is_set():
+                    await self._idle.wait()
+                    await asyncio.sleep(0.002)  # let the collector take what is queued
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Stop the collector and answer every entry still pending with `Unavailable`."""
+        self._accepting = False
+        if self._collector is not None:
+            self._collector.cancel()
+            try:
+                await self._collector
+            except asyncio.CancelledError:
+                pass
+            self._collector = None
+        while self._queue:
+            entry = self._queue.popleft()
+            self._release(entry)
+            self._fail(entry, Unavailable("the server is shutting down"))
+
+    # ----- public API ------------------------------------------------------------------------
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    @property
+    def batch_ceiling(self) -> int:
+        return self._ceiling
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    async def submit(self, rows: torch.Tensor, *, deadline: float | None = None) -> torch.Tensor:
+        """The model's output for `rows` (n, d_model), n >= 1. `deadline` is in loop.time() seconds."""
+        if not self._accepting:
+            raise Unavailable("the server is not accepting work (starting up or draining)")
+        n = rows.shape[0]
+        assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
+        if n > self.max_queue_rows:
+            raise PayloadTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
+        if self._queued_rows + n > self.max_queue_rows:
+            raise Overloaded(
+                f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",
+                retry_after_s=1,
+            )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        chunk_rows = self._ceiling
+        chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
+        entries = [Entry(chunk, loop.create_future(), now, deadline) for chunk in chunks]
+        for entry in entries:
+            if deadline is not None:
+                entry.expiry = loop.call_at(deadline, self._expire, entry)
+            self._queue.append(entry)
+        self._queued_rows += n
+        self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
+        self._arrived.set()
+        try:
+            if len(entries) == 1:
+                result = await entries[0].future
+            else:
+                result = torch.cat([await entry.future for entry in entries])
+            self._metrics.request_seconds.labels(**self._labels).observe(loop.time() - now)
+            return result
+        except BaseException:
+            # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
+            for entry in entries:
+                self._release(entry)
+                if entry.future.done() and not entry.future.cancelled():
+                    entry.future.exception()  # retrieved: no "never retrieved" warning
+                entry.future.cancel()
+            raise
+
+    # ----- queue -----------------------------------------------------------------------------
+
+    def _release(self, entry: Entry) -> None:
+        """Stop counting an entry's rows in the queue (once)."""
+        if entry.queued:
+            entry.queued = False
+            self._queued_rows -= entry.n
+            self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
+        if entry.expiry is not None:
+            entry.expiry.cancel()
+            entry.expiry = None
+
+    def _expire(self, entry: Entry) -> None:
+        """Deadline timer: an entry still queued is answered 504 and will never be computed."""
+        entry.expiry = None
+        if entry.queued and not entry.future.done():
+            self._release(entry)
+            entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
+
+    @staticmethod
+    def _fail(entry: Entry, error: Exception) -> None:
+        if not entry.future.done():
+            entry.future.set_exception(error)
+
+    def _take_batch(self) -> list[Entry]:
+        """Pop entries up to the row ceiling, skipping the ones nobody waits for any more."""
+        batch: list[Entry] = []
+        rows = 0
+        while self._queue:
+            entry = self._queue[0]
+            if entry.future.done():  # cancelled or expired
+                self._queue.popleft()
+                self._release(entry)
+                continue
+            if batch and rows + entry.n > self._ceiling:
+                break
+            self._queue.popleft()
+            self._release(entry)
+            batch.append(entry)
+            rows += entry.n
+        return batch
+
+    async def _wait_for_more(self) -> None:
+        """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
+        loop = asyncio.get_running_loop()
+        cut_at = self._queue[0].enqueued_at + self.max_wait_s
+        while self._queued_rows < self._ceiling:
+            remaining = cut_at - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
+            except TimeoutError:
+                return
+
+    async def _collect(self) -> None:
+        while True:
+            if not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            if self.max_wait_s > 0:
+                await self._wait_for_more()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            self._idle.clear()
+            try:
+                await self._run(batch)
+            finally:
+                self._idle.set()
+
+    # ----- forward ---------------------------------------------------------------------------
+
+    async def _run(self, batch: list[Entry]) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for entry in batch:
+            self._metrics.queue_seconds.labels(**self._labels).observe(started - entry.enqueued_at)
+        rows = sum(entry.n for entry in batch)
+        try:
+            output = await loop.run_in_executor(self._executor, self._forward, [entry.rows for entry in batch])
+        except OUT_OF_MEMORY:
+            await self._split_after_oom(batch, rows)
+            return
+        except Exception as exc:
+            log.exception("forward pass failed for model %s (%d rows)", self.name, rows)
+            for entry in batch:
+                self._fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
+            return
+        self._metrics.compute_seconds.labels(**self._labels).observe(loop.time() - started)
+        self._metrics.batch_rows.labels(**self._labels).observe(rows)
+        assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
+        offset = 0
+        for entry in batch:
+            if not entry.future.done():
+                entry.future.set_result(output[offset : offset + entry.n])
+            offset += entry.n
+
+    async def _split_after_oom(self, batch: list[Entry], rows: int) -> None:
+        """Out of memory: lower the ceiling, retry each half; an entry alone that fails gets 507."""
+        self._ceiling = max(1, min(self._ceiling, math.ceil(rows / 2)))
+        self._metrics.batch_ceiling.labels(**self._labels).set(self._ceiling)
+        if len(batch) == 1:
+            log.warning("model %s: out of memory on a single request of %d rows", self.name, rows)
+            self._fail(batch[0], InsufficientMemory(f"a request of {rows} rows does not fit in the device's memory"))
+            return
+        self._metrics.oom_splits.labels(**self._labels).inc()
+        log.warning("model %s: out of memory at %d rows; splitting the batch, ceiling now %d",
+                    self.name, rows, self._ceiling)
+        middle = len(batch) // 2
+        await self._run(batch[:middle])
+        await self._run(batch[middle:])

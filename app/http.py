@@ -1,0 +1,83 @@
+"""Request plumbing shared by the routes: bounded body reads, deadlines, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from app.errors import InvalidInput, PayloadTooLarge, ServiceError
+
+T = TypeVar("T")
+
+TIMEOUT_HEADER = "x-timeout-ms"
+
+
+class ClientDisconnected(ServiceError):
+    """The client hung up before its answer was ready (nginx's 499); nobody reads this answer."""
+
+    status, error_type = 499, "client_closed_request"
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The whole body into one writable buffer, refused with 413 as soon as it passes `limit`.
+
+    Content-Length is checked before reading; a chunked body is counted as it streams in.
+    The buffer is a bytearray so binary tensors can be viewed without a copy.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidInput(f"Content-Length must be a non-negative integer, got {declared[:32]!r}")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+    return body
+
+
+def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:
+    """Absolute loop-time deadline from a per-request timeout in ms (header or V2 parameter)."""
+    if timeout_ms is None:
+        ms = default_ms
+    else:
+        try:
+            ms = float(timeout_ms)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"timeout must be a positive number of milliseconds, got {str(timeout_ms)[:32]!r}") from None
+        if not 0 < ms <= 3_600_000:
+            raise InvalidInput(f"timeout must be in (0, 3600000] milliseconds, got {ms}")
+    return asyncio.get_running_loop().time() + ms / 1000.0
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it if the client disconnects first (its queued rows are dropped).
+
+    Call only after the body has been read: the next ASGI message is then http.disconnect.
+    """
+    task = asyncio.current_task()
+    assert task is not None, "unless_disconnected must run inside a task; this is a bug."
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if gone:
+            task.uncancel()
+            raise ClientDisconnected("the client closed the connection before the answer was ready") from None
+        raise
+    finally:
+        watcher.cancel()

@@ -1,0 +1,110 @@
+"""The served models: each one's weights on its device, its runner and its batcher."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from app.batcher import Batcher
+from app.errors import ModelNotFound
+from app.metrics import Metrics
+from app.runner import ModelRunner, device_executor, resolve_device
+from app.settings import ModelSpec, Settings
+from ffn_core import FeedForward, WeightsError, demo_ffn, load_ffn
+
+log = logging.getLogger("ffn_serve")
+
+
+class ModelLoadError(RuntimeError):
+    """A configured model could not be loaded; the message names the model, the file and the reason."""
+
+
+@dataclass
+class ServedModel:
+    spec: ModelSpec
+    model: FeedForward
+    runner: ModelRunner
+    batcher: Batcher
+    warm: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def d_model(self) -> int:
+        return self.model.config.d_model
+
+    def describe(self) -> dict[str, Any]:
+        config = self.model.config
+        return {
+            "name": self.name,
+            "d_model": config.d_model,
+            "d_ff": config.d_ff,
+            "activation": config.activation,
+            "gated": config.gated,
+            "variant": config.variant,
+            "bias": {"layer1": config.bias1, "layer2": config.bias2, "linear_v": config.bias_gate if config.gated else None},
+            "dtype": self.spec.dtype,
+            "device": str(self.runner.device),
+            "format": self.spec.format if self.spec.weights else "demo",
+            "ready": self.warm,
+        }
+
+
+def load_weights(spec: ModelSpec, device: torch.device) -> FeedForward:
+    dtype = getattr(torch, spec.dtype)
+    if spec.weights is None:
+        return demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
+    return load_ffn(
+        spec.weights, format=spec.format, layer=spec.layer, activation=spec.activation,
+        gated=spec.gated, dtype=dtype, device=device,
+    )
+
+
+class Registry:
+    """Name -> ServedModel, plus one executor thread per device shared by that device's models."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.models: dict[str, ServedModel] = {}
+        self.executors: dict[str, ThreadPoolExecutor] = {}
+
+    def load(self) -> None:
+        """Load every configured model; the first that fails raises ModelLoadError."""
+        s = self.settings
+        for spec in s.served_models():
+            source = str(spec.weights) if spec.weights else "built-in demo weights"
+            try:
+                device = resolve_device(spec.device)
+                model = load_weights(spec, device)
+            except (WeightsError, ValueError, OSError) as exc:
+                raise ModelLoadError(f"model {spec.name!r}: cannot load {source}: {exc}") from exc
+            executor = self.executors.setdefault(str(device), device_executor(device))
+            runner = ModelRunner(model, max_batch_rows=s.max_batch_rows)
+            batcher = Batcher(
+                runner, name=spec.name, max_batch_rows=s.max_batch_rows, max_wait_s=s.max_wait_ms / 1000.0,
+                max_queue_rows=s.max_queue_rows, executor=executor, metrics=self.metrics,
+            )
+            self.models[spec.name] = ServedModel(spec, model, runner, batcher)
+            log.info("loaded model %s (%s, %s) from %s on %s", spec.name, model.config.variant,
+                     spec.dtype, source, device)
+
+    def get(self, name: str) -> ServedModel:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ModelNotFound(f"model {name[:100]!r} is not served here; GET /v1/models lists the models") from None
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.models) and all(m.warm and m.batcher.accepting for m in self.models.values())
+
+    def shutdown_executors(self) -> None:
+        for executor in self.executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)

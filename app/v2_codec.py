@@ -1,0 +1,165 @@
+"""Open Inference Protocol (KServe V2) infer bodies, with Triton's binary tensor data extension.
+
+Request: a JSON object, optionally followed by raw tensor bytes when the header
+`Inference-Header-Content-Length` gives the JSON part's length; an input whose parameters
+hold `binary_data_size` takes its data from those bytes, in input order. Response: JSON, or a
+JSON header followed by the outputs asked for with `binary_data` (or `binary_data_output`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import torch
+
+from app.codecs import (
+    ITEMSIZE,
+    TORCH_DTYPES,
+    WireDtype,
+    check_finite,
+    check_shape,
+    json_numbers_to_array,
+    loads_json,
+    raw_bytes,
+    to_wire_dtype,
+)
+from app.errors import InvalidInput
+
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+V2_DATATYPES: dict[str, WireDtype] = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+DATATYPE_OF = {wire: v2 for v2, wire in V2_DATATYPES.items()}
+HEADER_LENGTH = "inference-header-content-length"
+
+
+@dataclass(frozen=True)
+class V2Request:
+    rows: torch.Tensor  # (rows, d_model)
+    shape: tuple[int, ...]
+    dtype: WireDtype
+    id: str | None
+    binary_output: bool
+    timeout_us: Any  # the `timeout` parameter, microseconds as in Triton; None when absent
+
+
+def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Request:
+    json_end = _json_length(header_length, len(body))
+    document = loads_json(memoryview(body)[:json_end] if json_end < len(body) else body)
+    if not isinstance(document, dict):
+        raise InvalidInput("infer request must be a JSON object")
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    parameters = _parameters(document.get("parameters"), "request")
+    inputs = document.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+    tensor = inputs[0]
+    if tensor.get("name") != INPUT_NAME:
+        raise InvalidInput(f"unexpected input {str(tensor.get('name'))[:64]!r}; this model's input is {INPUT_NAME!r}")
+    datatype = tensor.get("datatype")
+    if datatype not in V2_DATATYPES:
+        raise InvalidInput(f"datatype must be one of {sorted(V2_DATATYPES)}, got {str(datatype)[:16]!r}")
+    dtype = V2_DATATYPES[datatype]
+    shape = _shape(tensor.get("shape"))
+    rows = check_shape(shape, d_model)
+    input_parameters = _parameters(tensor.get("parameters"), "input")
+    binary_size = input_parameters.get("binary_data_size")
+    if binary_size is not None:
+        if "data" in tensor:
+            raise InvalidInput("an input with binary_data_size must not also carry 'data'")
+        values = _binary_tensor(body, json_end, binary_size, shape, rows, d_model, dtype)
+    else:
+        if json_end != len(body):
+            raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
+        values = _json_tensor(tensor.get("data"), shape, rows, d_model)
+    return V2Request(values, shape, dtype, request_id, _wants_binary(document, parameters), parameters.get("timeout"))
+
+
+def _json_length(header_length: str | None, body_length: int) -> int:
+    if header_length is None:
+        return body_length
+    if not header_length.isdigit():
+        raise InvalidInput(f"Inference-Header-Content-Length must be an integer, got {header_length[:32]!r}")
+    length = int(header_length)
+    if length > body_length:
+        raise InvalidInput(f"Inference-Header-Content-Length {length} exceeds the body's {body_length} bytes")
+    return length
+
+
+def _parameters(value: object, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where} 'parameters' must be an object")
+    return value
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise InvalidInput("input 'shape' must be a list of integers")
+    return tuple(value)
+
+
+def _binary_tensor(body: bytearray, json_end: int, size: object, shape: tuple[int, ...], rows: int,
+                   d_model: int, dtype: WireDtype) -> torch.Tensor:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise InvalidInput("binary_data_size must be a non-negative integer")
+    expected = rows * d_model * ITEMSIZE[dtype]
+    if size != expected:
+        raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {DATATYPE_OF[dtype]} needs {expected}")
+    if len(body) - json_end != size:
+        raise InvalidInput(f"binary section is {len(body) - json_end} bytes but binary_data_size says {size}")
+    values = torch.frombuffer(body, dtype=TORCH_DTYPES[dtype], offset=json_end, count=rows * d_model)
+    values = values.view(rows, d_model)
+    check_finite(values)
+    return values
+
+
+def _json_tensor(data: object, shape: tuple[int, ...], rows: int, d_model: int) -> torch.Tensor:
+    if data is None:
+        raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
+    array = json_numbers_to_array(data, "data")
+    if array.size != math.prod(shape) or (array.ndim > 1 and array.shape != shape):
+        raise InvalidInput(f"'data' holds {array.size} values in shape {list(array.shape)}; shape says {list(shape)}")
+    return torch.from_numpy(array.reshape(rows, d_model))
+
+
+def _wants_binary(document: dict[str, Any], parameters: dict[str, Any]) -> bool:
+    """binary_data on the requested output, else the request's binary_data_output."""
+    outputs = document.get("outputs")
+    if outputs is None:
+        return bool(parameters.get("binary_data_output", False))
+    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+        raise InvalidInput("'outputs' must be a list of objects")
+    wanted = False
+    for output in outputs:
+        if output.get("name") != OUTPUT_NAME:
+            raise InvalidInput(f"unknown output {str(output.get('name'))[:64]!r}; this model's output is {OUTPUT_NAME!r}")
+        output_parameters = _parameters(output.get("parameters"), "output")
+        if "classification" in output_parameters:
+            raise InvalidInput("the classification extension is not supported")
+        wanted = bool(output_parameters.get("binary_data", parameters.get("binary_data_output", False)))
+    return wanted
+
+
+def encode(model: str, request: V2Request, output: torch.Tensor) -> tuple[bytes, dict[str, str]]:
+    """The response body and headers: JSON, or a JSON header followed by the binary output."""
+    wire = to_wire_dtype(output, request.dtype)
+    described: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": DATATYPE_OF[request.dtype], "shape": list(request.shape)}
+    answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": [described]}
+    if request.id is not None:
+        answer["id"] = request.id
+    if not request.binary_output:
+        described["data"] = wire.to(torch.float32).numpy().reshape(-1)
+        return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": "application/json"}
+    blob = raw_bytes(wire)
+    described["parameters"] = {"binary_data_size": len(blob)}
+    header = orjson.dumps(answer)
+    return header + blob, {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header)),
+    }
