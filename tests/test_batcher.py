@@ -1,0 +1,204 @@
+"""Batcher unit tests: plain asyncio with a fake forward that records the batches it sees."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from app.batcher import Batcher
+from app.errors import DeadlineExceeded, ModelError, Overloaded, PayloadTooLarge, Unavailable
+from app.metrics import Metrics
+
+D = 4
+
+
+class RecordingForward:
+    """y = 2x + 1 on the concatenated rows; records each batch's part sizes. Can be held or made to fail."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.started = threading.Event()
+        self.fail_with: Exception | None = None
+
+    def __call__(self, parts):
+        self.batches.append([p.shape[0] for p in parts])
+        self.started.set()
+        self.release.wait(5)
+        if self.fail_with is not None:
+            raise self.fail_with
+        return torch.cat(list(parts)) * 2 + 1
+
+
+def rows(n: int, start: float = 0.0) -> torch.Tensor:
+    return torch.arange(start, start + n * D, dtype=torch.float32).view(n, D)
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+async def make(forward, executor, **kwargs) -> Batcher:
+    batcher = Batcher(forward, executor=executor, metrics=Metrics(), **kwargs)
+    await batcher.start()
+    return batcher
+
+
+async def test_lone_request_waits_max_wait(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.3)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    task = asyncio.create_task(batcher.submit(rows(1)))
+    await asyncio.sleep(0.15)
+    assert forward.batches == [], "a partial batch must wait for max_wait"
+    out = await task
+    assert loop.time() - began >= 0.29
+    assert torch.equal(out, rows(1) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_greedy_lone_request_goes_at_once(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    out = await asyncio.wait_for(batcher.submit(rows(3)), 2)
+    assert forward.batches == [[3]]
+    assert torch.equal(out, rows(3) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_full_batch_goes_at_once_despite_long_wait(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=8, max_wait_s=30.0)
+    results = await asyncio.wait_for(asyncio.gather(*(batcher.submit(rows(4, 100 * i)) for i in range(2))), 5)
+    assert forward.batches == [[4, 4]]
+    for i, out in enumerate(results):
+        assert torch.equal(out, rows(4, 100 * i) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_arrivals_during_a_forward_form_the_next_batch(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.release.clear()
+    first = asyncio.create_task(batcher.submit(rows(2)))
+    await asyncio.to_thread(forward.started.wait, 5)  # first batch is now running and held
+    later = [asyncio.create_task(batcher.submit(rows(n, 10 * n))) for n in (1, 2, 3)]
+    await asyncio.sleep(0.05)
+    forward.release.set()
+    outs = await asyncio.wait_for(asyncio.gather(first, *later), 5)
+    assert forward.batches == [[2], [1, 2, 3]]
+    for n, out in zip((1, 2, 3), outs[1:]):
+        assert torch.equal(out, rows(n, 10 * n) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_oversized_request_is_chunked_and_reassembled_in_order(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=8, max_wait_s=0.0)
+    x = rows(21)
+    out = await asyncio.wait_for(batcher.submit(x), 5)
+    assert sum(sum(b) for b in forward.batches) == 21
+    assert all(sum(b) <= 8 for b in forward.batches)
+    assert sorted(n for b in forward.batches for n in b) == [5, 8, 8]
+    assert torch.equal(out, x * 2 + 1)
+    await batcher.stop()
+
+
+async def test_cancelled_entry_is_skipped(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.release.clear()
+    blocker = asyncio.create_task(batcher.submit(rows(1)))
+    await asyncio.to_thread(forward.started.wait, 5)
+    gone = asyncio.create_task(batcher.submit(rows(5)))
+    kept = asyncio.create_task(batcher.submit(rows(7)))
+    await asyncio.sleep(0.02)
+    gone.cancel()
+    await asyncio.sleep(0.02)
+    assert batcher.queued_rows == 7, "a cancelled entry no longer counts against the queue"
+    forward.release.set()
+    await asyncio.wait_for(asyncio.gather(blocker, kept), 5)
+    assert forward.batches == [[1], [7]]
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await batcher.stop()
+
+
+async def test_deadline_passed_in_queue_gives_504_and_no_compute(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.release.clear()
+    blocker = asyncio.create_task(batcher.submit(rows(1)))
+    await asyncio.to_thread(forward.started.wait, 5)
+    loop = asyncio.get_running_loop()
+    late = asyncio.create_task(batcher.submit(rows(3), deadline=loop.time() + 0.05))
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(late, 2)
+    forward.release.set()
+    await blocker
+    assert forward.batches == [[1]]
+    await batcher.stop()
+
+
+async def test_queue_full_is_overloaded_and_too_big_is_413(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=4, max_wait_s=0.0, max_queue_rows=10)
+    forward.release.clear()
+    blocker = asyncio.create_task(batcher.submit(rows(1)))
+    await asyncio.to_thread(forward.started.wait, 5)
+    waiting = asyncio.create_task(batcher.submit(rows(8)))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded) as info:
+        await batcher.submit(rows(3))
+    assert info.value.headers()["Retry-After"] == "1"
+    with pytest.raises(PayloadTooLarge):
+        await batcher.submit(rows(11))
+    forward.release.set()
+    await asyncio.wait_for(asyncio.gather(blocker, waiting), 5)
+    await batcher.stop()
+
+
+async def test_stop_answers_every_pending_entry(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=4, max_wait_s=10.0)
+    pending = [asyncio.create_task(batcher.submit(rows(1))) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    await batcher.stop()
+    for task in pending:
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(task, 2)
+    with pytest.raises(Unavailable):
+        await batcher.submit(rows(1))
+
+
+async def test_forward_error_fails_only_that_batch(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.fail_with = RuntimeError("boom")
+    with pytest.raises(ModelError):
+        await asyncio.wait_for(batcher.submit(rows(2)), 2)
+    forward.fail_with = None
+    out = await asyncio.wait_for(batcher.submit(rows(2)), 2)
+    assert torch.equal(out, rows(2) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_drain_finishes_accepted_work_then_refuses(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=2, max_wait_s=0.0)
+    tasks = [asyncio.create_task(batcher.submit(rows(2, i))) for i in range(5)]
+    await asyncio.sleep(0)
+    assert await batcher.drain(5.0)
+    for i, task in enumerate(tasks):
+        assert torch.equal(task.result(), rows(2, i) * 2 + 1)
+    with pytest.raises(Unavailable):
+        await batcher.submit(rows(1))
+    await batcher.stop()

@@ -1,0 +1,206 @@
+"""The native API in-process (httpx + ASGITransport, lifespan running): encodings, dtypes, errors."""
+
+from __future__ import annotations
+
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+from app.main import create_app
+from app.settings import Settings
+from ffn_core import demo_ffn
+from tests.reference import bf16_bytes, bf16_round, from_bf16_bytes, numpy_weights, relu_ffn
+
+D = 512
+URL = "/v1/models/demo/transform"
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return numpy_weights(demo_ffn())
+
+
+@pytest.fixture
+async def client():
+    app = create_app(Settings(max_batch_rows=256, max_body_bytes=4 * 1024 * 1024))
+    async with app.router.lifespan_context(app):
+        state = app.state.service
+        for _ in range(500):  # warm-up runs in the background; readiness gates it
+            if state.ready:
+                break
+            import asyncio
+
+            await asyncio.sleep(0.01)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            yield c
+
+
+def random_input(shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("shape", [(1, D), (7, D), (2, 5, D)])
+async def test_json_in_json_out(client, weights, shape):
+    x = random_input(shape)
+    r = await client.post(URL, json={"inputs": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "demo" and body["shape"] == list(shape) and body["dtype"] == "float32"
+    np.testing.assert_allclose(np.array(body["outputs"]), relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/octet-stream", "application/x-npy"])
+@pytest.mark.parametrize("content_type", ["application/json", "application/octet-stream", "application/x-npy"])
+async def test_every_encoding_in_and_out_float32(client, weights, content_type, accept):
+    shape = (3, 4, D)
+    x = random_input(shape, seed=1)
+    headers = {"content-type": content_type, "accept": accept}
+    if content_type == "application/json":
+        content = httpx.Request("POST", "/", json={"inputs": x.tolist()}).read()
+    elif content_type == "application/octet-stream":
+        content = x.astype("<f4").tobytes()
+        headers |= {"x-shape": "3,4,512", "x-dtype": "float32"}
+    else:
+        content = npy_bytes(x)
+    r = await client.post(URL, content=content, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith(accept)
+    if accept == "application/json":
+        y = np.array(r.json()["outputs"])
+    elif accept == "application/octet-stream":
+        assert r.headers["x-shape"] == "3,4,512" and r.headers["x-dtype"] == "float32"
+        y = np.frombuffer(r.content, dtype="<f4").reshape(shape)
+    else:
+        y = np.load(io.BytesIO(r.content), allow_pickle=False)
+        assert y.dtype == np.float32
+    assert y.shape == shape
+    np.testing.assert_allclose(y, relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+
+
+async def test_float16_binary_in_and_out(client, weights):
+    x = random_input((5, D), seed=2).astype(np.float16)
+    r = await client.post(URL, content=x.astype("<f2").tobytes(), headers={
+        "content-type": "application/octet-stream", "x-shape": "5,512", "x-dtype": "float16",
+        "accept": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dtype"] == "float16"
+    y = np.frombuffer(r.content, dtype="<f2").reshape(5, D).astype(np.float64)
+    # The model computes in float32 on the float16 input; only the answer is rounded to float16.
+    np.testing.assert_allclose(y, relu_ffn(x.astype(np.float64), weights), rtol=2e-3, atol=2e-3)
+
+
+async def test_float16_npy_in_and_out(client, weights):
+    x = random_input((4, D), seed=3).astype(np.float16)
+    r = await client.post(URL, content=npy_bytes(x), headers={
+        "content-type": "application/x-npy", "accept": "application/x-npy"})
+    assert r.status_code == 200, r.text
+    y = np.load(io.BytesIO(r.content))
+    assert y.dtype == np.float16
+    np.testing.assert_allclose(y.astype(np.float64), relu_ffn(x, weights), rtol=2e-3, atol=2e-3)
+
+
+async def test_bfloat16_binary_in_and_out(client, weights):
+    x = random_input((6, D), seed=4)
+    r = await client.post(URL, content=bf16_bytes(x), headers={
+        "content-type": "application/octet-stream", "x-shape": "6,512", "x-dtype": "bfloat16",
+        "accept": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-dtype"] == "bfloat16"
+    y = from_bf16_bytes(r.content, (6, D)).astype(np.float64)
+    expected = relu_ffn(bf16_round(x), weights)
+    np.testing.assert_allclose(y, expected, rtol=1e-2, atol=1e-2)
+
+
+async def test_bfloat16_in_json_out(client, weights):
+    x = random_input((2, D), seed=5)
+    r = await client.post(URL, content=bf16_bytes(x), headers={
+        "content-type": "application/octet-stream", "x-shape": "2,512", "x-dtype": "bfloat16"})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["outputs"]), relu_ffn(bf16_round(x), weights), rtol=1e-5, atol=1e-5)
+
+
+async def test_models_list(client):
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    (model,) = r.json()["models"]
+    assert model | {"ready": True} == {
+        "name": "demo", "d_model": 512, "d_ff": 2048, "activation": "relu", "gated": False, "variant": "relu",
+        "bias": {"layer1": True, "layer2": True, "linear_v": None}, "dtype": "float32", "device": "cpu",
+        "format": "demo", "ready": True,
+    }
+
+
+RAW = {"content-type": "application/octet-stream"}
+ONE_ROW = np.zeros((1, D), dtype="<f4").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "error_type", "needle"),
+    [
+        (b"{not json", {}, 400, "invalid_input", "malformed JSON"),
+        (b'{"inputs": [[1.0, 2.0], [3.0]]}', {}, 400, "invalid_input", "rectangular"),
+        (b'{"inputs": [[1.0, 2.0]]}', {}, 400, "invalid_input", "d_model=512"),
+        (b'{"inputs": [1.0, 2.0]}', {}, 400, "invalid_input", "rank 1"),
+        (b'{"inputs": [[NaN]]}', {}, 400, "invalid_input", "malformed JSON"),
+        (b'{"inputs": [[Infinity]]}', {}, 400, "invalid_input", "malformed JSON"),
+        (b'{"inputs": [["1.0"]]}', {}, 400, "invalid_input", "only numbers"),
+        (b'{"inputs": [[1e39]]}', {}, 400, "invalid_input", "float32 range"),
+        (b'{"inputs": []}', {}, 400, "invalid_input", "rank 1"),
+        (b'{"input": [[1.0]]}', {}, 400, "invalid_input", '"inputs"'),
+        (b"[1, 2]", {}, 400, "invalid_input", "object"),
+        (ONE_ROW[:-4], RAW | {"x-shape": "1,512"}, 400, "invalid_input", "needs 2048 bytes"),
+        (ONE_ROW, RAW | {"x-shape": "1000000,1000000"}, 400, "invalid_input", "last dimension"),
+        (ONE_ROW, RAW | {"x-shape": "2000000,512"}, 400, "invalid_input", "needs 4096000000 bytes"),
+        (ONE_ROW, RAW | {"x-shape": "1,512", "x-dtype": "float64"}, 400, "invalid_input", "X-Dtype"),
+        (ONE_ROW, RAW, 400, "invalid_input", "X-Shape"),
+        (np.full((1, D), np.nan, dtype="<f4").tobytes(), RAW | {"x-shape": "1,512"}, 400, "invalid_input", "NaN"),
+        (b"x", {"content-type": "text/plain"}, 415, "unsupported_media_type", "text/plain"),
+        (b"{}", {"accept": "text/html"}, 406, "not_acceptable", "text/html"),
+        (b"\x93NUMPY garbage", {"content-type": "application/x-npy"}, 400, "invalid_input", ".npy"),
+    ],
+)
+async def test_bad_requests(client, content, headers, status, error_type, needle):
+    r = await client.post(URL, content=content, headers=headers)
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["error_type"] == error_type
+    assert needle in body["error"]
+
+
+async def test_unknown_model_is_404(client):
+    r = await client.post("/v1/models/nope/transform", json={"inputs": [[0.0] * D]})
+    assert r.status_code == 404
+    assert r.json()["error_type"] == "model_not_found"
+
+
+async def test_body_over_limit_is_413(client):
+    big = np.zeros((2100, D), dtype="<f4").tobytes()  # > 4 MiB
+    r = await client.post(URL, content=big, headers=RAW | {"x-shape": "2100,512"})
+    assert r.status_code == 413
+    assert r.json()["error_type"] == "payload_too_large"
+
+
+async def test_bfloat16_cannot_be_answered_as_npy(client):
+    r = await client.post(URL, content=bf16_bytes(np.zeros((1, D), np.float32)),
+                          headers=RAW | {"x-shape": "1,512", "x-dtype": "bfloat16", "accept": "application/x-npy"})
+    assert r.status_code == 406
+
+
+async def test_metrics_count_outcomes(client):
+    await client.post(URL, json={"inputs": [[0.0] * D]})
+    await client.post(URL, content=b"{bad")
+    text = (await client.get("/metrics")).text
+    assert 'ffn_requests_total{model="demo",outcome="ok"} 1.0' in text
+    assert 'ffn_requests_total{model="demo",outcome="invalid_input"} 1.0' in text
+    assert 'ffn_batch_rows_count{model="demo"} 1.0' in text
+    for name in ("ffn_queue_seconds_bucket", "ffn_compute_seconds_bucket", "ffn_request_seconds_bucket", "ffn_queue_rows"):
+        assert name in text
