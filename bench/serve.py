@@ -1,0 +1,258 @@
+"""The service against the in-process model, in one run: rows/s and latency over HTTP.
+
+    python3 -m bench.serve                       # 768/3072 GELU float32, r in {1,16}, C in {1,16,64}
+    python3 -m bench.serve --max-wait-ms 0 1 2 --seconds 5 --json out/serve.json --plot docs/img/serve.png
+
+The server runs pinned to core 0 with one torch thread; the load generator (wrk, closed loop
+with C connections) runs pinned to core 1; the in-process rows/s is measured pinned to core 0
+with one thread at the batch size the batcher actually formed (mean rows per batch, read from
+/metrics), so every ratio compares like with like. Needs `wrk` (Debian package wrk) and Linux.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+import torch
+
+from bench.micro import measure_rows_per_s
+from ffn_core import FFNConfig, build_ffn, save_ffn
+
+LUA = Path(__file__).with_name("wrk") / "post.lua"
+SERVER_CORE, CLIENT_CORE = 0, 1
+
+
+@dataclass
+class Cell:
+    encoding: str
+    rows_per_request: int
+    concurrency: int
+    max_wait_ms: float
+    requests_per_s: float
+    rows_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    errors: int
+    mean_batch_rows: float
+    inprocess_rows_per_s: float
+    ratio: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+
+
+def start_server(config_file: Path, port: int, max_wait_ms: float, max_batch_rows: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {
+        "FFN_TORCH_THREADS": "1", "FFN_MAX_WAIT_MS": str(max_wait_ms), "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
+        "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1",
+    }
+    command = [*pinned(SERVER_CORE), sys.executable, "-m", "app.cli", "--config", str(config_file), "--port", str(port)]
+    process = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ffn-serve exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("ffn-serve did not become ready")
+
+
+def batch_stats(url: str) -> tuple[float, float]:
+    """(sum of rows, number of batches) from ffn_batch_rows."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("ffn_batch_rows_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("ffn_batch_rows_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def request_body(encoding: str, rows: int, d_model: int, folder: Path) -> tuple[Path, str]:
+    x = np.random.default_rng(rows).standard_normal((rows, d_model)).astype(np.float32)
+    path = folder / f"body-{encoding}-{rows}"
+    if encoding == "binary":
+        path.write_bytes(x.tobytes())
+        headers = (f"Content-Type: application/octet-stream|X-Shape: {rows},{d_model}|X-Dtype: float32"
+                   "|Accept: application/octet-stream")
+    else:
+        path.write_bytes(orjson.dumps({"inputs": x}, option=orjson.OPT_SERIALIZE_NUMPY))
+        headers = "Content-Type: application/json|Accept: application/json"
+    return path, headers
+
+
+def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float) -> dict:
+    env = os.environ | {"BENCH_BODY": str(body), "BENCH_HEADERS": headers}
+    command = [*pinned(CLIENT_CORE), "wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+               "-s", str(LUA), url]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class InProcess:
+    """In-process rows/s of the same model, one thread on the server's core, cached by batch size."""
+
+    def __init__(self, model, seconds: float) -> None:
+        self.model, self.seconds, self.cache = model, seconds, {}
+
+    def rows_per_s(self, rows: int) -> float:
+        rows = max(1, rows)
+        if rows not in self.cache:
+            previous = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {SERVER_CORE})
+            try:
+                self.cache[rows] = measure_rows_per_s(self.model, rows, torch.float32, 1, self.seconds)
+            finally:
+                os.sched_setaffinity(0, previous)
+        return self.cache[rows]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--d-ff", type=int, default=3072)
+    p.add_argument("--activation", default="gelu")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--encodings", nargs="+", default=["binary", "json"], choices=["binary", "json"])
+    p.add_argument("--max-wait-ms", type=float, nargs="+", default=[0.0])
+    p.add_argument("--max-batch-rows", type=int, default=1024)
+    p.add_argument("--seconds", type=float, default=5.0, help="wrk duration per cell")
+    p.add_argument("--json", type=Path, help="write the cells as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG plot here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not shutil.which("wrk"):
+        print("bench.serve needs wrk (apt-get install wrk)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    config = FFNConfig(d_model=args.d_model, d_ff=args.d_ff, activation=args.activation)
+    model = build_ffn(config).requires_grad_(False)
+    inprocess = InProcess(model, seconds=1.0)
+    cells: list[Cell] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        save_ffn(model, folder / "ffn.safetensors")
+        (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
+        for max_wait in args.max_wait_ms:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            url = f"{base}/v1/models/ffn/transform"
+            server = start_server(folder / "ffn.toml", port, max_wait, args.max_batch_rows)
+            try:
+                for encoding in args.encodings:
+                    for rows in args.rows:
+                        body, headers = request_body(encoding, rows, args.d_model, folder)
+                        for concurrency in args.concurrency:
+                            run_wrk(url, body, headers, concurrency, 1)  # warm-up
+                            before = batch_stats(base)
+                            result = run_wrk(url, body, headers, concurrency, args.seconds)
+                            after = batch_stats(base)
+                            batches = after[1] - before[1]
+                            mean_batch = (after[0] - before[0]) / batches if batches else float(rows)
+                            seconds = result["duration_us"] / 1e6
+                            ok = result["requests"] - result["status_errors"]
+                            base_rps = inprocess.rows_per_s(round(mean_batch))
+                            rows_per_s = ok * rows / seconds
+                            cell = Cell(encoding, rows, concurrency, max_wait, ok / seconds, rows_per_s,
+                                        result["p50_us"] / 1000, result["p90_us"] / 1000, result["p99_us"] / 1000,
+                                        result["status_errors"] + result["socket_errors"], mean_batch, base_rps,
+                                        rows_per_s / base_rps)
+                            cells.append(cell)
+                            print(format_row(cell), flush=True)
+            finally:
+                server.send_signal(signal.SIGTERM)
+                server.wait(timeout=60)
+    batch1_ms = 1000.0 / inprocess.rows_per_s(1)
+    print()
+    print(table(cells, batch1_ms, args))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"inprocess_batch1_ms": batch1_ms, "cells": [asdict(c) for c in cells]},
+                                        indent=2))
+    if args.plot:
+        plot(cells, args.plot)
+    return 0
+
+
+HEADER = ("| encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | errors | rows/batch "
+          "| in-process rows/s at that batch | ratio |")
+
+
+def format_row(c: Cell) -> str:
+    return (f"| {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} | {c.requests_per_s:,.0f} "
+            f"| {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} | {c.errors} | {c.mean_batch_rows:.1f} "
+            f"| {c.inprocess_rows_per_s:,.0f} | {c.ratio:.0%} |")
+
+
+def table(cells: list[Cell], batch1_ms: float, args: argparse.Namespace) -> str:
+    lines = [
+        f"FFN d_model {args.d_model}, d_ff {args.d_ff}, {args.activation}, float32; server on core {SERVER_CORE} "
+        f"(1 torch thread), wrk on core {CLIENT_CORE}; {args.seconds:g} s per cell",
+        f"in-process batch-1 forward: {batch1_ms:.3f} ms",
+        "",
+        HEADER,
+        "|" + "---|" * (HEADER.count("|") - 1),
+    ]
+    lines += [format_row(c) for c in cells]
+    return "\n".join(lines)
+
+
+def plot(cells: list[Cell], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for encoding in sorted({c.encoding for c in cells}):
+        for rows in sorted({c.rows_per_request for c in cells}):
+            for wait in sorted({c.max_wait_ms for c in cells}):
+                sel = [c for c in cells if (c.encoding, c.rows_per_request, c.max_wait_ms) == (encoding, rows, wait)]
+                label = f"{encoding}, r={rows}" + (f", wait {wait:g} ms" if len({c.max_wait_ms for c in cells}) > 1 else "")
+                xs = [c.concurrency for c in sel]
+                left.plot(xs, [c.ratio * 100 for c in sel], marker="o", label=label)
+                right.plot(xs, [c.p99_ms for c in sel], marker="o", label=label)
+    left.set(xscale="log", xlabel="concurrency C", ylabel="% of in-process rows/s at the formed batch",
+             title="Throughput vs the in-process model")
+    right.set(xscale="log", yscale="log", xlabel="concurrency C", ylabel="p99 latency (ms)", title="Tail latency")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
