@@ -20,7 +20,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +51,6 @@ class Entry:
     enqueued_at: float
     deadline: float | None
     queued: bool = True  # still counted in the queue's rows
-    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -88,6 +87,10 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._collector: asyncio.Task[None] | None = None
+        # One timer for the earliest deadline in the queue, not one per entry (a timer per
+        # request costs more than the rest of the queueing).
+        self._reaper: asyncio.TimerHandle | None = None
+        self._reaper_at = math.inf
         self._accepting = False
         self._labels = {"model": name}
         self._metrics.batch_ceiling.labels(**self._labels).set(self._ceiling)
@@ -121,6 +124,9 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
             self._collector = None
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper, self._reaper_at = None, math.inf
         while self._queue:
             entry = self._queue.popleft()
             self._release(entry)
@@ -158,10 +164,9 @@ class Batcher:
         chunk_rows = self._ceiling
         chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
         entries = [Entry(chunk, loop.create_future(), now, deadline) for chunk in chunks]
-        for entry in entries:
-            if deadline is not None:
-                entry.expiry = loop.call_at(deadline, self._expire, entry)
-            self._queue.append(entry)
+        self._queue.extend(entries)
+        if deadline is not None and deadline < self._reaper_at:
+            self._schedule_reaper(deadline)
         self._queued_rows += n
         self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
         self._arrived.set()
@@ -189,16 +194,28 @@ class Batcher:
             entry.queued = False
             self._queued_rows -= entry.n
             self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
-        if entry.expiry is not None:
-            entry.expiry.cancel()
-            entry.expiry = None
 
-    def _expire(self, entry: Entry) -> None:
-        """Deadline timer: an entry still queued is answered 504 and will never be computed."""
-        entry.expiry = None
-        if entry.queued and not entry.future.done():
-            self._release(entry)
-            entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
+    def _schedule_reaper(self, at: float) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        self._reaper_at = at
+        self._reaper = asyncio.get_running_loop().call_at(at, self._reap)
+
+    def _reap(self) -> None:
+        """Answer 504 to every queued entry whose deadline has passed; they will never be computed."""
+        self._reaper, self._reaper_at = None, math.inf
+        now = asyncio.get_running_loop().time()
+        earliest = math.inf
+        for entry in self._queue:
+            if entry.deadline is None or entry.future.done():
+                continue
+            if entry.deadline <= now:
+                self._release(entry)
+                entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
+            else:
+                earliest = min(earliest, entry.deadline)
+        if earliest < math.inf:
+            self._schedule_reaper(earliest)
 
     @staticmethod
     def _fail(entry: Entry, error: Exception) -> None:

@@ -127,7 +127,9 @@ def parse_dtype_header(value: str | None) -> WireDtype:
 
 
 def check_finite(rows: torch.Tensor) -> None:
-    if not bool(torch.isfinite(rows).all()):
+    # numpy where it can (far cheaper per call than torch's dispatch); bfloat16 has no numpy dtype.
+    finite = np.isfinite(rows.numpy()).all() if rows.dtype != torch.bfloat16 else torch.isfinite(rows).all()
+    if not finite:
         raise InvalidInput("inputs must be finite numbers: found NaN or Infinity")
 
 

@@ -9,7 +9,8 @@ from fastapi import Depends, Request
 from app.state import ServiceState
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
+    # async on purpose: FastAPI runs a sync dependency in a worker thread, a thread hop per request.
     return request.app.state.service
 
 

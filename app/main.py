@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from app.errors import install_error_handlers
+from app.fastpath import FastPath
 from app.guard import GuardMiddleware
 from app.metrics import Metrics
 from app.registry import Registry
@@ -58,6 +59,11 @@ def create_app(settings: Settings, registry: Registry | None = None) -> FastAPI:
     app.include_router(health.metrics_router)
     app.include_router(native.router)
     app.include_router(v2.router)
+    app.add_middleware(FastPath, routes=[
+        (r"/v1/models/(?P<name>[^/]+)/transform", native.transform),
+        (r"/v2/models/(?P<name>[^/]+)/infer", v2.infer),
+        (r"/v2/models/(?P<name>[^/]+)/versions/(?P<version>[^/]+)/infer", v2.infer_version),
+    ])
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length"])

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Header, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from app import v2_codec
@@ -13,6 +11,7 @@ from app.deps import StateDep
 from app.errors import ModelNotFound, error_response
 from app.http import deadline_from, read_body, unless_disconnected
 from app.schemas import error_responses
+from app.state import ServiceState
 from app.v2_schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
 
 router = APIRouter(tags=["v2"])
@@ -33,7 +32,7 @@ def _check_version(version: str | None) -> None:
         raise ModelNotFound(f"model version {version[:32]!r} is not served; the only version is {MODEL_VERSION!r}")
 
 
-async def _model_metadata(name: str, state: StateDep, version: str | None = None) -> ModelMetadata:
+def _model_metadata(name: str, state: ServiceState, version: str | None = None) -> ModelMetadata:
     _check_version(version)
     served = state.registry.get(name)
     datatype = v2_codec.DATATYPE_OF[served.spec.dtype]
@@ -45,7 +44,7 @@ async def _model_metadata(name: str, state: StateDep, version: str | None = None
     )
 
 
-async def _model_ready(name: str, state: StateDep, version: str | None = None) -> Response:
+def _model_ready(name: str, state: ServiceState, version: str | None = None) -> Response:
     _check_version(version)
     served = state.registry.get(name)
     if served.warm and not state.draining:
@@ -55,12 +54,32 @@ async def _model_ready(name: str, state: StateDep, version: str | None = None) -
 
 _READY = {"summary": "Model readiness", "responses": {200: {"content": {}}, **error_responses(401, 404, 503)}}
 _METADATA = {"summary": "Model metadata", "response_model": ModelMetadata, "responses": error_responses(401, 404)}
-router.get("/v2/models/{name}", **_METADATA)(_model_metadata)
-router.get("/v2/models/{name}/versions/{version}", **_METADATA)(_model_metadata)
-router.get("/v2/models/{name}/ready", **_READY)(_model_ready)
-router.get("/v2/models/{name}/versions/{version}/ready", **_READY)(_model_ready)
+
+
+@router.get("/v2/models/{name}", **_METADATA)
+async def model_metadata(name: str, state: StateDep) -> ModelMetadata:
+    return _model_metadata(name, state)
+
+
+@router.get("/v2/models/{name}/versions/{version}", **_METADATA)
+async def model_version_metadata(name: str, version: str, state: StateDep) -> ModelMetadata:
+    return _model_metadata(name, state, version)
+
+
+@router.get("/v2/models/{name}/ready", **_READY)
+async def model_ready(name: str, state: StateDep) -> Response:
+    return _model_ready(name, state)
+
+
+@router.get("/v2/models/{name}/versions/{version}/ready", **_READY)
+async def model_version_ready(name: str, version: str, state: StateDep) -> Response:
+    return _model_ready(name, state, version)
 
 _INFER_BODY = {
+    "parameters": [
+        {"name": "Inference-Header-Content-Length", "in": "header", "required": False, "schema": {"type": "integer"},
+         "description": "Binary extension: length of the JSON header at the body's start."},
+    ],
     "requestBody": {
         "required": True,
         "content": {
@@ -83,16 +102,11 @@ _INFER_RESPONSES = {
 }
 
 
-async def _infer(
-    name: str,
-    request: Request,
-    state: StateDep,
-    inference_header_content_length: Annotated[
-        str | None, Header(description="Binary extension: length of the JSON header at the body's start.")
-    ] = None,
-    version: str | None = None,
-) -> Response:
+async def _infer(name: str, version: str | None, request: Request) -> Response:
+    # No FastAPI parameters beyond the path: see the native transform route for why headers are read by hand.
+    state: ServiceState = request.app.state.service
     _check_version(version)
+    inference_header_content_length = request.headers.get(v2_codec.HEADER_LENGTH)
     served = state.registry.get(name)
     with state.count(name):
         state.check_serving(served)
@@ -117,5 +131,13 @@ def _us_to_ms(timeout_us: object) -> float | str:
 
 _INFER = {"summary": "Run the FFN (Open Inference Protocol)", "response_model": None,
           "responses": _INFER_RESPONSES, "openapi_extra": _INFER_BODY}
-router.post("/v2/models/{name}/infer", **_INFER)(_infer)
-router.post("/v2/models/{name}/versions/{version}/infer", **_INFER)(_infer)
+
+
+@router.post("/v2/models/{name}/infer", **_INFER)
+async def infer(name: str, request: Request) -> Response:
+    return await _infer(name, None, request)
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer", **_INFER)
+async def infer_version(name: str, version: str, request: Request) -> Response:
+    return await _infer(name, version, request)
