@@ -35,21 +35,29 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Callable forward for the batcher: `runner(parts) -> output` for the rows of all parts."""
 
-    def __init__(self, model: FeedForward, *, max_batch_rows: int) -> None:
+    def __init__(self, model: FeedForward, *, max_batch_rows: int, staging: bool | None = None) -> None:
+        """`staging` (default: on for CUDA) gathers rows in a reused host buffer, pinned when CUDA is there.
+
+        The staged path is the GPU path; forcing it on the CPU lets the CPU test suite run it.
+        """
         self.model = model
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
         self.d_model = model.config.d_model
-        self._pinned: torch.Tensor | None = None
-        if self.device.type == "cuda":
-            self._pinned = torch.empty((max_batch_rows, self.d_model), dtype=self.dtype, pin_memory=True)
+        self._pin = torch.cuda.is_available()
+        self._staging: torch.Tensor | None = None
+        if staging if staging is not None else self.device.type == "cuda":
+            self._staging = self._host_buffer(max_batch_rows)
+
+    def _host_buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty((rows, self.d_model), dtype=self.dtype, pin_memory=self._pin)
 
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         with torch.inference_mode():
-            if self._pinned is None:
+            if self._staging is None:
                 return self.model(self._gather_on_host(parts))  # (N, d_model)
-            return self._forward_cuda(parts)
+            return self._forward_staged(parts)
 
     def _gather_on_host(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         if len(parts) == 1 and parts[0].dtype == self.dtype:
@@ -68,17 +76,20 @@ class ModelRunner:
             buffer[offset : offset + part.shape[0]].copy_(part)  # converts the dtype where needed
             offset += part.shape[0]
 
-    def _forward_cuda(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-        assert self._pinned is not None
+    def _forward_staged(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        assert self._staging is not None
         rows = sum(p.shape[0] for p in parts)
-        if rows > self._pinned.shape[0]:  # an entry larger than the buffer: grow it once
-            self._pinned = torch.empty((rows, self.d_model), dtype=self.dtype, pin_memory=True)
-        staging = self._pinned[:rows]
+        if rows > self._staging.shape[0]:  # an entry larger than the buffer: grow it once
+            self._staging = self._host_buffer(rows)
+        staging = self._staging[:rows]
         self._copy_into(staging, parts)
+        # From pinned memory the copy is asynchronous; on the CPU `to` returns the buffer itself.
         x = staging.to(self.device, non_blocking=True)
         try:
-            y = self.model(x)
-            return y.to("cpu")  # synchronous: the staging buffer is free again after this
+            y = self.model(x)  # (N, d_model)
+            # Synchronous device-to-host copy: once it returns, the staging buffer may be reused.
+            # (y is the model's own new tensor, never a view of the staging buffer.)
+            return y.to("cpu")
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise
