@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ import torch
 
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from tests.reference import numpy_weights, relu_ffn
+from tests.server_process import free_port, running_server
 
 D_MODEL, D_FF = 64, 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gelu_glu_reference(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
@@ -53,30 +47,9 @@ def served(tmp_path_factory):
         '[[models]]\nname = "geglu"\nweights = "geglu.safetensors"\n\n'
         '[[models]]\nname = "relu"\nweights = "relu.pt"\nformat = "torch"\nactivation = "relu"\n'
     )
-    port = free_port()
-    command = [sys.executable, "-m", "app.cli", "--config", str(folder / "ffn.toml"), "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"FFN_TORCH_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, f"ffn-serve exited early:\n{process.stdout.read()}"
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ffn-serve did not become ready within 60 s"
-            time.sleep(0.1)
-        yield url, {"geglu": numpy_weights(geglu), "relu": numpy_weights(relu)}
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            assert process.wait(timeout=30) == 0, "ffn-serve must exit 0 after SIGTERM"
-        finally:
-            if process.poll() is None:
-                process.kill()
+    with running_server(env={"FFN_TORCH_THREADS": "1"}, config=folder / "ffn.toml") as server:
+        yield server.url, {"geglu": numpy_weights(geglu), "relu": numpy_weights(relu)}
+    assert server.returncode == 0, "ffn-serve must exit 0 after SIGTERM"
 
 
 def test_ready_live_and_models(served):
@@ -144,3 +117,29 @@ def test_invalid_config_is_refused(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "max_batch_rows" in result.stderr
+
+
+def test_the_ffn_serve_console_script(tmp_path):
+    """The installed `ffn-serve` command itself: built-in demo model, ready, an answer, exit 0 on SIGTERM."""
+    script = Path(sys.executable).with_name("ffn-serve")
+    if not script.exists():
+        pytest.skip(f"ffn-serve is not installed beside {sys.executable}")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"FFN_MAX_BATCH_ROWS": "64"}
+    process = subprocess.Popen([str(script), "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            assert process.poll() is None, "ffn-serve exited while starting"
+            try:
+                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        r = httpx.post(f"{url}/v1/models/demo/transform", json={"inputs": [[0.5] * 512]})
+        assert r.status_code == 200 and r.json()["shape"] == [1, 512]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
