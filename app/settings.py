@@ -45,7 +45,9 @@ class Settings(BaseSettings):
     config: Path | None = Field(default=None, description="TOML config file with settings and [[models]].")
     host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port.")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(default="info")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info", description="Logging level of the service and uvicorn."
+    )
     max_batch_rows: int = Field(default=1024, ge=1, description="Most rows in one forward pass.")
     max_wait_ms: float = Field(
         default=0.0, ge=0.0, le=1000.0,

@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1
+# ffn-serve image, CPU or CUDA from this one file:
+#   docker build -t ffn-serve:cpu .
+#   docker build --build-arg VARIANT=cuda -t ffn-serve:cuda .
+# VARIANT picks the base stage below, and with it the PyTorch wheel index. Both bases are
+# python:3.11-slim by default: the CUDA wheels of torch carry the CUDA libraries they need, so the
+# host needs only the NVIDIA driver and container toolkit. CUDA_BASE can name another base with
+# Python 3.11 (its `python` and `pip` are used as they are).
+# Weights and config.toml go in a volume mounted at /models; with none there, the built-in `demo`.
+
+ARG VARIANT=cpu
+ARG CPU_BASE=python:3.11-slim-bookworm
+ARG CUDA_BASE=python:3.11-slim-bookworm
+
+FROM ${CPU_BASE} AS base-cpu
+ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV TORCH_INDEX_URL=${CPU_TORCH_INDEX}
+
+FROM ${CUDA_BASE} AS base-cuda
+ARG CUDA_TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV TORCH_INDEX_URL=${CUDA_TORCH_INDEX} \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# hadolint ignore=DL3006
+FROM base-${VARIANT}
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first, from the variant's index, so that no later requirement pulls another build.
+ARG TORCH_VERSION=2.13.0
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+# The other dependencies, read from pyproject.toml alone: this layer is rebuilt only when the
+# dependencies change, not when the code does.
+WORKDIR /opt/ffn-serve
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(p['build-system']['requires'] + p['project']['dependencies']))" > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && rm /tmp/requirements.txt
+
+# The code, installed without touching the dependencies above.
+COPY README.md ./
+COPY ffn_core ./ffn_core
+COPY app ./app
+COPY ffn_client ./ffn_client
+RUN pip install --no-deps --no-build-isolation . \
+ && rm -rf build ./*.egg-info
+
+COPY --chmod=0755 deploy/docker/entrypoint.sh /usr/local/bin/ffn-entrypoint
+COPY --chmod=0755 deploy/docker/healthcheck.py /usr/local/bin/ffn-healthcheck
+
+RUN groupadd --system --gid 10001 ffn \
+ && useradd --system --uid 10001 --gid ffn --create-home --home-dir /home/ffn --shell /usr/sbin/nologin ffn \
+ && mkdir -p /models
+USER 10001:10001
+WORKDIR /home/ffn
+
+# Inside the container only: listen on every interface. The port stays ffn-serve's default (8000)
+# unless FFN_PORT or the config file says otherwise; the health check follows either.
+ENV FFN_HOST=0.0.0.0 \
+    MODELS_DIR=/models
+EXPOSE 8000
+
+# Ready = every model loaded and warm; loading large weights can take a while, hence start-period.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["ffn-healthcheck"]
+
+# The entry script execs the command, so ffn-serve runs as PID 1 and gets SIGTERM itself: it stops
+# taking work, answers what it accepted, and exits within FFN_DRAIN_TIMEOUT_S (20 s by default).
+ENTRYPOINT ["ffn-entrypoint"]
+CMD ["ffn-serve"]
