@@ -22,7 +22,7 @@ from app.settings import Settings  # noqa: E402
 
 ENV_PREFIX = "FFN_"
 # Used only where a field has no description of its own.
-FALLBACK_DESCRIPTIONS = {"log_level": "Level of the server's log messages."}
+FALLBACK_DESCRIPTIONS: dict[str, str] = {}
 
 
 def type_text(annotation: Any) -> str:
