@@ -1,0 +1,473 @@
+"""load_ffn / save_ffn: every format checked against numpy on the raw tensors, and strictness."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import save_file
+from torch import nn
+
+from ffn_core import FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
+
+D_MODEL, D_FF = 8, 24
+
+
+def _x(rows: int = 5, d_model: int = D_MODEL) -> np.ndarray:
+    return np.random.default_rng(rows).normal(size=(rows, d_model)).astype(np.float32) * 2
+
+
+def _run(model, x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return model(torch.from_numpy(x).to(model.layer1.weight.dtype)).double().numpy()
+
+
+def _model(config: FFNConfig, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_ffn(config)
+
+
+def _native_numpy(model) -> dict[str, np.ndarray]:
+    return {k: v.double().numpy() for k, v in model.state_dict().items()}
+
+
+# --- native safetensors -------------------------------------------------------------------------
+
+VARIANTS = [
+    FFNConfig(D_MODEL, D_FF),
+    FFNConfig(D_MODEL, D_FF, "gelu", bias1=False),
+    FFNConfig(D_MODEL, D_FF, "gelu_tanh", bias2=False),
+    FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=False, bias_gate=False),
+    FFNConfig(D_MODEL, D_FF, "gelu", gated=True, bias_gate=False, dropout=0.2),
+    FFNConfig(D_MODEL, D_FF, "identity", gated=True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.variant)
+def test_round_trip(tmp_path, config, dtype):
+    model = _model(config).to(dtype)
+    path = tmp_path / "ffn.safetensors"
+    save_ffn(model, path)
+    loaded = load_ffn(path, dtype=dtype)
+    assert loaded.config == config
+    assert not loaded.training
+    for key, value in model.state_dict().items():
+        param = loaded.state_dict()[key]
+        assert param.dtype == dtype and torch.equal(param, value), key
+    assert all(not p.requires_grad for p in loaded.parameters())
+    x = _x()
+    np.testing.assert_array_equal(_run(loaded, x), _run(model, x))
+
+
+def test_saved_file_describes_itself(tmp_path):
+    config = FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias_gate=False)
+    path = tmp_path / "ffn.safetensors"
+    save_ffn(_model(config), path)
+    with safe_open(str(path), framework="np") as f:
+        metadata = f.metadata()
+        assert set(f.keys()) == {"layer1.weight", "layer1.bias", "layer2.weight", "layer2.bias", "linear_v.weight"}
+        assert f.get_tensor("layer1.weight").shape == (D_FF, D_MODEL)
+        assert f.get_tensor("layer2.weight").shape == (D_MODEL, D_FF)
+    assert metadata["format"] == "ffn-serve"
+    assert json.loads(metadata["ffn_config"]) == config.to_dict()
+    assert not list(tmp_path.glob("*.partial"))
+    # Nothing to say at load time: the file knows it is a SwiGLU.
+    assert load_ffn(path).config == config
+
+
+def test_cast_to_other_dtype_and_string_dtypes(tmp_path, np_ffn, close):
+    model = _model(FFNConfig(D_MODEL, D_FF, "gelu"))
+    save_ffn(model, tmp_path / "f.safetensors")
+    for dtype, expected in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("torch.float32", torch.float32)]:
+        loaded = load_ffn(tmp_path / "f.safetensors", dtype=dtype, device=torch.device("cpu"))
+        assert {p.dtype for p in loaded.parameters()} == {expected}
+        assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+    x = _x()
+    close(_run(loaded, x), np_ffn(x, _native_numpy(model), "gelu"))
+
+
+def test_without_metadata_the_keys_say_what_they_can(tmp_path, np_ffn, close):
+    rng = np.random.default_rng(0)
+    params = {
+        "layer1.weight": rng.normal(size=(D_FF, D_MODEL)).astype(np.float32),
+        "layer2.weight": rng.normal(size=(D_MODEL, D_FF)).astype(np.float32),
+        "layer2.bias": rng.normal(size=D_MODEL).astype(np.float32),
+        "linear_v.weight": rng.normal(size=(D_FF, D_MODEL)).astype(np.float32),
+        "linear_v.bias": rng.normal(size=D_FF).astype(np.float32),
+    }
+    path = tmp_path / "bare.safetensors"
+    save_numpy(params, str(path))
+    model = load_ffn(path, activation="silu")
+    assert model.config == FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=True, bias_gate=True)
+    x = _x()
+    close(_run(model, x), np_ffn(x, params, "silu"))
+    assert load_ffn(path, gated=True).config.activation == "relu"  # the seeds' default
+    with pytest.raises(WeightsError, match="gated=False was asked, but the file has gate weights"):
+        load_ffn(path, gated=False)
+
+
+def test_arguments_that_contradict_the_file(tmp_path):
+    path = tmp_path / "f.safetensors"
+    save_ffn(_model(FFNConfig(D_MODEL, D_FF, "gelu")), path)
+    assert load_ffn(path, activation="gelu", gated=False).config.activation == "gelu"
+    with pytest.raises(WeightsError, match=r"says activation='gelu', but activation='relu' was asked"):
+        load_ffn(path, activation="relu")
+    with pytest.raises(WeightsError, match=r"says gated=False, but gated=True was asked"):
+        load_ffn(path, gated=True)
+
+
+# --- strictness ------------------------------------------------------------------------------------
+
+
+def _saved(tmp_path: Path, edit) -> Path:
+    """A native file (with metadata) whose state dict `edit` changed."""
+    model = _model(FFNConfig(D_MODEL, D_FF))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    edit(state)
+    path = tmp_path / "edited.safetensors"
+    save_file(state, str(path), metadata={"format": "ffn-serve", "ffn_config": json.dumps(model.config.to_dict())})
+    return path
+
+
+def test_missing_key_names_it_and_its_shape(tmp_path):
+    path = _saved(tmp_path, lambda s: s.pop("layer2.bias"))
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path)
+    assert str(path) in str(info.value) and "missing key 'layer2.bias'" in str(info.value)
+    assert f"[{D_MODEL}]" in str(info.value)
+
+
+def test_extra_key_is_named(tmp_path):
+    path = _saved(tmp_path, lambda s: s.update({"layer3.weight": torch.zeros(2, 2)}))
+    with pytest.raises(WeightsError, match=r"unexpected key 'layer3.weight'") as info:
+        load_ffn(path)
+    assert str(path) in str(info.value)
+
+
+def test_wrong_shape_names_key_and_both_shapes(tmp_path):
+    path = _saved(tmp_path, lambda s: s.update({"layer2.weight": torch.zeros(D_MODEL, D_FF + 1)}))
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path)
+    message = str(info.value)
+    assert str(path) in message and "'layer2.weight'" in message
+    assert f"[{D_MODEL}, {D_FF + 1}]" in message and f"[{D_MODEL}, {D_FF}]" in message
+
+
+def test_weights_must_agree_without_metadata(tmp_path):
+    path = tmp_path / "bare.safetensors"
+    save_file({"layer1.weight": torch.zeros(D_FF, D_MODEL), "layer2.weight": torch.zeros(D_MODEL + 2, D_FF)}, str(path))
+    with pytest.raises(WeightsError, match=rf"'layer2.weight' has shape \[{D_MODEL + 2}, {D_FF}\], expected \[{D_MODEL}, {D_FF}\]"):
+        load_ffn(path)
+    save_file({"layer1.weight": torch.zeros(D_FF, D_MODEL)}, str(path))
+    with pytest.raises(WeightsError, match=rf"missing key 'layer2.weight' \(expected shape \[{D_MODEL}, {D_FF}\]"):
+        load_ffn(path)
+
+
+def test_non_floating_tensors_are_refused(tmp_path):
+    path = _saved(tmp_path, lambda s: s.update({"layer2.bias": torch.zeros(D_MODEL, dtype=torch.int64)}))
+    with pytest.raises(WeightsError, match=r"'layer2.bias' holds torch.int64"):
+        load_ffn(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 5], ids=["half", "all-but-the-end", "inside-the-header"])
+def test_truncated_safetensors(tmp_path, keep):
+    path = tmp_path / "f.safetensors"
+    save_ffn(_model(FFNConfig(D_MODEL, D_FF)), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(WeightsError, match="truncated or corrupt") as info:
+        load_ffn(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"not weights at all", b"\x00" * 64])
+def test_garbage_files(tmp_path, content):
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes(content)
+    for format in ("native", "torch"):
+        with pytest.raises(WeightsError, match="junk.safetensors"):
+            load_ffn(path, format=format)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(WeightsError, match="nope.safetensors"):
+        load_ffn(tmp_path / "nope.safetensors")
+
+
+def test_arguments_are_checked(tmp_path):
+    path = tmp_path / "f.safetensors"
+    save_ffn(_model(FFNConfig(D_MODEL, D_FF)), path)
+    with pytest.raises(WeightsError, match="unknown format 'onnx'") as info:
+        load_ffn(path, format="onnx")
+    assert all(name in str(info.value) for name in FORMATS)
+    with pytest.raises(WeightsError, match="unsupported dtype.*float32.*float16.*bfloat16"):
+        load_ffn(path, dtype=torch.float64)
+    with pytest.raises(WeightsError, match="layer is only for checkpoint families"):
+        load_ffn(path, layer=0)
+    with pytest.raises(WeightsError, match="cannot place weights on device"):
+        load_ffn(path, device="no-such-device")
+    bare = tmp_path / "bare.safetensors"
+    save_file({"layer1.weight": torch.zeros(4, 2), "layer2.weight": torch.zeros(2, 4)}, str(bare))
+    with pytest.raises(WeightsError, match="bare.safetensors: unknown activation 'swish'"):
+        load_ffn(bare, activation="swish")
+    with pytest.raises(WeightsError, match="bare.safetensors: activation 'identity' is only meaningful"):
+        load_ffn(bare, activation="identity")
+
+
+def test_formats_mixed_up_get_a_hint(tmp_path):
+    model = _model(FFNConfig(D_MODEL, D_FF))
+    torch.save(model.state_dict(), tmp_path / "f.pt")
+    save_ffn(model, tmp_path / "f.safetensors")
+    with pytest.raises(WeightsError, match="format 'torch'"):
+        load_ffn(tmp_path / "f.pt")
+    with pytest.raises(WeightsError, match="format 'native'"):
+        load_ffn(tmp_path / "f.safetensors", format="torch")
+
+
+# --- PyTorch state dicts -----------------------------------------------------------------------------
+
+
+class SeedFeedForward(nn.Module):
+    """The seeds' FeedForward (labml / darts), as small as it gets: its state dict must load as is."""
+
+    def __init__(self, d_model, d_ff, dropout=0.1, activation=None, is_gated=False, bias1=True, bias2=True, bias_gate=True):
+        super().__init__()
+        self.layer1 = nn.Linear(d_model, d_ff, bias=bias1)
+        self.layer2 = nn.Linear(d_ff, d_model, bias=bias2)
+        self.dropout = nn.Dropout(dropout)
+        self.activation = activation if activation is not None else nn.ReLU()
+        self.is_gated = is_gated
+        if is_gated:
+            self.linear_v = nn.Linear(d_model, d_ff, bias=bias_gate)
+
+    def forward(self, x):
+        g = self.activation(self.layer1(x))
+        x = g * self.linear_v(x) if self.is_gated else g
+        return self.layer2(self.dropout(x))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "activation"),
+    [
+        ({}, None),
+        ({"activation": nn.GELU(), "bias2": False}, "gelu"),
+        ({"activation": nn.SiLU(), "is_gated": True, "bias_gate": False, "bias1": False}, "silu"),
+    ],
+    ids=["relu", "gelu-nobias2", "swiglu"],
+)
+def test_seed_state_dict_loads_unchanged(tmp_path, kwargs, activation, np_ffn, close):
+    torch.manual_seed(0)
+    seed = SeedFeedForward(D_MODEL, D_FF, **kwargs).eval()
+    path = tmp_path / "seed.pt"
+    torch.save(seed.state_dict(), path)
+    model = load_ffn(path, format="torch", activation=activation)
+    assert model.config.gated == kwargs.get("is_gated", False)
+    assert model.config.bias1 == kwargs.get("bias1", True) and model.config.bias2 == kwargs.get("bias2", True)
+    x = _x()
+    expected = np_ffn(x, {k: v.numpy() for k, v in seed.state_dict().items()}, activation or "relu")
+    close(_run(model, x), expected)
+    with torch.inference_mode():
+        close(seed(torch.from_numpy(x)).numpy(), expected)
+
+
+def test_torch_state_dict_is_strict(tmp_path):
+    state = SeedFeedForward(D_MODEL, D_FF).state_dict()
+    path = tmp_path / "sd.pt"
+    torch.save({**state, "extra.weight": torch.zeros(3)}, path)
+    with pytest.raises(WeightsError, match=r"unexpected key 'extra.weight'"):
+        load_ffn(path, format="torch")
+    torch.save({**state, "layer1.bias": torch.zeros(D_FF + 1)}, path)
+    with pytest.raises(WeightsError, match=rf"'layer1.bias' has shape \[{D_FF + 1}\], expected \[{D_FF}\]"):
+        load_ffn(path, format="torch")
+    torch.save(state, path)
+    with pytest.raises(WeightsError, match="gated=True was asked, but the file has no gate weights"):
+        load_ffn(path, format="torch", gated=True)
+    torch.save([state["layer1.weight"]], path)
+    with pytest.raises(WeightsError, match="holds a list, not a state dict"):
+        load_ffn(path, format="torch")
+    torch.save({**state, "layer2.bias": torch.zeros(D_MODEL, dtype=torch.int32)}, path)
+    with pytest.raises(WeightsError, match="not floating-point"):
+        load_ffn(path, format="torch")
+
+
+def test_truncated_torch_file(tmp_path):
+    path = tmp_path / "sd.pt"
+    torch.save(SeedFeedForward(D_MODEL, D_FF).state_dict(), path)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(WeightsError, match="sd.pt: not a readable PyTorch file"):
+        load_ffn(path, format="torch")
+
+
+class _RunsCode:
+    """Unpickling this would run a shell command creating the sentinel file."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+@pytest.mark.parametrize("how", ["zip", "legacy", "plain-pickle"])
+@pytest.mark.parametrize("format", ["torch", "gpt2"])
+def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, how, format):
+    sentinel = tmp_path / "SENTINEL"
+    payload = {"layer1.weight": torch.zeros(D_FF, D_MODEL), "h.0.mlp.c_fc.weight": torch.zeros(2, 2), "x": _RunsCode(sentinel)}
+    path = tmp_path / "evil.bin"
+    if how == "plain-pickle":
+        path.write_bytes(pickle.dumps(payload))
+    else:
+        torch.save(payload, path, _use_new_zipfile_serialization=how == "zip")
+    with pytest.raises(WeightsError, match="evil.bin: refused") as info:
+        load_ffn(path, format=format, layer=0 if format == "gpt2" else None)
+    assert "weights_only=False" not in str(info.value)  # no advice to load it unsafely
+    assert not sentinel.exists()
+
+
+# --- checkpoint families ---------------------------------------------------------------------------
+
+
+def test_minilm_layers_match_numpy(minilm_path, np_ffn, close):
+    x = _x(6, 384)
+    with safe_open(str(minilm_path), framework="np") as f:
+        for layer in (0, 5):
+            model = load_ffn(minilm_path, format="bert", layer=layer)
+            assert model.config == FFNConfig(384, 1536, "gelu")
+            raw = {
+                "layer1.weight": f.get_tensor(f"encoder.layer.{layer}.intermediate.dense.weight"),
+                "layer1.bias": f.get_tensor(f"encoder.layer.{layer}.intermediate.dense.bias"),
+                "layer2.weight": f.get_tensor(f"encoder.layer.{layer}.output.dense.weight"),
+                "layer2.bias": f.get_tensor(f"encoder.layer.{layer}.output.dense.bias"),
+            }
+            assert raw["layer1.weight"].shape == (1536, 384)
+            close(_run(model, x), np_ffn(x, raw, "gelu"))
+
+
+def test_minilm_layer_out_of_range(minilm_path):
+    for layer in (6, -1):
+        with pytest.raises(WeightsError, match=rf"no layer {layer}; the file has 6 layers \(0\.\.5\)") as info:
+            load_ffn(minilm_path, format="bert", layer=layer)
+        assert str(minilm_path) in str(info.value)
+    with pytest.raises(WeightsError, match="needs a layer index"):
+        load_ffn(minilm_path, format="bert")
+    with pytest.raises(WeightsError, match="no gpt2 layers found"):
+        load_ffn(minilm_path, format="gpt2", layer=0)
+
+
+def _gpt2_state(n_layers: int = 3, prefix: str = "") -> dict[str, np.ndarray]:
+    """A small GPT-2 state dict in the real layout: Conv1D weights are [in, out]."""
+    rng = np.random.default_rng(2)
+    state = {f"{prefix}wte.weight": rng.normal(size=(50, D_MODEL)), f"{prefix}ln_f.weight": np.ones(D_MODEL)}
+    for i in range(n_layers):
+        h = f"{prefix}h.{i}."
+        state |= {
+            h + "ln_1.weight": np.ones(D_MODEL),
+            h + "attn.c_attn.weight": rng.normal(size=(D_MODEL, 3 * D_MODEL)),
+            h + "attn.c_attn.bias": rng.normal(size=3 * D_MODEL),
+            h + "mlp.c_fc.weight": rng.normal(size=(D_MODEL, D_FF)),
+            h + "mlp.c_fc.bias": rng.normal(size=D_FF),
+            h + "mlp.c_proj.weight": rng.normal(size=(D_FF, D_MODEL)) / 4,
+            h + "mlp.c_proj.bias": rng.normal(size=D_MODEL),
+        }
+    return {k: v.astype(np.float32) for k, v in state.items()}
+
+
+def _write(state: dict[str, np.ndarray], path: Path) -> Path:
+    if path.suffix == ".safetensors":
+        save_numpy(state, str(path))
+    else:
+        torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("prefix", ["", "transformer."])
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+def test_gpt2_layer_matches_numpy(tmp_path, prefix, suffix, close):
+    state = _gpt2_state(prefix=prefix)
+    path = _write(state, tmp_path / f"gpt2{suffix}")
+    x = _x()
+    for layer in range(3):
+        model = load_ffn(path, format="gpt2", layer=layer)
+        assert model.config == FFNConfig(D_MODEL, D_FF, "gelu_tanh")
+        h = f"{prefix}h.{layer}.mlp."
+        # Conv1D is x @ W + b with W [in, out]; gelu_tanh written out.
+        z = x.astype(np.float64) @ state[h + "c_fc.weight"] + state[h + "c_fc.bias"]
+        g = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+        expected = g @ state[h + "c_proj.weight"] + state[h + "c_proj.bias"]
+        close(_run(model, x), expected)
+
+
+def test_gpt2_wrong_shape_is_named_as_stored(tmp_path):
+    state = _gpt2_state()
+    state["h.1.mlp.c_proj.weight"] = np.zeros((D_FF, D_MODEL + 1), np.float32)
+    path = _write(state, tmp_path / "gpt2.safetensors")
+    load_ffn(path, format="gpt2", layer=0)  # other layers are not read
+    with pytest.raises(WeightsError, match=rf"'h.1.mlp.c_proj.weight' has shape \[{D_FF}, {D_MODEL + 1}\], expected \[{D_FF}, {D_MODEL}\]"):
+        load_ffn(path, format="gpt2", layer=1)
+    del state["h.2.mlp.c_proj.bias"]
+    path = _write(state, tmp_path / "gpt2.safetensors")
+    assert load_ffn(path, format="gpt2", layer=2).config.bias2 is False
+    with pytest.raises(WeightsError, match="not gated"):
+        load_ffn(path, format="gpt2", layer=0, gated=True)
+
+
+def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
+    rng = np.random.default_rng(3)
+    state = {"bert.embeddings.word_embeddings.weight": rng.normal(size=(10, D_MODEL)).astype(np.float32)}
+    for i in range(2):
+        base = f"bert.encoder.layer.{i}."
+        state |= {
+            base + "attention.self.query.weight": rng.normal(size=(D_MODEL, D_MODEL)).astype(np.float32),
+            base + "intermediate.dense.weight": rng.normal(size=(D_FF, D_MODEL)).astype(np.float32),
+            base + "intermediate.dense.bias": rng.normal(size=D_FF).astype(np.float32),
+            base + "output.dense.weight": rng.normal(size=(D_MODEL, D_FF)).astype(np.float32),
+            base + "output.dense.bias": rng.normal(size=D_MODEL).astype(np.float32),
+        }
+    path = _write(state, tmp_path / "bert.bin")
+    model = load_ffn(path, format="bert", layer=1, activation="gelu_tanh", dtype="bfloat16")
+    assert model.config.activation == "gelu_tanh" and model.layer1.weight.dtype == torch.bfloat16
+    raw = {
+        "layer1.weight": state["bert.encoder.layer.1.intermediate.dense.weight"],
+        "layer1.bias": state["bert.encoder.layer.1.intermediate.dense.bias"],
+        "layer2.weight": state["bert.encoder.layer.1.output.dense.weight"],
+        "layer2.bias": state["bert.encoder.layer.1.output.dense.bias"],
+    }
+    x = _x()
+    # bfloat16 keeps 8 bits of mantissa: a loose bound, but still a real check of the values.
+    close(_run(model, x), np_ffn(x.astype(np.float64), raw, "gelu_tanh"), rtol=3e-2)
+
+
+@pytest.mark.parametrize("prefix", ["model.", ""])
+def test_llama_layer_matches_numpy(tmp_path, prefix, close):
+    rng = np.random.default_rng(4)
+    state = {f"{prefix}embed_tokens.weight": rng.normal(size=(20, D_MODEL)), f"{prefix}norm.weight": np.ones(D_MODEL)}
+    for i in range(2):
+        base = f"{prefix}layers.{i}."
+        state |= {
+            base + "self_attn.q_proj.weight": rng.normal(size=(D_MODEL, D_MODEL)),
+            base + "input_layernorm.weight": np.ones(D_MODEL),
+            base + "mlp.gate_proj.weight": rng.normal(size=(D_FF, D_MODEL)),
+            base + "mlp.up_proj.weight": rng.normal(size=(D_FF, D_MODEL)),
+            base + "mlp.down_proj.weight": rng.normal(size=(D_MODEL, D_FF)),
+        }
+    state = {k: v.astype(np.float32) for k, v in state.items()}
+    path = _write(state, tmp_path / "llama.safetensors")
+    model = load_ffn(path, format="llama", layer=1)
+    assert model.config == FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=False, bias_gate=False)
+    x = _x().astype(np.float64)
+    m = f"{prefix}layers.1.mlp."
+    gate = x @ state[m + "gate_proj.weight"].T
+    expected = (gate / (1 + np.exp(-gate)) * (x @ state[m + "up_proj.weight"].T)) @ state[m + "down_proj.weight"].T
+    close(_run(model, x.astype(np.float32)), expected)
+    del state[m + "up_proj.weight"]
+    path = _write(state, tmp_path / "llama.safetensors")
+    with pytest.raises(WeightsError, match=rf"missing key '{m}up_proj.weight' \(expected shape \[{D_FF}, {D_MODEL}\]"):
+        load_ffn(path, format="llama", layer=1)
