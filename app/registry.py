@@ -83,7 +83,9 @@ class Registry:
             try:
                 device = resolve_device(spec.device)
                 model = load_weights(spec, device)
-            except (WeightsError, ValueError, OSError) as exc:
+            except WeightsError as exc:  # its message already names the file
+                raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
+            except (ValueError, OSError) as exc:
                 raise ModelLoadError(f"model {spec.name!r}: cannot load {source}: {exc}") from exc
             executor = self.executors.setdefault(str(device), device_executor(device))
             runner = ModelRunner(model, max_batch_rows=s.max_batch_rows)
