@@ -226,11 +226,17 @@ class Batcher:
         """Pop entries up to the row ceiling, skipping the ones nobody waits for any more."""
         batch: list[Entry] = []
         rows = 0
+        now = asyncio.get_running_loop().time()
         while self._queue:
             entry = self._queue[0]
-            if entry.future.done():  # cancelled or expired
+            if entry.future.done():  # cancelled, or expired by the reaper
                 self._queue.popleft()
                 self._release(entry)
+                continue
+            if entry.deadline is not None and entry.deadline <= now:  # expired before the reaper ran
+                self._queue.popleft()
+                self._release(entry)
+                entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
                 continue
             if batch and rows + entry.n > self._ceiling:
                 break

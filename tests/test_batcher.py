@@ -202,3 +202,13 @@ async def test_drain_finishes_accepted_work_then_refuses(executor):
     with pytest.raises(Unavailable):
         await batcher.submit(rows(1))
     await batcher.stop()
+
+
+async def test_an_already_expired_entry_is_never_computed(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    loop = asyncio.get_running_loop()
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(batcher.submit(rows(2), deadline=loop.time() - 0.001), 2)
+    assert forward.batches == []
+    await batcher.stop()

@@ -1,0 +1,255 @@
+"""The load generator behind ffn-loadtest: closed or open loop, prebuilt requests, a per-request log.
+
+Closed loop (`concurrency` workers): each sends its next request when the last answer arrives.
+Open loop (`rate`): requests start at Poisson arrival times whatever the server does, and latency
+counts from the scheduled start, so a slow server cannot hide its queueing (no coordinated
+omission). Request bodies are encoded once up front; per request the generator only sends
+prebuilt bytes, reads the answer, and appends (start, latency, status, rows) to a list.
+
+    report = await run_load(LoadConfig(url="http://127.0.0.1:8000", requests=1000, concurrency=16))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from ffn_client.encodings import ENCODINGS, SUPPORTED_DTYPES, encode_request
+from ffn_client.report import Report, Samples, build_report, latency_stats
+from ffn_client.senders import ENGINES
+
+DEFAULT_DURATION_S = 10.0
+DEFAULT_OPEN_LOOP_CONNECTIONS = 64
+
+
+@dataclass
+class LoadConfig:
+    """One load run. With neither `duration` nor `requests`, it runs for 10 s."""
+
+    url: str = "http://127.0.0.1:8000"
+    model: str = "demo"
+    encoding: str = "binary"
+    dtype: str = "float32"
+    concurrency: int = 8  # closed loop: workers; open loop: the connection pool's size
+    rate: float | None = None  # requests/s; set = open loop with Poisson arrivals
+    rows: tuple[int, int] = (16, 16)  # rows per request, drawn uniformly from this range
+    duration: float | None = None  # measured seconds, after the warmup
+    requests: int | None = None  # measured requests, after the warmup
+    warmup: float = 0.0  # seconds of load excluded from the report
+    timeout: float = 30.0  # client-side, per request, seconds
+    deadline_ms: float | None = None  # server-side deadline: X-Timeout-Ms, or V2 `timeout`
+    api_key: str | None = None
+    d_model: int | None = None  # None: asked from the server's model list
+    payloads: int = 16  # distinct prebuilt request bodies, reused in turn
+    seed: int = 0
+    engine: str = "raw"  # "raw": lean HTTP/1.1 pool; "httpx": httpx.AsyncClient (see senders.py)
+
+    def __post_init__(self) -> None:
+        if self.duration is None and self.requests is None:
+            self.duration = DEFAULT_DURATION_S
+        problems = []
+        if self.encoding not in ENCODINGS:
+            problems.append(f"encoding must be one of {', '.join(ENCODINGS)}")
+        elif self.dtype not in SUPPORTED_DTYPES[self.encoding]:
+            problems.append(f"encoding {self.encoding} carries {', '.join(SUPPORTED_DTYPES[self.encoding])}, not {self.dtype}")
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}")
+        if self.concurrency < 1:
+            problems.append("concurrency must be >= 1")
+        if self.rate is not None and not self.rate > 0:
+            problems.append("rate must be > 0")
+        if not 1 <= self.rows[0] <= self.rows[1]:
+            problems.append(f"rows must be a range 1 <= lo <= hi, got {self.rows}")
+        if self.duration is not None and not self.duration > 0:
+            problems.append("duration must be > 0")
+        if self.requests is not None and self.requests < 1:
+            problems.append("requests must be >= 1")
+        if self.warmup < 0 or self.timeout <= 0 or self.payloads < 1:
+            problems.append("warmup must be >= 0, timeout > 0 and payloads >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def describe(self) -> dict[str, object]:
+        """The settings for the report: everything but the API key."""
+        out = asdict(self)
+        out.pop("api_key")
+        lo, hi = self.rows
+        out["rows"] = str(lo) if lo == hi else f"{lo}-{hi}"
+        return out
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A live view of a run, handed to the progress callback a few times a second."""
+
+    elapsed_s: float
+    warming_up: bool
+    sent: int
+    ok: int
+    errors: int
+    window_rps: float  # answered requests/s over the last window
+    window_p50_ms: float
+    window_p99_ms: float
+
+
+class _Run:
+    """The state of one run: the prebuilt requests, the bounds, and the per-request log."""
+
+    def __init__(self, config: LoadConfig, send: Callable[[Any], Awaitable[int]], payloads: list[tuple[Any, int]]) -> None:
+        self.config = config
+        self.send = send
+        self.payloads = payloads
+        self.log: list[tuple[float, float, int, int]] = []  # (start, latency, status, rows)
+        self.budget = float(config.requests) if config.requests is not None else math.inf
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()  # the tester's own CPU, to show when it is the bottleneck
+        self.measure_start = self.started + config.warmup
+        self.end = self.measure_start + config.duration if config.duration is not None else math.inf
+        self.done = False
+
+    def _claim(self, start: float) -> bool:
+        """Whether a request starting at `start` may go: inside the duration and the budget."""
+        if start >= self.end:
+            return False
+        if start >= self.measure_start:
+            if self.budget <= 0:
+                return False
+            self.budget -= 1
+        return True
+
+    async def closed_loop(self) -> None:
+        async def worker(first: int) -> None:
+            step, count = self.config.concurrency, len(self.payloads)
+            i = first
+            while self._claim(start := time.perf_counter()):
+                request, rows = self.payloads[i % count]
+                i += step
+                status = await self.send(request)
+                self.log.append((start, time.perf_counter() - start, status, rows))
+
+        await asyncio.gather(*(worker(k) for k in range(self.config.concurrency)))
+
+    async def open_loop(self) -> None:
+        assert self.config.rate is not None, "open loop without a rate. This is a bug."
+        rng = random.Random(self.config.seed)
+        pending: set[asyncio.Task[None]] = set()
+        scheduled = time.perf_counter()
+        i = 0
+        while True:
+            scheduled += rng.expovariate(self.config.rate)
+            if not self._claim(scheduled):
+                break
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(self._one(self.payloads[i % len(self.payloads)], scheduled))
+            i += 1
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _one(self, payload: tuple[Any, int], scheduled: float) -> None:
+        request, rows = payload
+        status = await self.send(request)
+        self.log.append((scheduled, time.perf_counter() - scheduled, status, rows))
+
+    async def report_progress(self, progress: Callable[[Progress], None], interval: float = 0.5) -> None:
+        seen, ok, errors = 0, 0, 0
+        while not self.done:
+            await asyncio.sleep(interval)
+            now = time.perf_counter()
+            window = self.log[seen:]
+            seen += len(window)
+            latencies = np.array([entry[1] for entry in window if entry[2] == 200])
+            ok += latencies.size
+            errors += len(window) - latencies.size
+            stats = latency_stats(latencies)
+            progress(Progress(
+                elapsed_s=now - self.started, warming_up=now < self.measure_start, sent=ok + errors, ok=ok,
+                errors=errors, window_rps=latencies.size / interval,
+                window_p50_ms=stats["p50"], window_p99_ms=stats["p99"],
+            ))
+
+    def samples(self) -> tuple[Samples, int]:
+        """The measured requests' samples (send time relative to the measurement start), and the warmup count."""
+        log = np.array(self.log, dtype=np.float64).reshape(-1, 4)
+        measured = log[:, 0] >= self.measure_start
+        kept = log[measured]
+        samples = Samples(
+            start_s=kept[:, 0] - self.measure_start,
+            latency_s=kept[:, 1],
+            status=kept[:, 2].astype(np.int64),
+            rows=kept[:, 3].astype(np.int64),
+        )
+        return samples, int((~measured).sum())
+
+
+def make_payloads(config: LoadConfig, d_model: int) -> list[tuple[str, bytes, dict[str, str], int]]:
+    """`config.payloads` encoded requests of random rows in the configured range: (path, body, headers, rows)."""
+    rng = np.random.default_rng(config.seed)
+    lo, hi = config.rows
+    out = []
+    for _ in range(config.payloads):
+        rows = int(rng.integers(lo, hi + 1))
+        array = rng.standard_normal((rows, d_model), dtype=np.float32)
+        request = encode_request(config.model, array, config.encoding, config.dtype, config.deadline_ms)
+        out.append((request.path, request.body, request.headers, rows))
+    return out
+
+
+async def discover_d_model(http: httpx.AsyncClient, model: str) -> int:
+    """The model's d_model from GET /v1/models, or else from its V2 metadata."""
+    try:
+        response = await http.get("/v1/models")
+        if response.status_code == 200:
+            for entry in response.json().get("models", []):
+                if entry.get("name") == model and "d_model" in entry:
+                    return int(entry["d_model"])
+        response = await http.get(f"/v2/models/{quote(model, safe='')}")
+        if response.status_code == 200:
+            return int(response.json()["inputs"][0]["shape"][-1])
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"cannot reach {http.base_url}: {exc or type(exc).__name__}") from exc
+    except (ValueError, KeyError, IndexError, TypeError):
+        pass
+    raise LookupError(f"cannot find d_model of model {model!r} at {http.base_url} (HTTP {response.status_code}); pass --d-model")
+
+
+async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | None = None) -> Report:
+    """Run the load `config` describes and return its report (samples included, for plots)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    d_model = config.d_model
+    if d_model is None:
+        async with httpx.AsyncClient(base_url=config.url, timeout=config.timeout, headers=headers) as http:
+            d_model = await discover_d_model(http, config.model)
+    sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
+    payloads = [(sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)]
+    run = _Run(config, sender.send, payloads)
+    ticker = asyncio.create_task(run.report_progress(progress)) if progress else None
+    try:
+        await (run.open_loop() if config.rate is not None else run.closed_loop())
+    finally:
+        finished, cpu = time.perf_counter(), time.process_time() - run.cpu_started
+        run.done = True
+        await sender.aclose()
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+    samples, warmup_requests = run.samples()
+    described = {**config.describe(), "d_model": d_model}
+    report = build_report(described, samples, finished - run.measure_start, warmup_requests)
+    report.client_cpu_s = cpu
+    report.client_cpu_share = cpu / max(finished - run.started, 1e-9)
+    return report

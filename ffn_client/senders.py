@@ -1,0 +1,155 @@
+"""How the load tester puts prebuilt requests on the wire: a lean HTTP/1.1 pool, or httpx.
+
+Both answer `send(prepared) -> status`, a negative status for no answer (see `report.NO_ANSWER`),
+and read the whole answer body. The raw sender is the default: it costs about 45 µs of CPU per
+request, httpx 1-2 ms, and more as connections grow (its pool rescans every connection on each
+request; ~9 ms at 64), which would make the tester, not the server, the bottleneck on a small
+machine. `--engine httpx` keeps httpx available as a cross-check. docs/load-testing.md has the
+measurements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from urllib.parse import urlsplit
+
+import httpx
+
+from ffn_client.report import CONNECT_ERROR, TIMEOUT, TRANSPORT_ERROR
+
+
+class HttpxSender:
+    """One httpx.AsyncClient whose pool holds `connections`; a prepared request is an httpx.Request."""
+
+    def __init__(self, url: str, connections: int, timeout: float, headers: dict[str, str]) -> None:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=headers)
+
+    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Request:
+        return self._http.build_request("POST", path, content=body, headers=headers)
+
+    async def send(self, request: httpx.Request) -> int:
+        try:
+            return (await self._http.send(request)).status_code
+        except httpx.TimeoutException:
+            return TIMEOUT
+        except httpx.ConnectError:
+            return CONNECT_ERROR
+        except httpx.TransportError:
+            return TRANSPORT_ERROR
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class _Closed(Exception):
+    """The server closed a kept-alive connection before answering."""
+
+
+class RawSender:
+    """Keep-alive HTTP/1.1 over asyncio streams, at most `connections` in use; a prepared request is bytes."""
+
+    def __init__(self, url: str, connections: int, timeout: float, headers: dict[str, str]) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"URL must be http(s)://host[:port][/prefix], got {url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.rstrip("/")
+        self._authority = parts.netloc.rsplit("@", 1)[-1]
+        self._headers = headers
+        self._timeout = timeout
+        self._slots = asyncio.Semaphore(connections)
+        self._idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = deque()
+
+    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        lines = [f"POST {self._prefix}{path} HTTP/1.1", f"Host: {self._authority}"]
+        lines += [f"{name}: {value}" for name, value in {**self._headers, **headers}.items()]
+        lines.append(f"Content-Length: {len(body)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    async def send(self, request: bytes) -> int:
+        try:
+            async with asyncio.timeout(self._timeout), self._slots:  # waiting for a slot counts too
+                return await self._send(request)
+        except TimeoutError:
+            return TIMEOUT
+
+    def _idle_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The most recently used open connection; ones the server has closed meanwhile are dropped."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not (reader.at_eof() or writer.is_closing()):
+                return reader, writer
+            writer.close()
+        return None
+
+    async def _send(self, request: bytes) -> int:
+        for attempt in range(2):
+            connection = self._idle_connection() if attempt == 0 else None
+            reused = connection is not None
+            if connection is None:
+                try:
+                    connection = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
+                except OSError:
+                    return CONNECT_ERROR
+            reader, writer = connection
+            try:
+                status, keep_alive = await self._exchange(reader, writer, request)
+            except (_Closed, ConnectionError):
+                writer.close()
+                if reused:  # the server closed this kept-alive connection (its idle timeout): retry on a fresh one
+                    continue
+                return TRANSPORT_ERROR
+            except (OSError, EOFError, ValueError, asyncio.LimitOverrunError):
+                writer.close()
+                return TRANSPORT_ERROR
+            except BaseException:  # cancelled mid-answer (timeout): its state is unknown
+                writer.close()
+                raise
+            if keep_alive:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+            return status
+        return TRANSPORT_ERROR
+
+    @staticmethod
+    async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bool]:
+        """Write one request, read its whole answer: (status, whether the connection stays open)."""
+        writer.write(request)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            raise _Closed from exc
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        length, chunked, keep_alive = 0, False, True
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding":
+                chunked = "chunked" in value.lower()
+            elif name == "connection":
+                keep_alive = "close" not in value.lower()
+        if chunked:
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                await reader.readexactly(size + 2)
+            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
+                pass
+        elif length:
+            await reader.readexactly(length)
+        return status, keep_alive
+
+    async def aclose(self) -> None:
+        while self._idle:
+            _, writer = self._idle.pop()
+            writer.close()
+
+
+ENGINES = {"raw": RawSender, "httpx": HttpxSender}
