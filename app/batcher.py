@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -48,7 +49,8 @@ class Entry:
 
     rows: torch.Tensor  # (n, d_model), on the host
     future: asyncio.Future[torch.Tensor]
-    enqueued_at: float
+    enqueued_at: float  # loop.time(), for max_wait
+    arrived: float  # time.perf_counter(), for metrics (uvloop's loop.time() counts whole milliseconds)
     deadline: float | None
     queued: bool = True  # still counted in the queue's rows
 
@@ -92,8 +94,8 @@ class Batcher:
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at = math.inf
         self._accepting = False
-        self._labels = {"model": name}
-        self._metrics.batch_ceiling.labels(**self._labels).set(self._ceiling)
+        self._instruments = self._metrics.for_model(name)
+        self._instruments.batch_ceiling.set(self._ceiling)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -160,22 +162,22 @@ class Batcher:
                 retry_after_s=1,
             )
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now, arrived = loop.time(), time.perf_counter()
         chunk_rows = self._ceiling
         chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
-        entries = [Entry(chunk, loop.create_future(), now, deadline) for chunk in chunks]
+        entries = [Entry(chunk, loop.create_future(), now, arrived, deadline) for chunk in chunks]
         self._queue.extend(entries)
         if deadline is not None and deadline < self._reaper_at:
             self._schedule_reaper(deadline)
         self._queued_rows += n
-        self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
+        self._instruments.queue_rows.set(self._queued_rows)
         self._arrived.set()
         try:
             if len(entries) == 1:
                 result = await entries[0].future
             else:
                 result = torch.cat([await entry.future for entry in entries])
-            self._metrics.request_seconds.labels(**self._labels).observe(loop.time() - now)
+            self._instruments.request_seconds.observe(time.perf_counter() - arrived)
             return result
         except BaseException:
             # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
@@ -193,7 +195,7 @@ class Batcher:
         if entry.queued:
             entry.queued = False
             self._queued_rows -= entry.n
-            self._metrics.queue_rows.labels(**self._labels).set(self._queued_rows)
+            self._instruments.queue_rows.set(self._queued_rows)
 
     def _schedule_reaper(self, at: float) -> None:
         if self._reaper is not None:
@@ -275,6 +277,11 @@ class Batcher:
             self._idle.clear()
             try:
                 await self._run(batch)
+            except asyncio.CancelledError:
+                # Stopped mid-pass (shutdown): nothing else would ever answer these entries.
+                for entry in batch:
+                    self._fail(entry, Unavailable("the server is shutting down"))
+                raise
             finally:
                 self._idle.set()
 
@@ -282,9 +289,9 @@ class Batcher:
 
     async def _run(self, batch: list[Entry]) -> None:
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.perf_counter()
         for entry in batch:
-            self._metrics.queue_seconds.labels(**self._labels).observe(started - entry.enqueued_at)
+            self._instruments.queue_seconds.observe(started - entry.arrived)
         rows = sum(entry.n for entry in batch)
         try:
             output = await loop.run_in_executor(self._executor, self._forward, [entry.rows for entry in batch])
@@ -296,8 +303,8 @@ class Batcher:
             for entry in batch:
                 self._fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
             return
-        self._metrics.compute_seconds.labels(**self._labels).observe(loop.time() - started)
-        self._metrics.batch_rows.labels(**self._labels).observe(rows)
+        self._instruments.compute_seconds.observe(time.perf_counter() - started)
+        self._instruments.batch_rows.observe(rows)
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
         offset = 0
         for entry in batch:
@@ -308,12 +315,12 @@ class Batcher:
     async def _split_after_oom(self, batch: list[Entry], rows: int) -> None:
         """Out of memory: lower the ceiling, retry each half; an entry alone that fails gets 507."""
         self._ceiling = max(1, min(self._ceiling, math.ceil(rows / 2)))
-        self._metrics.batch_ceiling.labels(**self._labels).set(self._ceiling)
+        self._instruments.batch_ceiling.set(self._ceiling)
         if len(batch) == 1:
             log.warning("model %s: out of memory on a single request of %d rows", self.name, rows)
             self._fail(batch[0], InsufficientMemory(f"a request of {rows} rows does not fit in the device's memory"))
             return
-        self._metrics.oom_splits.labels(**self._labels).inc()
+        self._instruments.oom_splits.inc()
         log.warning("model %s: out of memory at %d rows; splitting the batch, ceiling now %d",
                     self.name, rows, self._ceiling)
         middle = len(batch) // 2

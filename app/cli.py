@@ -84,7 +84,7 @@ def serve(settings: Settings) -> int:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, access_log=False,
-        loop="auto", http="auto", server_header=False,
+        loop="auto", http="auto", server_header=False, proxy_headers=False,
     )
     server = DrainingServer(config, app.state.service)
     server.run()

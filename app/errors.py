@@ -9,6 +9,7 @@ HTTPException.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -143,3 +144,21 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(Exception, on_unexpected)
+    _document_validation_errors_as_400(app)
+
+
+def _document_validation_errors_as_400(app: FastAPI) -> None:
+    """Drop FastAPI's automatic 422 entries from /openapi.json: validation errors are answered 400 here."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()  # also cached in app.openapi_schema; edited in place
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -88,4 +88,9 @@ async def drain(state: ServiceState) -> bool:
     state.draining = True
     timeout = state.settings.drain_timeout_s
     results = await asyncio.gather(*(m.batcher.drain(timeout) for m in state.registry.models.values()))
+    if not all(results):
+        # Out of time: answer what is left 503 now, while its clients are still connected
+        # (after uvicorn's own grace period their requests would be cancelled: a 500).
+        for served in state.registry.models.values():
+            await served.batcher.stop()
     return all(results)

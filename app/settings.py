@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         description="How long a batch may wait for more rows after its first entry. 0 = greedy: "
         "the model never idles while work is queued; what arrives during a pass forms the next batch.",
     )
-    max_queue_rows: int = Field(default=65536, ge=1, description="Rows that may wait per model before 429.")
+    max_queue_rows: int = Field(default=16384, ge=1, description="Rows that may wait per model before 429.")
     default_timeout_ms: float = Field(
         default=30000.0, gt=0.0, description="Deadline of a request that sets none (X-Timeout-Ms or V2 `timeout`)."
     )

@@ -12,7 +12,8 @@ from app.schemas import error_responses
 router = APIRouter(tags=["health"])
 
 
-@router.get("/v2/health/live", summary="Liveness: the process answers", responses={200: {"content": {}}})
+@router.get("/v2/health/live", summary="Liveness: the process answers", response_class=Response,
+            responses={200: {"content": {}}})
 async def live() -> Response:
     return Response(status_code=200)
 
@@ -20,6 +21,7 @@ async def live() -> Response:
 @router.get(
     "/v2/health/ready",
     summary="Readiness: every model loaded and warm, and not draining",
+    response_class=Response,  # 200 has no body; without this the page would promise JSON
     responses={200: {"content": {}}, **error_responses(503)},
 )
 async def ready(state: StateDep) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -52,7 +54,8 @@ def _model_ready(name: str, state: ServiceState, version: str | None = None) -> 
     return error_response(503, "unavailable", f"model {name!r} is not ready")
 
 
-_READY = {"summary": "Model readiness", "responses": {200: {"content": {}}, **error_responses(401, 404, 503)}}
+_READY = {"summary": "Model readiness", "response_class": Response,  # 200 has no body
+          "responses": {200: {"content": {}}, **error_responses(401, 404, 503)}}
 _METADATA = {"summary": "Model metadata", "response_model": ModelMetadata, "responses": error_responses(401, 404)}
 
 
@@ -75,6 +78,23 @@ async def model_ready(name: str, state: StateDep) -> Response:
 async def model_version_ready(name: str, version: str, state: StateDep) -> Response:
     return _model_ready(name, state, version)
 
+def _inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with its `$defs` written in place: FastAPI does not copy them into the page's components."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(value) for value in node]
+        return node
+
+    return resolve(schema)
+
+
 _INFER_BODY = {
     "parameters": [
         {"name": "Inference-Header-Content-Length", "in": "header", "required": False, "schema": {"type": "integer"},
@@ -83,7 +103,7 @@ _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": InferRequest.model_json_schema(ref_template="#/components/schemas/{model}")},
+            "application/json": {"schema": _inline_defs(InferRequest.model_json_schema())},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": "Binary tensor data extension: the JSON header (its length in "
