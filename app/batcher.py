@@ -69,7 +69,7 @@ class Batcher:
         name: str = "model",
         max_batch_rows: int = 1024,
         max_wait_s: float = 0.0,
-        max_queue_rows: int = 65536,
+        max_queue_rows: int = 16384,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
     ) -> None:
