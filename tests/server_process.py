@@ -197,12 +197,13 @@ class RawResponse:
 
 
 async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: float = 30.0) -> RawResponse:
-    """Send bytes exactly as given (one piece or several writes) and read the answer to EOF.
+    """Send bytes exactly as given (one piece or several writes) and read one answer.
 
     For requests httpx would normalise (dot segments, huge or duplicate headers, chunked
     framing) and for bursts: one connection per request is cheap for the server, and httpx's
-    pool gets slow with hundreds of concurrent connections. Send `Connection: close`.
-    A reset while sending (the server answered early and closed) still reads the answer.
+    pool gets slow with hundreds of concurrent connections. The answer is read up to its
+    Content-Length (to EOF without one). A reset while sending (the server answered early)
+    still reads the answer.
     """
     reader, writer = await asyncio.open_connection(HOST, port)
     try:
@@ -213,24 +214,35 @@ async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: floa
                     await writer.drain()
             except (ConnectionResetError, BrokenPipeError):
                 pass
-            raw = await reader.read()
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                raise ConnectionError(f"the server closed the connection without an answer: {exc.partial[:200]!r}")
+            status_line, *header_lines = head.decode("latin1").rstrip("\r\n").split("\r\n")
+            headers = {}
+            for line in header_lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            assert "chunked" not in headers.get("transfer-encoding", ""), "chunked answers are not parsed here"
+            if "content-length" in headers:
+                body = await reader.readexactly(int(headers["content-length"]))
+            else:
+                body = await reader.read()
     finally:
         writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if not head:
-        raise ConnectionError("the server closed the connection without an answer")
-    status_line, *header_lines = head.decode("latin1").split("\r\n")
-    headers = {}
-    for line in header_lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    assert "chunked" not in headers.get("transfer-encoding", ""), "chunked answers are not parsed here"
     return RawResponse(int(status_line.split(" ", 2)[1]), headers, body)
 
 
-def http_request(method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"") -> bytes:
-    """The bytes of an HTTP/1.1 request with Host, Content-Length and Connection: close."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST}", "Connection: close"]
+def http_request(method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"",
+                 *, close: bool = True) -> bytes:
+    """The bytes of an HTTP/1.1 request with Host, Content-Length and (unless `close` is false)
+    Connection: close.
+
+    Keep the connection open (close=False) when the server may answer before reading the whole
+    body: closing a socket with unread data makes the kernel reset it, and the reset can destroy
+    the answer before the client reads it.
+    """
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {HOST}"] + (["Connection: close"] if close else [])
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     framed = {name.lower() for name in (headers or {})} & {"content-length", "transfer-encoding"}
     if (body or method == "POST") and not framed:

@@ -1,0 +1,385 @@
+"""Hostile input against a real `ffn-serve` process: each gets a clear 4xx with the JSON error
+body {"error", "error_type"}, nothing internal leaks, and the server serves the next request.
+
+Requests go out as raw bytes (asyncio streams) so that nothing normalises them on the way:
+dot segments stay in paths, headers keep their size, chunked framing is ours.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Iterator
+
+import numpy as np
+import orjson
+import pytest
+
+from server_process import RawResponse, ServerProcess, demo_reference, http_request, raw_request, running_server
+
+D_MODEL = 512
+KEY = "hostile-test-key-7f3a9c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 1 << 20
+V1 = "/v1/models/demo/transform"
+V2 = "/v2/models/demo/infer"
+JSON = {"Content-Type": "application/json"}
+ZEROS = ", ".join(["0.0"] * (D_MODEL - 1))  # the rest of a row after its first value
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0"}
+    with running_server(env=env) as srv:
+        yield srv
+
+
+async def send(server: ServerProcess, method: str, path: str, headers: dict[str, str] | None = None,
+               body: bytes = b"", *, auth: bool = True) -> RawResponse:
+    all_headers = {**(AUTH if auth else {}), **(headers or {})}
+    # Keep-alive: an answer sent before the body was read must not be lost to a reset (see http_request).
+    return await raw_request(server.port, http_request(method, path, all_headers, body, close=False))
+
+
+def assert_error(r: RawResponse, status: int, error_type: str | None = None) -> dict[str, str]:
+    assert r.status == status, f"expected {status}, got {r.status}: {r.body[:300]!r}"
+    assert r.headers.get("content-type", "").startswith("application/json")
+    body = r.json()
+    assert isinstance(body, dict) and set(body) == {"error", "error_type"}, body
+    assert isinstance(body["error"], str) and body["error"]
+    if error_type is not None:
+        assert body["error_type"] == error_type, body
+    for leak in ("Traceback", "File \"", "/work/", "site-packages", ".py", "root:"):
+        assert leak not in body["error"], f"error message leaks {leak!r}: {body['error']}"
+    return body
+
+
+@pytest.fixture(autouse=True)
+async def still_serving(server: ServerProcess) -> AsyncIterator[None]:
+    """After every hostile request: the process is alive and answers a valid request right."""
+    yield
+    assert server.proc.poll() is None, f"server died; log:\n{server.logs()}"
+    x = np.linspace(-1, 1, 2 * D_MODEL, dtype=np.float32).reshape(2, D_MODEL)
+    r = await send(server, "POST", V1, JSON, orjson.dumps({"inputs": x.tolist()}))
+    assert r.status == 200, r.body[:300]
+    np.testing.assert_allclose(np.asarray(r.json()["outputs"]), demo_reference(x), rtol=1e-4, atol=1e-4)
+
+
+def row_json(first: str) -> bytes:
+    return f'{{"inputs": [[{first}, {ZEROS}]]}}'.encode()
+
+
+def npy_bytes(array: np.ndarray, *, allow_pickle: bool = False) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=allow_pickle)
+    return buffer.getvalue()
+
+
+def raw(shape: str, dtype: str = "float32") -> dict[str, str]:
+    return {"Content-Type": "application/octet-stream", "X-Shape": shape, "X-Dtype": dtype}
+
+
+# ----- JSON ---------------------------------------------------------------------------------
+
+JSON_CASES = {
+    "nan": row_json("NaN"),
+    "infinity": row_json("Infinity"),
+    "minus-infinity": row_json("-Infinity"),
+    "1e39-overflows-float32": row_json("1e39"),
+    "1e400-overflows-float64": row_json("1e400"),
+    "5000-digit-integer": row_json("1" * 5000),
+    "nested-100000-deep": b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "nested-1000-deep": b'{"inputs": ' + b"[" * 1000 + b"0.5" + b"]" * 1000 + b"}",
+    "duplicate-keys": f'{{"inputs": [[1.0, {ZEROS}]], "inputs": [[2.0, {ZEROS}]]}}'.encode(),
+    "ragged-rows": f'{{"inputs": [[1.0, {ZEROS}], [1.0]]}}'.encode(),
+    "rank-1": f'{{"inputs": [1.0, {ZEROS}]}}'.encode(),
+    "rank-4": f'{{"inputs": [[[[1.0, {ZEROS}]]]]}}'.encode(),
+    "wrong-d_model": b'{"inputs": [[1.0, 2.0, 3.0]]}',
+    "empty-inputs": b'{"inputs": []}',
+    "empty-row": b'{"inputs": [[]]}',
+    "strings": row_json('"1.0"'),
+    "all-booleans": f'{{"inputs": [[{", ".join(["true"] * D_MODEL)}]]}}'.encode(),
+    "null": row_json("null"),
+    "object-in-row": row_json('{"a": 1}'),
+    "inputs-not-a-list": b'{"inputs": "AAAA"}',
+    "unknown-field": f'{{"inputs": [[1.0, {ZEROS}]], "extra": 1}}'.encode(),
+    "top-level-array": b"[[1.0, 2.0]]",
+    "not-json": b"this is not json",
+    "truncated-json": b'{"inputs": [[1.0, 2.0',
+    "invalid-utf8": b'{"inputs": "\xff\xfe"}',
+    "empty-body": b"",
+}
+
+
+@pytest.mark.parametrize("body", JSON_CASES.values(), ids=JSON_CASES.keys())
+async def test_hostile_json_is_400(server: ServerProcess, body: bytes) -> None:
+    assert_error(await send(server, "POST", V1, JSON, body), 400, "invalid_input")
+
+
+# ----- raw binary and .npy ------------------------------------------------------------------
+
+ONE_ROW = np.ones((1, D_MODEL), dtype=np.float32).tobytes()
+RAW_CASES = {
+    "shape-product-overflows-int64": (raw("4294967296,4294967296,512"), ONE_ROW),
+    "shape-20-digits": (raw("99999999999999999999,512"), ONE_ROW),
+    "shape-dim-0": (raw("0,512"), b""),
+    "shape-dim-minus-1": (raw("-1,512"), ONE_ROW),
+    "shape-dim-1.5": (raw("1.5,512"), ONE_ROW),
+    "shape-empty": (raw(""), ONE_ROW),
+    "shape-trailing-comma": (raw("1,512,"), ONE_ROW),
+    "shape-superscript-digit": (raw("\u00b2,512"), ONE_ROW),  # '²'.isdigit() is True, int('²') fails
+    "shape-rank-4": (raw("1,1,1,512"), ONE_ROW),
+    "shape-10^12-elements-tiny-body": (raw("1953125000,512"), ONE_ROW),
+    "shape-missing": ({"Content-Type": "application/octet-stream"}, ONE_ROW),
+    "body-shorter-than-shape": (raw("2,512"), ONE_ROW),
+    "body-longer-than-shape": (raw("1,512"), ONE_ROW + b"\0\0\0\0"),
+    "dtype-big-endian": (raw("1,512", ">f4"), ONE_ROW),
+    "dtype-float64": (raw("1,512", "float64"), ONE_ROW * 2),
+    "dtype-int8": (raw("1,512", "int8"), ONE_ROW[:512]),
+    "nan-in-raw": (raw("1,512"), np.full((1, D_MODEL), np.nan, dtype=np.float32).tobytes()),
+    "inf-in-float16": (raw("1,512", "float16"), np.full((1, D_MODEL), np.inf, dtype=np.float16).tobytes()),
+}
+
+NPY = {"Content-Type": "application/x-npy"}
+_good_npy = npy_bytes(np.ones((1, D_MODEL), dtype=np.float32))
+NPY_CASES = {
+    "big-endian": npy_bytes(np.ones((1, D_MODEL), dtype=">f4")),
+    "object-dtype-pickle": npy_bytes(np.array([[object()] * D_MODEL], dtype=object), allow_pickle=True),
+    "float64": npy_bytes(np.ones((1, D_MODEL), dtype=np.float64)),
+    "fortran-order": npy_bytes(np.asfortranarray(np.ones((2, D_MODEL), dtype=np.float32))),
+    "truncated-data": _good_npy[:-4],
+    "truncated-header": _good_npy[:20],
+    "not-npy": b"\x93NUMPX" + _good_npy[6:],
+    "code-in-header": _good_npy.replace(b"'shape': (1, 512)", b"'shape': __import__('os').getpid()"),
+    "huge-shape": _good_npy.replace(b"'shape': (1, 512), ", b"'shape': (10**12, 512),"),
+    "nan": npy_bytes(np.full((1, D_MODEL), np.nan, dtype=np.float32)),
+    "wrong-d_model": npy_bytes(np.ones((1, 7), dtype=np.float32)),
+}
+
+
+@pytest.mark.parametrize(("headers", "body"), RAW_CASES.values(), ids=RAW_CASES.keys())
+async def test_hostile_raw_binary_is_400(server: ServerProcess, headers: dict[str, str], body: bytes) -> None:
+    assert_error(await send(server, "POST", V1, headers, body), 400, "invalid_input")
+
+
+@pytest.mark.parametrize("body", NPY_CASES.values(), ids=NPY_CASES.keys())
+async def test_hostile_npy_is_400(server: ServerProcess, body: bytes) -> None:
+    assert_error(await send(server, "POST", V1, NPY, body), 400, "invalid_input")
+
+
+# ----- headers, framing, negotiation --------------------------------------------------------
+
+
+async def test_gzip_body_is_415(server: ServerProcess) -> None:
+    import gzip
+
+    body = gzip.compress(orjson.dumps({"inputs": [[0.0] * D_MODEL]}))
+    r = await send(server, "POST", V1, {**JSON, "Content-Encoding": "gzip"}, body)
+    assert_error(r, 415, "unsupported_media_type")
+    r = await send(server, "POST", V2, {**JSON, "Content-Encoding": "gzip"}, body)
+    assert_error(r, 415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/xml", "multipart/form-data; boundary=x"])
+async def test_unsupported_content_type_is_415(server: ServerProcess, content_type: str) -> None:
+    r = await send(server, "POST", V1, {"Content-Type": content_type}, row_json("1.0"))
+    assert_error(r, 415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize("accept", ["text/html", "application/xml", "application/json;q=0, text/csv"])
+async def test_unsupported_accept_is_406(server: ServerProcess, accept: str) -> None:
+    r = await send(server, "POST", V1, {**JSON, "Accept": accept}, row_json("1.0"))
+    assert_error(r, 406, "not_acceptable")
+
+
+async def test_64kb_header_is_431(server: ServerProcess) -> None:
+    r = await send(server, "POST", V1, {**JSON, "X-Padding": "a" * 65536}, row_json("1.0"))
+    assert_error(r, 431)
+    r = await send(server, "GET", "/v2/health/ready", {"X-Padding": "a" * 65536}, auth=False)
+    assert_error(r, 431)
+
+
+async def test_body_over_limit_sent_chunked_is_413(server: ServerProcess) -> None:
+    chunk = b"[" + b"0.0," * 16383 + b"0.0],"  # 64 KiB of JSON numbers a chunk
+    head = http_request("POST", V1, {**AUTH, **JSON, "Transfer-Encoding": "chunked"}, close=False)
+    pieces = [head, b'%x\r\n{"inputs": [\r\n' % len(b'{"inputs": [')]
+    pieces += [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * (BODY_LIMIT // len(chunk) + 2)
+    pieces.append(b"0\r\n\r\n")
+    r = await raw_request(server.port, pieces)
+    assert_error(r, 413, "payload_too_large")
+
+
+async def test_declared_content_length_over_limit_is_413_before_reading(server: ServerProcess) -> None:
+    head = http_request("POST", V1, {**AUTH, **JSON, "Content-Length": str(BODY_LIMIT + 1)}, close=False)
+    r = await raw_request(server.port, head + b'{"inputs": ')  # the rest never comes
+    assert_error(r, 413, "payload_too_large")
+
+
+@pytest.mark.parametrize("timeout", ["abc", "0", "-5", "nan", "inf", "1e400", "3600001"])
+async def test_bad_timeout_header_is_400(server: ServerProcess, timeout: str) -> None:
+    r = await send(server, "POST", V1, {**JSON, "X-Timeout-Ms": timeout}, row_json("1.0"))
+    assert_error(r, 400, "invalid_input")
+
+
+async def test_wrong_method_is_405_json(server: ServerProcess) -> None:
+    assert_error(await send(server, "GET", V1), 405)
+
+
+# ----- model names --------------------------------------------------------------------------
+
+TRAVERSALS = [
+    ("POST", "/v1/models/..%2F..%2F..%2Fetc%2Fpasswd/transform"),
+    ("POST", "/v1/models/../../../etc/passwd/transform"),
+    ("POST", "/v1/models/%2E%2E/transform"),
+    ("POST", "/v1/models/..%5C..%5Cwindows%5Cwin.ini/transform"),
+    ("POST", "/v1/models/demo%00/transform"),
+    ("POST", "/v1/models/%2Fetc%2Fpasswd/transform"),
+    ("POST", "/v1/models/" + "a" * 4000 + "/transform"),
+    ("GET", "/v2/models/..%2F..%2F..%2Fetc%2Fpasswd"),
+    ("GET", "/v2/models/../../../etc/passwd"),
+    ("GET", "/v2/models/..%2Fdemo/ready"),
+    ("POST", "/v2/models/..%2F..%2Fetc%2Fpasswd/infer"),
+    ("GET", "/v2/models/demo/versions/..%2F..%2Fetc%2Fpasswd"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), TRAVERSALS, ids=[f"{m} {p[:60]}" for m, p in TRAVERSALS])
+async def test_path_traversal_model_names_are_404(server: ServerProcess, method: str, path: str) -> None:
+    r = await send(server, method, path, JSON if method == "POST" else None,
+                   row_json("1.0") if method == "POST" else b"")
+    body = assert_error(r, 404)
+    assert body["error_type"] in ("model_not_found", "not_found")
+    assert len(body["error"]) < 400  # a long name is cut, not echoed whole
+
+
+# ----- API key ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer ", "Bearer wrong-key", f"Bearer {KEY}x",
+                                           f"Bearer {KEY[:-1]}", f"Basic {KEY}", KEY, f"Bearer  {KEY}"])
+async def test_missing_or_wrong_api_key_is_401(server: ServerProcess, authorization: str | None) -> None:
+    headers = dict(JSON) if authorization is None else {**JSON, "Authorization": authorization}
+    r = await send(server, "POST", V1, headers, row_json("1.0"), auth=False)
+    assert_error(r, 401, "unauthorized")
+    assert r.headers.get("www-authenticate") == "Bearer"
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v2"), ("GET", "/v2/models/demo"),
+    ("GET", "/v2/models/demo/ready"), ("POST", V2), ("GET", "/openapi.json"), ("GET", "/docs"),
+    ("GET", "/v2/health/../../v1/models"), ("GET", "/v2/health/%2e%2e/%2e%2e/metrics"),
+])
+async def test_every_route_but_health_needs_the_key(server: ServerProcess, method: str, path: str) -> None:
+    r = await send(server, method, path, auth=False)
+    assert r.status in (401, 404), r.status  # a dot-segment path under /v2/health/ matches no route
+    assert_error(r, r.status)
+
+
+@pytest.mark.parametrize("path", ["/v2/health/live", "/v2/health/ready"])
+async def test_health_needs_no_key(server: ServerProcess, path: str) -> None:
+    assert (await send(server, "GET", path, auth=False)).status == 200
+    assert (await send(server, "GET", path, {"Authorization": "Bearer wrong"}, auth=False)).status == 200
+
+
+# ----- V2 -----------------------------------------------------------------------------------
+
+
+def v2_json(**tensor: object) -> bytes:
+    base: dict[str, object] = {"name": "input", "shape": [1, D_MODEL], "datatype": "FP32", "data": [0.5] * D_MODEL}
+    base.update(tensor)
+    return orjson.dumps({"inputs": [{k: v for k, v in base.items() if v is not None}]})
+
+
+def v2_binary(size: int, data: bytes, *, header_length: int | None = None, datatype: str = "FP32",
+              shape: list[int] | None = None) -> tuple[dict[str, str], bytes]:
+    header = orjson.dumps({"inputs": [{"name": "input", "shape": shape or [1, D_MODEL], "datatype": datatype,
+                                       "parameters": {"binary_data_size": size}}]})
+    length = len(header) if header_length is None else header_length
+    return ({"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(length)},
+            header + data)
+
+
+V2_JSON_CASES = {
+    "unknown-input-name": v2_json(name="x"),
+    "unknown-datatype-fp64": v2_json(datatype="FP64"),
+    "unknown-datatype-int8": v2_json(datatype="INT8"),
+    "unknown-datatype-bytes": v2_json(datatype="BYTES"),
+    "shape-mismatch": v2_json(shape=[2, D_MODEL]),
+    "shape-negative": v2_json(shape=[-1, D_MODEL]),
+    "shape-float": v2_json(shape=[1.5, D_MODEL]),
+    "shape-bool": v2_json(shape=[True, D_MODEL]),
+    "shape-10^12": v2_json(shape=[10**12, D_MODEL]),
+    "shape-overflows-int64": v2_json(shape=[2**62, 2**62, D_MODEL]),
+    "no-data": v2_json(data=None),
+    "data-strings": v2_json(data=["a"] * D_MODEL),
+    "data-nan": row_json("NaN").replace(b'{"inputs": [[', b'{"inputs": [{"name": "input", "shape": [1, 512], '
+                                        b'"datatype": "FP32", "data": [').replace(b"]]}", b"]}]}"),
+    "two-inputs": orjson.dumps({"inputs": [orjson.loads(v2_json())["inputs"][0]] * 2}),
+    "no-inputs": b'{"inputs": []}',
+    "inputs-not-list": b'{"inputs": {"name": "input"}}',
+    "unknown-output": orjson.dumps({**orjson.loads(v2_json()), "outputs": [{"name": "logits"}]}),
+    "classification": orjson.dumps({**orjson.loads(v2_json()),
+                                    "outputs": [{"name": "output", "parameters": {"classification": 3}}]}),
+    "id-not-string": orjson.dumps({**orjson.loads(v2_json()), "id": 7}),
+    "timeout-string": orjson.dumps({**orjson.loads(v2_json()), "parameters": {"timeout": "soon"}}),
+    "timeout-negative": orjson.dumps({**orjson.loads(v2_json()), "parameters": {"timeout": -1}}),
+    "parameters-not-object": orjson.dumps({**orjson.loads(v2_json()), "parameters": [1]}),
+    "nested-100000-deep": b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "binary-data-size-without-binary": v2_json(data=None, parameters={"binary_data_size": 2048}),
+    "top-level-array": b"[]",
+}
+
+
+@pytest.mark.parametrize("body", V2_JSON_CASES.values(), ids=V2_JSON_CASES.keys())
+async def test_hostile_v2_json_is_400(server: ServerProcess, body: bytes) -> None:
+    assert_error(await send(server, "POST", V2, JSON, body), 400, "invalid_input")
+
+
+V2_BINARY_CASES = {
+    "binary-data-size-mismatch": v2_binary(100, ONE_ROW),
+    "binary-data-size-negative": v2_binary(-1, ONE_ROW),
+    "binary-section-shorter": v2_binary(len(ONE_ROW), ONE_ROW[:1000]),
+    "binary-section-longer": v2_binary(len(ONE_ROW), ONE_ROW + b"\0" * 8),
+    "header-length-beyond-body": v2_binary(len(ONE_ROW), ONE_ROW, header_length=10**9),
+    "header-length-cuts-json": v2_binary(len(ONE_ROW), ONE_ROW, header_length=10),
+    "header-length-zero": v2_binary(len(ONE_ROW), ONE_ROW, header_length=0),
+    "unknown-datatype": v2_binary(len(ONE_ROW), ONE_ROW, datatype="UINT8"),
+    "nan-in-binary": v2_binary(len(ONE_ROW), np.full((1, D_MODEL), np.nan, dtype=np.float32).tobytes()),
+    "shape-10^12-tiny-binary": v2_binary(len(ONE_ROW), ONE_ROW, shape=[10**12, D_MODEL]),
+}
+
+
+@pytest.mark.parametrize(("headers", "body"), V2_BINARY_CASES.values(), ids=V2_BINARY_CASES.keys())
+async def test_hostile_v2_binary_is_400(server: ServerProcess, headers: dict[str, str], body: bytes) -> None:
+    assert_error(await send(server, "POST", V2, headers, body), 400, "invalid_input")
+
+
+async def test_v2_header_length_not_a_number_is_400(server: ServerProcess) -> None:
+    headers, body = v2_binary(len(ONE_ROW), ONE_ROW)
+    headers["Inference-Header-Content-Length"] = "-1"
+    assert_error(await send(server, "POST", V2, headers, body), 400, "invalid_input")
+
+
+async def test_v2_unknown_model_and_version_are_404(server: ServerProcess) -> None:
+    assert_error(await send(server, "POST", "/v2/models/nope/infer", JSON, v2_json()), 404, "model_not_found")
+    assert_error(await send(server, "POST", "/v2/models/demo/versions/2/infer", JSON, v2_json()), 404,
+                 "model_not_found")
+
+
+# ----- exposure -----------------------------------------------------------------------------
+
+
+async def test_no_cors_unless_configured(server: ServerProcess) -> None:
+    origin = {"Origin": "http://evil.example"}
+    preflight = await send(server, "OPTIONS", V1, {**origin, "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
+    r = await send(server, "POST", V1, {**JSON, **origin}, row_json("1.0"))
+    assert r.status == 200
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_binds_loopback_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.settings import load_settings
+
+    for name in ("FFN_HOST", "FFN_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert load_settings().host == "127.0.0.1"
