@@ -117,10 +117,14 @@ def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float
 
 
 class InProcess:
-    """In-process rows/s of the same model, one thread on the server's core, cached by batch size."""
+    """In-process rows/s of the same model, one thread on the server's core, cached by batch size.
 
-    def __init__(self, model, seconds: float) -> None:
-        self.model, self.seconds, self.cache = model, seconds, {}
+    Best of `repeat` timings: on a shared (virtual) machine a single timing can be far below
+    what the core does, and a low denominator would flatter the service.
+    """
+
+    def __init__(self, model, seconds: float, repeat: int = 3) -> None:
+        self.model, self.seconds, self.repeat, self.cache = model, seconds, repeat, {}
 
     def rows_per_s(self, rows: int) -> float:
         rows = max(1, rows)
@@ -128,7 +132,9 @@ class InProcess:
             previous = os.sched_getaffinity(0)
             os.sched_setaffinity(0, {SERVER_CORE})
             try:
-                self.cache[rows] = measure_rows_per_s(self.model, rows, torch.float32, 1, self.seconds)
+                self.cache[rows] = max(
+                    measure_rows_per_s(self.model, rows, torch.float32, 1, self.seconds) for _ in range(self.repeat)
+                )
             finally:
                 os.sched_setaffinity(0, previous)
         return self.cache[rows]
