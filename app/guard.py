@@ -19,7 +19,7 @@ OPEN_PREFIX = "/v2/health/"
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -29,9 +29,11 @@ class GuardMiddleware:
         if sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
             await _refuse(send, 431, "header_too_large", f"request headers exceed {MAX_HEADER_BYTES} bytes")
             return
-        if self._expected is not None and not scope["path"].startswith(OPEN_PREFIX):
+        if self._key is not None and not scope["path"].startswith(OPEN_PREFIX):
             given = next((v for k, v in headers if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, token = given.partition(b" ")
+            # The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
+            if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
                 reason = "missing" if not given else "wrong"
                 await _refuse(send, 401, "unauthorized", f"{reason} API key: send 'Authorization: Bearer <key>'",
                               [(b"www-authenticate", b"Bearer")])

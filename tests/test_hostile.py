@@ -263,6 +263,12 @@ async def test_missing_or_wrong_api_key_is_401(server: ServerProcess, authorizat
     assert r.headers.get("www-authenticate") == "Bearer"
 
 
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, scheme: str) -> None:
+    r = await send(server, "POST", V1, {**JSON, "Authorization": f"{scheme} {KEY}"}, row_json("1.0"), auth=False)
+    assert r.status == 200
+
+
 @pytest.mark.parametrize(("method", "path"), [
     ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v2"), ("GET", "/v2/models/demo"),
     ("GET", "/v2/models/demo/ready"), ("POST", V2), ("GET", "/openapi.json"), ("GET", "/docs"),
