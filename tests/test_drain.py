@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_process import demo_reference, metric_value, running_server, slow_model_config
+from tests.server_process import demo_reference, metric_value, running_server, slow_model_config
 
 D_MODEL = 512
 WORKERS = 8

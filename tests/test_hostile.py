@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import pytest
 
-from server_process import RawResponse, ServerProcess, demo_reference, http_request, raw_request, running_server
+from tests.server_process import RawResponse, ServerProcess, demo_reference, http_request, raw_request, running_server
 
 D_MODEL = 512
 KEY = "hostile-test-key-7f3a9c"

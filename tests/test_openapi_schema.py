@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from server_process import ServerProcess, running_server
+from tests.server_process import ServerProcess, running_server
 
 CHECKS = [
     not_a_server_error,

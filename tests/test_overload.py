@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 import pytest
 
-from server_process import (
+from tests.server_process import (
     ServerProcess,
     demo_reference,
     http_request,
