@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.soak import read_rss
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 
@@ -85,14 +87,6 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.terminate()
         return self.wait(timeout)
-
-
-def read_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def start_server(env: Mapping[str, str] | None = None, config: str | Path | None = None,
