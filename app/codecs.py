@@ -36,7 +36,6 @@ MEDIA_TYPES: dict[str, Encoding] = {
     "application/octet-stream": "raw",
     "application/x-npy": "npy",
 }
-ENCODING_MEDIA_TYPES = {encoding: media for media, encoding in MEDIA_TYPES.items()}
 MAX_RANK = 3
 
 
