@@ -21,7 +21,7 @@ import torch
 
 from ffn_core import FFNConfig, FeedForward, build_ffn
 from ffn_core.activations import ACTIVATIONS
-from ffn_core.weights import DTYPES
+from ffn_core.dtypes import DTYPES
 
 
 def measure_rows_per_s(model: FeedForward, rows: int, dtype: torch.dtype, threads: int, min_seconds: float) -> float:
@@ -78,7 +78,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     args = parser.parse_args(argv)
     try:
-        args.dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
+        args.dtypes = [DTYPES[name].torch for name in args.dtypes.split(",")]
     except KeyError as exc:
         parser.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
     args.threads = [(os.cpu_count() or 1) if t == "all" else int(t) for t in args.threads.split(",")]

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from ffn_core.activations import ACTIVATIONS
-from ffn_core.weights import DTYPES, FAMILIES, FORMATS, WeightsError, load_ffn, save_ffn
+from ffn_core.dtypes import DTYPE_NAMES
+from ffn_core.weights import FAMILIES, FORMATS, WeightsError, load_ffn, save_ffn
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(ACTIVATIONS),
         help="override the family's activation (bert: gelu, gpt2: gelu_tanh, llama: silu; torch: relu)",
     )
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the written weights")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="dtype of the written weights")
     parser.add_argument("input", type=Path, help="checkpoint: .safetensors or a PyTorch state dict (.bin, .pt)")
     parser.add_argument("output", type=Path, help="native safetensors file to write")
     return parser

@@ -24,15 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ffn_core.config import FFNConfig
+from ffn_core.dtypes import dtype_named
 from ffn_core.model import FeedForward, build_ffn
 
 FORMATS = ("native", "torch", "bert", "gpt2", "llama")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 # Safetensors metadata entries that make a native file describe itself.
 FORMAT_TAG = "ffn-serve"
@@ -388,10 +384,10 @@ def _build(
 
 
 def _parse_dtype(dtype: torch.dtype | str, path: Path) -> torch.dtype:
-    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise WeightsError(f"{path}: unsupported dtype {dtype!r}; choose one of {list(DTYPES)}")
-    return DTYPES[name]
+    try:
+        return dtype_named(dtype if isinstance(dtype, str) else str(dtype)).torch
+    except ValueError as exc:
+        raise WeightsError(f"{path}: {exc}") from None
 
 
 def _unpickling_reason(exc: pickle.UnpicklingError) -> str:
