@@ -13,14 +13,15 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from app.main import create_app, drain
+from app.engine.registry import ModelLoadError, Registry
+from app.engine.service import Engine
+from app.main import create_app
 from app.metrics import Metrics
-from app.registry import ModelLoadError, Registry
 from app.settings import ConfigFileError, Settings, load_settings
 
 log = logging.getLogger("ffn_serve")
 # uvicorn waits this long for open connections once the batchers have drained.
-CONNECTION_CLOSE_GRACE_S = 3.0
+CONNECTION_CLOSE_GRACE_S = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -31,20 +32,20 @@ class DrainingServer(uvicorn.Server):
     A second signal exits at once.
     """
 
-    def __init__(self, config: uvicorn.Config, app_state) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
         super().__init__(config)
-        self._state = app_state
+        self._engine = engine
         self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or not self.started:
             super().handle_exit(sig, frame)  # second signal, or still starting: uvicorn's own way
             return
-        log.info("received %s: draining (up to %.1f s)", signal.Signals(sig).name, self._state.settings.drain_timeout_s)
+        log.info("received %s: draining (up to %.1f s)", signal.Signals(sig).name, self._engine.settings.drain_timeout_s)
         self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
-        finished = await drain(self._state)
+        finished = await self._engine.drain()
         if not finished:
             log.warning("drain timeout reached with work still queued; answering it 503")
         await asyncio.sleep(0.05)  # let the last answers reach their sockets
@@ -86,7 +87,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, access_log=False,
         loop="auto", http="auto", server_header=False, proxy_headers=False,
     )
-    server = DrainingServer(config, app.state.service)
+    server = DrainingServer(config, app.state.service.engine)
     server.run()
     return 0 if server.started else 1
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from app.batcher import Batcher
-from app.errors import DeadlineExceeded, ModelError, Overloaded, PayloadTooLarge, Unavailable
+from app.engine.batcher import Batcher
+from app.engine.errors import DeadlineExceeded, ModelError, Overloaded, RequestTooLarge, Unavailable
 from app.metrics import Metrics
 
 D = 4
@@ -158,8 +158,8 @@ async def test_queue_full_is_overloaded_and_too_big_is_413(executor):
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded) as info:
         await batcher.submit(rows(3))
-    assert info.value.headers()["Retry-After"] == "1"
-    with pytest.raises(PayloadTooLarge):
+    assert info.value.retry_after_s == 1
+    with pytest.raises(RequestTooLarge):
         await batcher.submit(rows(11))
     forward.release.set()
     await asyncio.wait_for(asyncio.gather(blocker, waiting), 5)

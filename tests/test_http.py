@@ -28,7 +28,7 @@ async def client():
     async with app.router.lifespan_context(app):
         state = app.state.service
         for _ in range(500):  # warm-up runs in the background; readiness gates it
-            if state.ready:
+            if state.engine.ready:
                 break
             import asyncio
 

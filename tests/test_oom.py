@@ -16,11 +16,12 @@ import httpx
 import pytest
 import torch
 
-from app.batcher import Batcher
-from app.errors import InsufficientMemory
+from app.engine.batcher import Batcher
+from app.engine.errors import InsufficientMemory
+from app.web.errors import kind_of
 from app.main import create_app
 from app.metrics import Metrics
-from app.runner import ModelRunner
+from app.engine.runner import ModelRunner
 from app.settings import Settings
 from ffn_core import demo_ffn
 
@@ -101,7 +102,7 @@ async def test_entry_that_fails_alone_gets_507_and_the_others_are_answered(runne
     results = await run_batcher(forward, metrics, *xs)
 
     assert isinstance(results[2], InsufficientMemory)
-    assert results[2].status == 507 and results[2].error_type == "insufficient_memory"
+    assert (kind_of(results[2]).status, kind_of(results[2]).error_type) == (507, "insufficient_memory")
     for i in (0, 1, 3):
         y = results[i]
         assert isinstance(y, torch.Tensor), y
@@ -150,7 +151,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 def inject(client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, **limits: int) -> InjectedOOM:
-    served = client.app.state.service.registry.models["demo"]  # type: ignore[attr-defined]
+    served = client.app.state.service.engine.registry.models["demo"]  # type: ignore[attr-defined]
     forward = InjectedOOM(served.runner, **limits)
     monkeypatch.setattr(served.batcher, "_forward", forward)
     return forward

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.runner import ModelRunner, resolve_device
+from app.engine.runner import ModelRunner, resolve_device
 from ffn_core import demo_ffn
 from tests.reference import numpy_weights, relu_ffn
 

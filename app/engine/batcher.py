@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from app.errors import (
+from app.engine.errors import (
     DeadlineExceeded,
     InsufficientMemory,
     ModelError,
     Overloaded,
-    PayloadTooLarge,
+    RequestTooLarge,
     Unavailable,
 )
 from app.metrics import Metrics
@@ -155,7 +155,7 @@ class Batcher:
         n = rows.shape[0]
         assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
         if n > self.max_queue_rows:
-            raise PayloadTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
+            raise RequestTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
         if self._queued_rows + n > self.max_queue_rows:
             raise Overloaded(
                 f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",

@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 
-from app.batcher import Batcher
-from app.errors import ModelNotFound
+from app.engine.batcher import Batcher
+from app.engine.errors import ModelNotFound
+from app.engine.runner import ModelRunner, device_executor, resolve_device
 from app.metrics import Metrics
-from app.runner import ModelRunner, device_executor, resolve_device
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, WeightsError, demo_ffn, load_ffn
+from ffn_core.dtypes import DTYPES, DType
 
 log = logging.getLogger("ffn_serve")
 
@@ -39,6 +40,11 @@ class ServedModel:
     def d_model(self) -> int:
         return self.model.config.d_model
 
+    @property
+    def dtype(self) -> DType:
+        """The compute dtype: the wire dtype of answers that ask for none."""
+        return DTYPES[self.spec.dtype]
+
     def describe(self) -> dict[str, Any]:
         config = self.model.config
         return {
@@ -57,7 +63,7 @@ class ServedModel:
 
 
 def load_weights(spec: ModelSpec, device: torch.device) -> FeedForward:
-    dtype = getattr(torch, spec.dtype)
+    dtype = DTYPES[spec.dtype].torch
     if spec.weights is None:
         return demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
     return load_ffn(

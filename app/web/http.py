@@ -1,4 +1,4 @@
-"""Request plumbing shared by the routes: bounded body reads, deadlines, client disconnects."""
+"""Request plumbing shared by the protocols: media types, bounded body reads, deadlines, disconnects."""
 
 from __future__ import annotations
 
@@ -8,17 +8,26 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from app.errors import InvalidInput, PayloadTooLarge, ServiceError
+from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "x-timeout-ms"
 
 
-class ClientDisconnected(ServiceError):
-    """The client hung up before its answer was ready (nginx's 499); nobody reads this answer."""
+def media_type(content_type: str | None) -> str | None:
+    """The media type of a Content-Type header, lower-case and without parameters; None if absent."""
+    if not content_type:
+        return None
+    return content_type.split(";", 1)[0].strip().lower()
 
-    status, error_type = 499, "client_closed_request"
+
+def refuse_content_encoding(content_encoding: str | None) -> None:
+    """Bodies are read uncompressed: any Content-Encoding but identity is 415."""
+    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(
+            f"Content-Encoding {content_encoding[:64]!r} is not supported; send the body uncompressed"
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytearray:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, JsonValue
 
-Datatype = Literal["FP32", "FP16", "BF16"]
+from ffn_core.dtypes import BY_V2
+
+
+
+def _datatype() -> Any:
+    """A required `datatype` field, its choices from the one dtype table."""
+    choices: list[JsonValue] = [*sorted(BY_V2)]
+    return Field(json_schema_extra={"enum": choices})
 
 
 class ServerMetadata(BaseModel):
@@ -17,7 +24,7 @@ class ServerMetadata(BaseModel):
 
 class TensorMetadata(BaseModel):
     name: str
-    datatype: Datatype
+    datatype: str = _datatype()
     shape: list[int] = Field(description="-1 marks a variable dimension.")
 
 
@@ -32,7 +39,7 @@ class ModelMetadata(BaseModel):
 class InferInput(BaseModel):
     name: Literal["input"]
     shape: list[int] = Field(description="[rows, d_model] or [batch, seq, d_model].")
-    datatype: Datatype
+    datatype: str = _datatype()
     parameters: dict[str, Any] | None = Field(default=None, description="binary_data_size for binary inputs.")
     data: list[Any] | None = Field(default=None, description="Row-major values, flat or nested.")
 
@@ -54,7 +61,7 @@ class InferRequest(BaseModel):
 class InferOutput(BaseModel):
     name: str
     shape: list[int]
-    datatype: Datatype
+    datatype: str = _datatype()
     parameters: dict[str, Any] | None = None
     data: list[float] | None = None
 

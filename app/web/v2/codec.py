@@ -15,34 +15,34 @@ from typing import Any
 import orjson
 import torch
 
-from app.codecs import (
-    ITEMSIZE,
-    TORCH_DTYPES,
-    WireDtype,
-    check_finite,
-    check_shape,
-    json_numbers_to_array,
-    loads_json,
-    raw_bytes,
-    to_wire_dtype,
-)
-from app.errors import InvalidInput
+from app.web.errors import InvalidInput, UnsupportedMediaType
+from app.web.http import media_type, refuse_content_encoding
+from app.web.tensors import check_shape, json_numbers_to_array, loads_json, raw_bytes, to_wire_dtype, view_rows
+from ffn_core.dtypes import BY_V2, DType
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
-V2_DATATYPES: dict[str, WireDtype] = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
-DATATYPE_OF = {wire: v2 for v2, wire in V2_DATATYPES.items()}
 HEADER_LENGTH = "inference-header-content-length"
+# JSON bodies; with the binary extension the body is a JSON header followed by raw bytes.
+MEDIA_TYPES = ("application/json", "application/octet-stream")
 
 
 @dataclass(frozen=True)
 class V2Request:
     rows: torch.Tensor  # (rows, d_model)
     shape: tuple[int, ...]
-    dtype: WireDtype
+    dtype: DType
     id: str | None
     binary_output: bool
     timeout_us: Any  # the `timeout` parameter, microseconds as in Triton; None when absent
+
+
+def check_content(content_type: str | None, content_encoding: str | None) -> None:
+    """Refuse bodies of another media type, or compressed ones, before reading them."""
+    refuse_content_encoding(content_encoding)
+    media = media_type(content_type)
+    if media is not None and media not in MEDIA_TYPES:
+        raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
 
 
 def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Request:
@@ -61,9 +61,9 @@ def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Reques
     if tensor.get("name") != INPUT_NAME:
         raise InvalidInput(f"unexpected input {str(tensor.get('name'))[:64]!r}; this model's input is {INPUT_NAME!r}")
     datatype = tensor.get("datatype")
-    if datatype not in V2_DATATYPES:
-        raise InvalidInput(f"datatype must be one of {sorted(V2_DATATYPES)}, got {str(datatype)[:16]!r}")
-    dtype = V2_DATATYPES[datatype]
+    dtype = BY_V2.get(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
     shape = _shape(tensor.get("shape"))
     rows = check_shape(shape, d_model)
     input_parameters = _parameters(tensor.get("parameters"), "input")
@@ -105,18 +105,15 @@ def _shape(value: object) -> tuple[int, ...]:
 
 
 def _binary_tensor(body: bytearray, json_end: int, size: object, shape: tuple[int, ...], rows: int,
-                   d_model: int, dtype: WireDtype) -> torch.Tensor:
+                   d_model: int, dtype: DType) -> torch.Tensor:
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise InvalidInput("binary_data_size must be a non-negative integer")
-    expected = rows * d_model * ITEMSIZE[dtype]
+    expected = rows * d_model * dtype.itemsize
     if size != expected:
-        raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {DATATYPE_OF[dtype]} needs {expected}")
+        raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
     if len(body) - json_end != size:
         raise InvalidInput(f"binary section is {len(body) - json_end} bytes but binary_data_size says {size}")
-    values = torch.frombuffer(body, dtype=TORCH_DTYPES[dtype], offset=json_end, count=rows * d_model)
-    values = values.view(rows, d_model)
-    check_finite(values)
-    return values
+    return view_rows(body, dtype, rows, d_model, json_end)
 
 
 def _json_tensor(data: object, shape: tuple[int, ...], rows: int, d_model: int) -> torch.Tensor:
@@ -149,7 +146,7 @@ def _wants_binary(document: dict[str, Any], parameters: dict[str, Any]) -> bool:
 def encode(model: str, request: V2Request, output: torch.Tensor) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary output."""
     wire = to_wire_dtype(output, request.dtype)
-    described: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": DATATYPE_OF[request.dtype], "shape": list(request.shape)}
+    described: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": request.dtype.v2, "shape": list(request.shape)}
     answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": [described]}
     if request.id is not None:
         answer["id"] = request.id

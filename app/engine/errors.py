@@ -1,0 +1,47 @@
+"""The engine's errors: kinds of failure with a message for the caller, and no HTTP statuses.
+
+The edge maps each kind to a status and an error_type in one table (app.web.errors), the
+way TEI's router maps its core's ErrorType to a StatusCode.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """A request the engine could not serve; `message` says why, for a person to read."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ModelNotFound(EngineError):
+    """No model of that name (or version) is served."""
+
+
+class RequestTooLarge(EngineError):
+    """A request holds more rows than the model's queue can ever hold."""
+
+
+class Overloaded(EngineError):
+    """The model's queue is full; try again after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(EngineError):
+    """Not taking work: still warming up, draining before shutdown, or shutting down."""
+
+
+class DeadlineExceeded(EngineError):
+    """The request's deadline passed while it was queued; it was never computed."""
+
+
+class InsufficientMemory(EngineError):
+    """The request alone does not fit in the device's memory."""
+
+
+class ModelError(EngineError):
+    """The forward pass failed for a reason that is not the client's: a bug or a device fault."""

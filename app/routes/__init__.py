@@ -1,1 +1,0 @@
-"""HTTP routes: thin handlers over the codecs and the batcher."""

@@ -1,0 +1,54 @@
+"""Pydantic models of the native API's bodies, for the OpenAPI page and the small JSON answers.
+
+The transform route does not validate its body through these (a float at a time through
+pydantic is far too slow): the codec parses it with orjson and numpy. These models describe
+the same shapes so that /openapi.json stays accurate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ffn_core.dtypes import DTYPE_NAMES
+
+Matrix = list[list[float]]
+Tensor3 = list[list[list[float]]]
+
+
+class TransformRequest(BaseModel):
+    inputs: Matrix | Tensor3 = Field(
+        description="Embeddings, shape [rows, d_model] or [batch, seq, d_model]; finite float32 numbers."
+    )
+
+
+class TransformResponse(BaseModel):
+    model: str
+    shape: list[int] = Field(description="The output's shape: the same as the input's.")
+    dtype: Literal["float32"] = "float32"
+    outputs: Matrix | Tensor3
+
+
+class BiasFlags(BaseModel):
+    layer1: bool
+    layer2: bool
+    linear_v: bool | None
+
+
+class ModelInfo(BaseModel):
+    name: str
+    d_model: int
+    d_ff: int
+    activation: str
+    gated: bool
+    variant: str = Field(description="relu, gelu, gelu_tanh, silu, reglu, geglu, swiglu, bilinear, ...")
+    bias: BiasFlags
+    dtype: str = Field(description="Compute dtype.", json_schema_extra={"enum": list(DTYPE_NAMES)})
+    device: str
+    format: str
+    ready: bool
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]

@@ -1,0 +1,46 @@
+"""Operational endpoints: health probes (open even with an API key) and Prometheus metrics."""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from app.engine.errors import Unavailable
+from app.web.endpoints import Endpoint
+from app.web.errors import error_response
+from app.web.openapi import error_responses
+from app.web.state import StateDep
+
+HEALTH_PREFIX = "/v2/health/"  # the guard lets these through without a key: probes carry none
+
+
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+async def ready(state: StateDep) -> Response:
+    if state.engine.ready:
+        return Response(status_code=200)
+    reason = "draining before shutdown" if state.engine.draining else "models are still loading or warming up"
+    return error_response(Unavailable(f"not ready: {reason}"))
+
+
+async def metrics(state: StateDep) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+ENDPOINTS = [
+    Endpoint("GET", HEALTH_PREFIX + "live", live, openapi={
+        "summary": "Liveness: the process answers", "response_class": Response,
+        "responses": {200: {"content": {}}}, "tags": ["health"],
+    }),
+    Endpoint("GET", HEALTH_PREFIX + "ready", ready, openapi={
+        "summary": "Readiness: every model loaded and warm, and not draining",
+        "response_class": Response,  # 200 has no body; without this the page would promise JSON
+        "responses": {200: {"content": {}}, **error_responses(503)}, "tags": ["health"],
+    }),
+    Endpoint("GET", "/metrics", metrics, openapi={
+        "summary": "Prometheus metrics", "response_class": Response,
+        "responses": {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)},
+        "tags": ["metrics"],
+    }),
+]

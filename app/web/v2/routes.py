@@ -1,0 +1,155 @@
+"""Open Inference Protocol (KServe V2) handlers: server and model metadata, readiness, infer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app import __version__
+from app.engine.errors import ModelNotFound, Unavailable
+from app.web.endpoints import Endpoint
+from app.web.errors import error_response
+from app.web.http import deadline_from, read_body, unless_disconnected
+from app.web.openapi import error_responses, inline_defs
+from app.web.state import ServiceState, StateDep, service_state
+from app.web.v2 import codec
+from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
+
+SERVER_NAME = "ffn-serve"
+MODEL_VERSION = "1"
+EXTENSIONS = ["binary_tensor_data"]
+
+
+async def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+
+
+def _check_version(version: str | None) -> None:
+    if version is not None and version != MODEL_VERSION:
+        raise ModelNotFound(f"model version {version[:32]!r} is not served; the only version is {MODEL_VERSION!r}")
+
+
+def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+    _check_version(version)
+    served = state.engine.registry.get(name)
+    tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
+    return ModelMetadata.model_validate({
+        "name": name, "versions": [MODEL_VERSION], "platform": "pytorch_ffn",
+        "inputs": [{"name": codec.INPUT_NAME, **tensor}],
+        "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
+    })
+
+
+def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
+    _check_version(version)
+    served = state.engine.registry.get(name)
+    if served.warm and not state.engine.draining:
+        return Response(status_code=200)
+    return error_response(Unavailable(f"model {name!r} is not ready"))
+
+
+async def _infer(request: Request, name: str, version: str | None) -> Response:
+    state: ServiceState = service_state(request)
+    _check_version(version)
+    header_length = request.headers.get(codec.HEADER_LENGTH)
+    served = state.engine.registry.get(name)
+    with state.count(name):
+        state.engine.check_serving(served)
+        # With the binary extension the body is not JSON, whatever Content-Type the client sent.
+        content_type = request.headers.get("content-type") if header_length is None else None
+        codec.check_content(content_type, request.headers.get("content-encoding"))
+        body = await read_body(request, state.settings.max_body_bytes)
+        decoded = codec.decode(body, header_length, served.d_model)
+        timeout_ms = None if decoded.timeout_us is None else _us_to_ms(decoded.timeout_us)
+        deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
+        output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
+        content, headers = codec.encode(name, decoded, output)
+        return Response(content, headers=headers)
+
+
+# The route handlers: FastAPI reads their signatures, so each route gets its own, with exactly
+# its path's parameters. The tensor routes take only the path and `request`: FastAPI's
+# per-parameter validation would cost more than the rest of a small request.
+
+
+async def model_metadata(name: str, state: StateDep) -> ModelMetadata:
+    return _model_metadata(state, name, None)
+
+
+async def model_version_metadata(name: str, version: str, state: StateDep) -> ModelMetadata:
+    return _model_metadata(state, name, version)
+
+
+async def model_ready(name: str, state: StateDep) -> Response:
+    return _model_ready(state, name, None)
+
+
+async def model_version_ready(name: str, version: str, state: StateDep) -> Response:
+    return _model_ready(state, name, version)
+
+
+async def infer(name: str, request: Request) -> Response:
+    return await _infer(request, name, None)
+
+
+async def infer_version(name: str, version: str, request: Request) -> Response:
+    return await _infer(request, name, version)
+
+
+def _us_to_ms(timeout_us: object) -> float | str:
+    if isinstance(timeout_us, (int, float)) and not isinstance(timeout_us, bool):
+        return timeout_us / 1000.0
+    return str(timeout_us)  # deadline_from refuses it with a clear message
+
+
+_V2_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507)
+_METADATA = {"summary": "Model metadata", "response_model": ModelMetadata,
+             "responses": error_responses(401, 404), "tags": ["v2"]}
+_READY = {"summary": "Model readiness", "response_class": Response,  # 200 has no body
+          "responses": {200: {"content": {}}, **error_responses(401, 404, 503)}, "tags": ["v2"]}
+_INFER: dict[str, Any] = {
+    "summary": "Run the FFN (Open Inference Protocol)",
+    "response_model": None,
+    "responses": {
+        200: {
+            "model": InferResponse,
+            "description": "Outputs; with binary outputs, a JSON header followed by raw bytes.",
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **_V2_ERRORS,
+    },
+    "openapi_extra": {
+        "parameters": [
+            {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+             "schema": {"type": "integer"},
+             "description": "Binary extension: length of the JSON header at the body's start."},
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": inline_defs(InferRequest.model_json_schema())},
+                "application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary"},
+                    "description": "Binary tensor data extension: the JSON header (its length in "
+                    "Inference-Header-Content-Length) followed by the inputs' raw bytes.",
+                },
+            },
+        },
+    },
+    "tags": ["v2"],
+}
+
+ENDPOINTS = [
+    Endpoint("GET", "/v2", server_metadata, openapi={
+        "summary": "Server metadata", "response_model": ServerMetadata, "responses": error_responses(401),
+        "tags": ["v2"],
+    }),
+    Endpoint("GET", "/v2/models/{name}", model_metadata, openapi=_METADATA),
+    Endpoint("GET", "/v2/models/{name}/versions/{version}", model_version_metadata, openapi=_METADATA),
+    Endpoint("GET", "/v2/models/{name}/ready", model_ready, openapi=_READY),
+    Endpoint("GET", "/v2/models/{name}/versions/{version}/ready", model_version_ready, openapi=_READY),
+    Endpoint("POST", "/v2/models/{name}/infer", infer, fast=True, openapi=_INFER),
+    Endpoint("POST", "/v2/models/{name}/versions/{version}/infer", infer_version, fast=True, openapi=_INFER),
+]
