@@ -1,0 +1,102 @@
+"""Endpoints declared once: the fast path and FastAPI's own routes answer alike.
+
+The same requests go to two apps, one with the fast path in front and one that leaves every
+request to FastAPI's routing; status, content type, the headers that carry meaning and the
+body must be equal. The fast path must really be the one answering in the first app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+from fastapi import FastAPI
+
+from app.main import ENDPOINTS, create_app
+from app.settings import Settings
+from app.web.endpoints import FastPath
+
+D = 512
+x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _v2_binary(array: np.ndarray, path: str) -> tuple[str, str, bytes, dict[str, str]]:
+    header = orjson.dumps({"inputs": [{"name": "input", "shape": list(array.shape), "datatype": "FP32",
+                                       "parameters": {"binary_data_size": array.nbytes}}],
+                           "outputs": [{"name": "output", "parameters": {"binary_data": True}}]})
+    headers = {"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"}
+    return "POST", path, header + array.tobytes(), headers
+
+
+REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
+    "native json": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": x.tolist()}),
+                    {"content-type": "application/json"}),
+    "native raw": ("POST", "/v1/models/demo/transform", x.tobytes(),
+                   {"content-type": "application/octet-stream", "x-shape": f"3,{D}", "accept": "application/octet-stream"}),
+    "native npy": ("POST", "/v1/models/demo/transform", _npy(x),
+                   {"content-type": "application/x-npy", "accept": "application/x-npy"}),
+    "native bad shape": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": [[1.0, 2.0]]}), {}),
+    "native unknown model": ("POST", "/v1/models/nope/transform", orjson.dumps({"inputs": x.tolist()}), {}),
+    "native bad accept": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": x.tolist()}),
+                          {"accept": "text/html"}),
+    "v2 json": ("POST", "/v2/models/demo/infer",
+                orjson.dumps({"id": "7", "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32",
+                                                     "data": x.ravel().tolist()}]}), {}),
+    "v2 binary": _v2_binary(x, "/v2/models/demo/infer"),
+    "v2 versioned": _v2_binary(x, "/v2/models/demo/versions/1/infer"),
+    "v2 wrong version": _v2_binary(x, "/v2/models/demo/versions/2/infer"),
+    "v2 bad datatype": ("POST", "/v2/models/demo/infer",
+                        orjson.dumps({"inputs": [{"name": "input", "shape": [1, D], "datatype": "INT8",
+                                                  "data": [0] * D}]}), {}),
+}
+COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after")
+
+
+async def _ready_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.router.lifespan_context(app):
+        async with asyncio.timeout(30):
+            while not app.state.service.engine.ready:
+                await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            yield client
+
+
+@pytest.fixture
+async def both() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    settings = Settings(max_batch_rows=64)
+    fast_app, routed_app = create_app(settings), create_app(settings, fast_path=False)
+    assert any(m.cls is FastPath for m in fast_app.user_middleware)
+    assert not any(m.cls is FastPath for m in routed_app.user_middleware)
+    async for fast in _ready_client(fast_app):
+        async for routed in _ready_client(routed_app):
+            yield fast, routed
+
+
+@pytest.mark.parametrize("case", list(REQUESTS))
+async def test_fast_path_and_fastapi_routes_answer_alike(both, case: str) -> None:
+    fast, routed = both
+    method, path, body, headers = REQUESTS[case]
+    a = await fast.request(method, path, content=body, headers=headers)
+    b = await routed.request(method, path, content=body, headers=headers)
+    assert a.status_code == b.status_code, (a.text[:200], b.text[:200])
+    assert {h: a.headers.get(h) for h in COMPARED_HEADERS} == {h: b.headers.get(h) for h in COMPARED_HEADERS}
+    assert a.content == b.content
+
+
+async def test_every_fast_endpoint_is_also_a_fastapi_route() -> None:
+    app = create_app(Settings(), fast_path=False)
+    routes = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
+    for endpoint in ENDPOINTS:
+        assert (endpoint.method, endpoint.path) in routes
+    assert sum(endpoint.fast for endpoint in ENDPOINTS) == 3  # transform, infer, versioned infer
