@@ -6,13 +6,11 @@ way TEI's router maps its core's ErrorType to a StatusCode.
 
 from __future__ import annotations
 
+from app.errors import ServiceError
 
-class EngineError(Exception):
-    """A request the engine could not serve; `message` says why, for a person to read."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+class EngineError(ServiceError):
+    """A request the engine could not serve."""
 
 
 class ModelNotFound(EngineError):

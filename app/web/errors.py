@@ -19,16 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.engine import errors as engine
+from app.errors import ServiceError
 
 log = logging.getLogger("ffn_serve")
 
 
-class EdgeError(Exception):
+class EdgeError(ServiceError):
     """An error found at the edge, before the engine sees the request."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class InvalidInput(EdgeError):
@@ -102,8 +99,6 @@ FRAMEWORK_ERROR_TYPES = {
     415: "unsupported_media_type",
 }
 
-ServiceError = EdgeError | engine.EngineError
-SERVICE_ERRORS = (EdgeError, engine.EngineError)
 
 
 def kind_of(exc: Exception) -> ErrorKind:
@@ -130,7 +125,7 @@ def error_response(exc: Exception) -> Response:
     kind = kind_of(exc)
     if kind is INTERNAL:
         return raw_error_response(500, "internal", "internal server error")
-    message = exc.message if isinstance(exc, SERVICE_ERRORS) else str(exc)
+    message = exc.message if isinstance(exc, ServiceError) else str(exc)
     return raw_error_response(kind.status, kind.error_type, message, kind.headers(exc))
 
 
@@ -162,8 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error", exc_info=exc)
         return error_response(exc)
 
-    for cls in SERVICE_ERRORS:
-        app.add_exception_handler(cls, on_service_error)
+    app.add_exception_handler(ServiceError, on_service_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(Exception, on_unexpected)
