@@ -2,16 +2,26 @@
 
 Precedence, highest first: command-line flags, environment variables, the config file, defaults.
 The config file holds the same keys at its top level, plus one `[[models]]` table per model.
+The command line is generated from the Settings class by pydantic-settings' CLI source: each
+field is a `--kebab-case` flag whose help is the field's description, default and variable.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+
+from app import __version__
+
+ENV_PREFIX = "FFN_"
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
@@ -40,7 +50,7 @@ class ModelSpec(BaseModel):
 class Settings(BaseSettings):
     """The service's settings. Each field is also `FFN_<NAME>` in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="FFN_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     config: Path | None = Field(default=None, description="TOML config file with settings and [[models]].")
     host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
@@ -48,11 +58,14 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="Logging level of the service and uvicorn."
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text: one readable line per record; json: one JSON object per line."
+    )
+    access_log: bool = Field(default=False, description="Log one line per HTTP request (uvicorn's access log).")
     max_batch_rows: int = Field(default=1024, ge=1, description="Most rows in one forward pass.")
     max_wait_ms: float = Field(
         default=0.0, ge=0.0, le=1000.0,
-        description="How long a batch may wait for more rows after its first entry. 0 = greedy: "
-        "the model never idles while work is queued; what arrives during a pass forms the next batch.",
+        description="How long a batch may wait for more rows after its first entry; 0 = greedy.",
     )
     max_queue_rows: int = Field(default=16384, ge=1, description="Rows that may wait per model before 429.")
     default_timeout_ms: float = Field(
@@ -103,7 +116,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Settings from flags (`overrides`, None = not given), the environment and the config file."""
+    """Settings from flags (`overrides`, None = not given), the environment and the config file.
+
+    Raises ConfigFileError or pydantic's ValidationError.
+    """
     overrides = {k: v for k, v in overrides.items() if v is not None}
     from_env = Settings(**overrides)
     file_values: dict[str, Any] = {}
@@ -112,3 +128,35 @@ def load_settings(**overrides: Any) -> Settings:
         file_values.pop("config", None)
     explicit = {name: getattr(from_env, name) for name in from_env.model_fields_set}
     return Settings(**{**file_values, **explicit})
+
+
+def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
+    """The settings given as flags in `argv` (only those given), from a parser built from Settings.
+
+    `--help` and `--version` print and exit, as argparse does.
+    """
+    parser = argparse.ArgumentParser(
+        prog="ffn-serve",
+        description="Serve position-wise feed-forward networks over HTTP. Every flag is also an FFN_* "
+        "environment variable and a key of the TOML config file; flags beat the environment, which "
+        "beats the file.",
+    )
+    parser.add_argument("--version", action="version", version=f"ffn-serve {__version__}")
+    source: CliSettingsSource[Settings] = CliSettingsSource(
+        Settings, root_parser=parser, cli_parse_args=list(argv or []), cli_kebab_case=True,
+        cli_implicit_flags=True, cli_hide_none_type=True, cli_show_env_vars=True, cli_avoid_json=True,
+        cli_exit_on_error=True,
+    )
+    return source()
+
+
+def misspelt_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """One warning per `FFN_*` variable that names no setting, with the nearest real one."""
+    known = [ENV_PREFIX + name.upper() for name in Settings.model_fields]
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name.upper() not in known:
+            nearest = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
+            hint = f"; did you mean {nearest[0]}?" if nearest else f"; the settings are {', '.join(known)}"
+            warnings.append(f"environment variable {name} is not a setting and is ignored{hint}")
+    return warnings

@@ -45,6 +45,16 @@ class ServedModel:
         """The compute dtype: the wire dtype of answers that ask for none."""
         return DTYPES[self.spec.dtype]
 
+    def summary(self) -> str:
+        """One line for the start-up log: sizes, variant, dtype, device, memory and source."""
+        config = self.model.config
+        parameters = list(self.model.parameters())
+        count = sum(p.numel() for p in parameters)
+        size = sum(p.numel() * p.element_size() for p in parameters)
+        source = str(self.spec.weights) if self.spec.weights else "built-in demo weights"
+        return (f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
+                f"on {self.runner.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}")
+
     def describe(self) -> dict[str, Any]:
         config = self.model.config
         return {
@@ -99,9 +109,9 @@ class Registry:
                 runner, name=spec.name, max_batch_rows=s.max_batch_rows, max_wait_s=s.max_wait_ms / 1000.0,
                 max_queue_rows=s.max_queue_rows, executor=executor, metrics=self.metrics,
             )
-            self.models[spec.name] = ServedModel(spec, model, runner, batcher)
-            log.info("loaded model %s (%s, %s) from %s on %s", spec.name, model.config.variant,
-                     spec.dtype, source, device)
+            served = ServedModel(spec, model, runner, batcher)
+            self.models[spec.name] = served
+            log.info("loaded model %s", served.summary())
 
     def get(self, name: str) -> ServedModel:
         try:
