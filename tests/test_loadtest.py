@@ -12,7 +12,6 @@ import pytest
 from ffn_client.loadtest import LoadConfig, main, run_load
 from ffn_client.local_server import LocalServer, free_port
 from ffn_client.report import Samples, build_report, window_stats
-from ffn_client.senders import RawSender
 from ffn_client.stub_server import StubAnswer, StubServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,26 +117,6 @@ def test_raw_sender_replaces_connections_the_server_closed():
     with StubServer(respond).in_thread() as stub:
         report = asyncio.run(run_load(LoadConfig(url=stub.url, requests=40, concurrency=4, d_model=8)))
     assert (report.sent, report.ok, report.errors) == (40, 40, {})
-
-
-def test_raw_sender_reads_chunked_answers_and_connection_close():
-    answers = [
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\n\r\n",
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
-    ]
-
-    async def exchange(answer: bytes) -> tuple[int, bool]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(answer)
-
-        class Writer:
-            def write(self, data: bytes) -> None:
-                pass
-
-        return await RawSender._exchange(reader, Writer(), b"")  # type: ignore[arg-type]
-
-    assert asyncio.run(exchange(answers[0])) == (200, True)
-    assert asyncio.run(exchange(answers[1])) == (503, False)
 
 
 def test_report_statistics():
