@@ -10,6 +10,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from app.settings import Settings
 from tests.reference import bf16_round, demo_reference
 from tests.wire import bf16_bytes, from_bf16_bytes
 
@@ -149,3 +150,37 @@ def test_v2_errors(demo_server, document, blob, header_length, needle):
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]
 
+
+# ----- the versioned path behind the API key (in-process) ---------------------------------------
+
+KEY = "v2-versioned-key"
+VERSIONED = "/v2/models/demo/versions/1/infer"
+
+
+@pytest.fixture
+async def secured(start_app) -> httpx.AsyncClient:
+    return (await start_app(Settings(api_key=KEY, warmup=False))).client
+
+
+def v2_body(x: np.ndarray) -> dict:
+    return {"id": "versioned", "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                           "data": x.ravel().tolist()}]}
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", KEY])
+async def test_versioned_infer_without_the_key_is_401(secured: httpx.AsyncClient, authorization: str | None) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    r = await secured.post(VERSIONED, json=v2_body(np.zeros((1, D), np.float32)), headers=headers)
+    assert r.status_code == 401, r.text
+    assert r.json()["error_type"] == "unauthorized"
+
+
+async def test_versioned_infer_with_the_key_answers_right(secured: httpx.AsyncClient) -> None:
+    x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
+    r = await secured.post(VERSIONED, json=v2_body(x), headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["model_name"] == "demo" and answer["id"] == "versioned"
+    (output,) = answer["outputs"]
+    assert output["name"] == "output" and output["shape"] == [3, D]
+    np.testing.assert_allclose(np.array(output["data"]).reshape(3, D), demo_reference(x), rtol=1e-5, atol=1e-5)
