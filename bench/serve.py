@@ -15,21 +15,19 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
-import orjson
 import torch
 
 from bench.micro import measure_rows_per_s
+from ffn_client.encodings import encode_request
+from ffn_client.testing import metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
 
 LUA = Path(__file__).with_name("wrk") / "post.lua"
@@ -53,59 +51,29 @@ class Cell:
     ratio: float
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
 
 
-def start_server(config_file: Path, port: int, max_wait_ms: float, max_batch_rows: int) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {
-        "FFN_TORCH_THREADS": "1", "FFN_MAX_WAIT_MS": str(max_wait_ms), "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
-        "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1",
-    }
-    command = [*pinned(SERVER_CORE), sys.executable, "-m", "app.cli", "--config", str(config_file), "--port", str(port)]
-    process = subprocess.Popen(command, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ffn-serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("ffn-serve did not become ready")
+def server_env(max_wait_ms: float, max_batch_rows: int) -> dict[str, str]:
+    """One torch thread (and one OpenMP thread) so that the server stays on its one core."""
+    return {"FFN_TORCH_THREADS": "1", "FFN_MAX_WAIT_MS": str(max_wait_ms), "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
+            "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
 
 
 def batch_stats(url: str) -> tuple[float, float]:
-    """(sum of rows, number of batches) from ffn_batch_rows."""
-    total = count = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("ffn_batch_rows_sum"):
-            total = float(line.split()[-1])
-        elif line.startswith("ffn_batch_rows_count"):
-            count = float(line.split()[-1])
-    return total, count
+    """(sum of rows, number of batches) of model `ffn` from ffn_batch_rows."""
+    page = httpx.get(f"{url}/metrics").text
+    return metric_value(page, "ffn_batch_rows_sum", model="ffn"), metric_value(page, "ffn_batch_rows_count", model="ffn")
 
 
 def request_body(encoding: str, rows: int, d_model: int, folder: Path) -> tuple[Path, str]:
+    """A request body file for wrk's post.lua, and its headers joined with '|'."""
     x = np.random.default_rng(rows).standard_normal((rows, d_model)).astype(np.float32)
+    request = encode_request("ffn", x, encoding)
     path = folder / f"body-{encoding}-{rows}"
-    if encoding == "binary":
-        path.write_bytes(x.tobytes())
-        headers = (f"Content-Type: application/octet-stream|X-Shape: {rows},{d_model}|X-Dtype: float32"
-                   "|Accept: application/octet-stream")
-    else:
-        path.write_bytes(orjson.dumps({"inputs": x}, option=orjson.OPT_SERIALIZE_NUMPY))
-        headers = "Content-Type: application/json|Accept: application/json"
-    return path, headers
+    path.write_bytes(request.body)
+    return path, "|".join(f"{name}: {value}" for name, value in request.headers.items())
 
 
 def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float) -> dict:
@@ -171,11 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         save_ffn(model, folder / "ffn.safetensors")
         (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
         for max_wait in args.max_wait_ms:
-            port = free_port()
-            base = f"http://127.0.0.1:{port}"
-            url = f"{base}/v1/models/ffn/transform"
-            server = start_server(folder / "ffn.toml", port, max_wait, args.max_batch_rows)
-            try:
+            with start_server(server_env(max_wait, args.max_batch_rows), folder / "ffn.toml",
+                                prefix=pinned(SERVER_CORE), ready_timeout=120.0) as server:
+                base = server.url
+                url = f"{base}/v1/models/ffn/transform"
                 for encoding in args.encodings:
                     for rows in args.rows:
                         body, headers = request_body(encoding, rows, args.d_model, folder)
@@ -196,9 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                                         rows_per_s / base_rps)
                             cells.append(cell)
                             print(format_row(cell), flush=True)
-            finally:
-                server.send_signal(signal.SIGTERM)
-                server.wait(timeout=60)
     batch1_ms = 1000.0 / inprocess.rows_per_s(1)
     print()
     print(table(cells, batch1_ms, args))

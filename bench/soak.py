@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,77 +25,43 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import orjson
+
+from ffn_client import Client
+from ffn_client.encodings import EncodedRequest, encode_request
+from ffn_client.testing import read_rss, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 D_MODEL = 512
 WARM_UP_S = 60.0  # RSS growth is also reported from this point on
+SERVER_DEADLINE_MS = 30_000.0
+# (encoding, wire dtype) of the requests, cycled through in this order.
+KINDS = (("json", "float32"), ("binary", "float32"), ("binary", "float16"), ("binary", "bfloat16"),
+         ("npy", "float32"), ("npy", "float16"), ("v2-json", "float32"), ("v2-binary", "float32"))
 
 
 # ----- requests --------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prebuilt:
     kind: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    rows: int
+    request: EncodedRequest
     expect: int = 200
-
-
-def _bf16_bytes(x: np.ndarray) -> bytes:
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> 16  # truncation is fine here
-    return bits.astype("<u2").tobytes()
-
-
-def _npy(x: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, x, allow_pickle=False)
-    return buffer.getvalue()
 
 
 def build_requests(model: str, count: int, max_rows: int, seed: int = 0) -> list[Prebuilt]:
     """`count` requests over every encoding, rows 1..max_rows, a few deliberately invalid (400)."""
     rng = np.random.default_rng(seed)
-    v1 = f"/v1/models/{model}/transform"
-    v2 = f"/v2/models/{model}/infer"
     out: list[Prebuilt] = []
     for i in range(count):
         rows = int(rng.integers(1, max_rows + 1))
         x = rng.standard_normal((rows, D_MODEL)).astype(np.float32)
-        shape = [rows, D_MODEL]
-        kind = ("json", "raw-f32", "raw-f16", "raw-bf16", "npy-f32", "npy-f16", "v2-json", "v2-binary")[i % 8]
-        if kind == "json":
-            body = orjson.dumps({"inputs": x}, option=orjson.OPT_SERIALIZE_NUMPY)
-            out.append(Prebuilt(kind, v1, {"content-type": "application/json"}, body, rows))
-        elif kind.startswith("raw"):
-            dtype = {"raw-f32": "float32", "raw-f16": "float16", "raw-bf16": "bfloat16"}[kind]
-            body = _bf16_bytes(x) if dtype == "bfloat16" else x.astype(dtype).tobytes()
-            headers = {"content-type": "application/octet-stream", "x-shape": f"{rows},{D_MODEL}",
-                       "x-dtype": dtype, "accept": "application/octet-stream", "x-timeout-ms": "30000"}
-            out.append(Prebuilt(kind, v1, headers, body, rows))
-        elif kind.startswith("npy"):
-            dtype = "float16" if kind.endswith("f16") else "float32"
-            headers = {"content-type": "application/x-npy", "accept": "application/x-npy"}
-            out.append(Prebuilt(kind, v1, headers, _npy(x.astype(dtype)), rows))
-        elif kind == "v2-json":
-            document = {"id": str(i), "inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
-                                                 "data": x.reshape(-1)}]}
-            body = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
-            out.append(Prebuilt(kind, v2, {"content-type": "application/json"}, body, rows))
-        else:
-            header = orjson.dumps({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32",
-                                               "parameters": {"binary_data_size": x.nbytes}}],
-                                   "parameters": {"binary_data_output": True, "timeout": 30_000_000}})
-            headers = {"content-type": "application/octet-stream",
-                       "inference-header-content-length": str(len(header))}
-            out.append(Prebuilt(kind, v2, headers, header + x.tobytes(), rows))
-    for i in range(max(1, count // 50)):  # a few bad requests keep the error paths in the soak
+        encoding, dtype = KINDS[i % len(KINDS)]
+        request = encode_request(model, x, encoding, dtype, timeout_ms=SERVER_DEADLINE_MS)
+        out.append(Prebuilt(f"{encoding}-{dtype}", request))
+    for _ in range(max(1, count // 50)):  # a few bad requests keep the error paths in the soak
         bad = rng.standard_normal((2, D_MODEL - 1)).astype(np.float32)
-        body = orjson.dumps({"inputs": bad}, option=orjson.OPT_SERIALIZE_NUMPY)
-        out.append(Prebuilt("invalid", v1, {"content-type": "application/json"}, body, 2, expect=400))
+        out.append(Prebuilt("invalid", encode_request(model, bad, "json"), expect=400))
     return out
 
 
@@ -124,10 +85,10 @@ async def worker(client: httpx.AsyncClient, requests: list[Prebuilt], stop_at: f
         tally.sent += 1
         tally.by_kind[req.kind] += 1
         try:
-            response = await client.post(req.path, content=req.body, headers=req.headers)
+            response = await client.post(req.request.path, content=req.request.body, headers=req.request.headers)
             status = str(response.status_code)
             if response.status_code == 200:
-                tally.rows += req.rows
+                tally.rows += req.request.rows
         except httpx.TransportError as exc:
             status = type(exc).__name__
             await asyncio.sleep(0.1)  # the server is gone or refusing: do not spin
@@ -174,45 +135,7 @@ async def soak(url: str, pid: int | None, args: argparse.Namespace) -> tuple[Tal
     return tally, samples, elapsed
 
 
-# ----- server ------------------------------------------------------------------------------------
-
-
-def read_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not become ready in {timeout_s:.0f} s")
-
-
-def start_server(extra_env: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
-    env.update(item.split("=", 1) for item in extra_env)
-    env.setdefault("FFN_LOG_LEVEL", "warning")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO_ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url)
-    except SystemExit:
-        proc.kill()
-        raise
-    return proc, url
+# ----- report ------------------------------------------------------------------------------------
 
 
 def report(tally: Tally, samples: list[tuple[float, int]], elapsed: float) -> None:
@@ -249,28 +172,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra environment for the started server (repeatable)")
     args = parser.parse_args(argv)
 
-    proc = None
     if args.url:
-        url, pid = args.url.rstrip("/"), args.pid
-        wait_ready(url)
+        with Client(args.url, timeout=2.0) as client:
+            client.wait_ready(timeout=120.0)
+        tally, samples, elapsed = run(args.url.rstrip("/"), args.pid, args)
     else:
-        proc, url = start_server(args.env)
-        pid = proc.pid
-    print(f"soak: {args.minutes:g} min against {url} (pid {pid}), {args.concurrency} workers, "
-          f"rows 1..{args.max_rows}", flush=True)
-    try:
-        tally, samples, elapsed = asyncio.run(soak(url, pid, args))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(60)
-                print(f"server exit code    {code} after SIGTERM")
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                print("server did not exit within 60 s of SIGTERM; killed")
+        env = {"FFN_LOG_LEVEL": "warning", **dict(item.split("=", 1) for item in args.env)}
+        with start_server(env=env, cwd=REPO_ROOT, ready_timeout=120.0) as server:
+            tally, samples, elapsed = run(server.url, server.pid, args)
+            print(f"server exit code    {server.stop(60.0)} after SIGTERM")
     report(tally, samples, elapsed)
     return 0 if not tally.unexpected else 1
+
+
+def run(url: str, pid: int | None, args: argparse.Namespace) -> tuple[Tally, list[tuple[float, int]], float]:
+    print(f"soak: {args.minutes:g} min against {url} (pid {pid}), {args.concurrency} workers, "
+          f"rows 1..{args.max_rows}", flush=True)
+    return asyncio.run(soak(url, pid, args))
 
 
 if __name__ == "__main__":

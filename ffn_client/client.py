@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from ffn_client.encodings import decode_response, encode_request, loads
+from ffn_client.encodings import EncodedRequest, decode_response, encode_request, loads
 from ffn_client.errors import FFNError, Overloaded, ProtocolError, Timeout, TransportError, error_from_response
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -50,6 +50,16 @@ class _Base:
             "limits": httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
         }
+
+    def _answer_or_delay(self, request: EncodedRequest, response: httpx.Response, attempt: int) -> np.ndarray | float:
+        """A 200's decoded array, or the seconds to wait before retrying; the error when there is no retry."""
+        if response.status_code == 200:
+            return decode_response(request, response.headers, response.content)
+        error = error_from_response(response.status_code, response.headers, response.content)
+        delay = self._retry_delay(error, attempt)
+        if delay is None:
+            raise error
+        return delay
 
     def _retry_delay(self, error: FFNError, attempt: int) -> float | None:
         """Seconds to wait before retrying after `error` on attempt `attempt` (0-based); None = raise."""
@@ -124,13 +134,10 @@ class Client(_Base):
         request = encode_request(model, array, encoding, dtype, timeout_ms)
         for attempt in range(self.max_retries + 1):
             response = self._request("POST", request.path, content=request.body, headers=request.headers)
-            if response.status_code == 200:
-                return decode_response(request, response.headers, response.content)
-            error = error_from_response(response.status_code, response.headers, response.content)
-            delay = self._retry_delay(error, attempt)
-            if delay is None:
-                raise error
-            self._sleep(delay)
+            answer = self._answer_or_delay(request, response, attempt)
+            if isinstance(answer, np.ndarray):
+                return answer
+            self._sleep(answer)
         raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
 
     def models(self) -> list[dict[str, Any]]:
@@ -204,13 +211,10 @@ class AsyncClient(_Base):
         request = encode_request(model, array, encoding, dtype, timeout_ms)
         for attempt in range(self.max_retries + 1):
             response = await self._request("POST", request.path, content=request.body, headers=request.headers)
-            if response.status_code == 200:
-                return decode_response(request, response.headers, response.content)
-            error = error_from_response(response.status_code, response.headers, response.content)
-            delay = self._retry_delay(error, attempt)
-            if delay is None:
-                raise error
-            await self._sleep(delay)
+            answer = self._answer_or_delay(request, response, attempt)
+            if isinstance(answer, np.ndarray):
+                return answer
+            await self._sleep(answer)
         raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
 
     async def models(self) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -28,8 +29,10 @@ from ffn_client.errors import ProtocolError
 
 try:  # optional: several times faster for big JSON tensors; plain json otherwise
     import orjson
+
+    HAVE_ORJSON = True
 except ImportError:  # pragma: no cover - orjson is a server dependency, usually present
-    orjson = None
+    HAVE_ORJSON = False
 
 ENCODINGS = ("json", "binary", "npy", "v2-json", "v2-binary")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -44,7 +47,7 @@ V2_DATATYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
 DTYPE_OF_V2 = {v: k for k, v in V2_DATATYPES.items()}
 V2_INPUT, V2_OUTPUT = "input", "output"  # tensor names in the server's V2 metadata
 
-_WIRE = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+_WIRE: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 _MEDIA = {"json": "application/json", "binary": "application/octet-stream", "npy": "application/x-npy"}
 
 
@@ -108,7 +111,7 @@ def from_npy(buffer: bytes) -> np.ndarray:
 
 def dumps(value: object) -> bytes:
     """Compact JSON bytes; numpy arrays are written as nested lists."""
-    if orjson is not None:
+    if HAVE_ORJSON:
         return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
     return json.dumps(value, separators=(",", ":"), default=lambda a: a.tolist()).encode()
 
@@ -116,7 +119,7 @@ def dumps(value: object) -> bytes:
 def loads(data: bytes | memoryview) -> object:
     """Parsed JSON; a body that is not JSON is a ProtocolError."""
     try:
-        return orjson.loads(data) if orjson is not None else json.loads(bytes(data))
+        return orjson.loads(data) if HAVE_ORJSON else json.loads(bytes(data))
     except ValueError as exc:
         raise ProtocolError(f"answer is not valid JSON: {exc}") from None
 

@@ -115,7 +115,7 @@ class Timeout(TransportError):
 
 
 ERRORS_BY_STATUS: dict[int, type[FFNError]] = {
-    cls.default_status: cls  # type: ignore[misc]
+    cls.default_status: cls
     for cls in (
         BadRequest, Unauthorized, ModelNotFound, NotAcceptable, PayloadTooLarge,
         UnsupportedMediaType, Overloaded, ServerError, Unavailable, DeadlineExceeded, OutOfMemory,

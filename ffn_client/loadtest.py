@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ffn_client.encodings import DTYPES, ENCODINGS
 from ffn_client.load import (
@@ -24,6 +25,9 @@ from ffn_client.load import (
 )
 from ffn_client.report import Report, plot_report, render_table
 from ffn_client.senders import ENGINES
+
+if TYPE_CHECKING:  # rich is imported when the CLI runs, not when this module is imported
+    from rich.console import Console
 
 __all__ = ["LoadConfig", "Progress", "Report", "build_parser", "main", "run_load"]
 
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _live_progress(console: object) -> tuple[Callable[[Progress], None], contextlib.AbstractContextManager]:
+def _live_progress(console: Console) -> tuple[Callable[[Progress], None], contextlib.AbstractContextManager]:
     """A progress callback drawing one updating line with rich, and its Live context."""
     from rich.live import Live
     from rich.text import Text

@@ -13,11 +13,27 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 
+from ffn_client.http1 import build_request, read_response
 from ffn_client.report import CONNECT_ERROR, TIMEOUT, TRANSPORT_ERROR
+
+
+RequestT = TypeVar("RequestT")
+
+
+class Sender(Protocol[RequestT]):
+    """What the load generator needs of an engine; the prepared request's type is the engine's own."""
+
+    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> RequestT: ...
+
+    async def send(self, request: RequestT) -> int: ...
+
+    async def aclose(self) -> None: ...
 
 
 class HttpxSender:
@@ -44,10 +60,6 @@ class HttpxSender:
         await self._http.aclose()
 
 
-class _Closed(Exception):
-    """The server closed a kept-alive connection before answering."""
-
-
 class RawSender:
     """Keep-alive HTTP/1.1 over asyncio streams, at most `connections` in use; a prepared request is bytes."""
 
@@ -66,10 +78,7 @@ class RawSender:
         self._idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = deque()
 
     def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        lines = [f"POST {self._prefix}{path} HTTP/1.1", f"Host: {self._authority}"]
-        lines += [f"{name}: {value}" for name, value in {**self._headers, **headers}.items()]
-        lines.append(f"Content-Length: {len(body)}")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        return build_request("POST", self._prefix + path, {**self._headers, **headers}, body, host=self._authority)
 
     async def send(self, request: bytes) -> int:
         try:
@@ -98,8 +107,9 @@ class RawSender:
                     return CONNECT_ERROR
             reader, writer = connection
             try:
-                status, keep_alive = await self._exchange(reader, writer, request)
-            except (_Closed, ConnectionError):
+                writer.write(request)
+                response = await read_response(reader)
+            except ConnectionError:  # ConnectionClosed included
                 writer.close()
                 if reused:  # the server closed this kept-alive connection (its idle timeout): retry on a fresh one
                     continue
@@ -110,41 +120,12 @@ class RawSender:
             except BaseException:  # cancelled mid-answer (timeout): its state is unknown
                 writer.close()
                 raise
-            if keep_alive:
+            if response.keep_alive:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
-            return status
+            return response.status
         return TRANSPORT_ERROR
-
-    @staticmethod
-    async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bool]:
-        """Write one request, read its whole answer: (status, whether the connection stays open)."""
-        writer.write(request)
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as exc:
-            raise _Closed from exc
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split(" ", 2)[1])
-        length, chunked, keep_alive = 0, False, True
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "content-length":
-                length = int(value)
-            elif name == "transfer-encoding":
-                chunked = "chunked" in value.lower()
-            elif name == "connection":
-                keep_alive = "close" not in value.lower()
-        if chunked:
-            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                await reader.readexactly(size + 2)
-            while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers
-                pass
-        elif length:
-            await reader.readexactly(length)
-        return status, keep_alive
 
     async def aclose(self) -> None:
         while self._idle:
@@ -152,4 +133,5 @@ class RawSender:
             writer.close()
 
 
-ENGINES = {"raw": RawSender, "httpx": HttpxSender}
+# Each engine is built as engine(url, connections, timeout, headers).
+ENGINES: dict[str, Callable[[str, int, float, dict[str, str]], Sender[Any]]] = {"raw": RawSender, "httpx": HttpxSender}

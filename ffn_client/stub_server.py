@@ -14,9 +14,12 @@ import argparse
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any, cast
+
+from ffn_client.http1 import parse_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,22 +75,19 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        # create_server hands over a stream transport; uvloop's do not subclass asyncio.Transport.
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         while (end := self._buffer.find(b"\r\n\r\n")) >= 0:
-            lines = self._buffer[:end].decode("latin-1").split("\r\n")
-            headers = {}
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
+            request_line, headers = parse_head(self._buffer[:end])
             length = int(headers.get("content-length", "0"))
             if len(self._buffer) < end + 4 + length:
                 return  # wait for the rest of the body
             body = bytes(self._buffer[end + 4 : end + 4 + length])
             del self._buffer[: end + 4 + length]
-            method, path, _version = lines[0].split(" ", 2)
+            method, path, _version = request_line.split(" ", 2)
             answer = self._respond(StubRequest(method, path, headers, body))
             assert self._transport is not None, "data before connection_made. This is a bug."
             self._transport.write(answer.to_bytes())
@@ -153,15 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     args = parser.parse_args(argv)
-    try:
-        import uvloop  # the fastest loop we have: the stub must not be the bottleneck
-    except ImportError:
-        uvloop = None
     server = StubServer(host=args.host, port=args.port)
     print(f"stub server on http://{args.host}:{args.port} (echo)", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        (uvloop.run if uvloop else asyncio.run)(server.serve_forever())
+        _fastest_run()(server.serve_forever())
     return 0
+
+
+def _fastest_run() -> Callable[[Coroutine[Any, Any, None]], None]:
+    """uvloop's run where it is installed (the stub must not be the bottleneck), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    run: Callable[[Coroutine[Any, Any, None]], None] = uvloop.run
+    return run
 
 
 if __name__ == "__main__":

@@ -1,44 +1,59 @@
-"""Shared fixtures. ffn_core: a float64 numpy FFN to check against, and the MiniLM checkpoint."""
+"""Shared fixtures: a clean FFN_* environment, the in-process app, the float64 reference, MiniLM."""
 
 from __future__ import annotations
 
 import importlib.resources
-import math
-from collections.abc import Callable
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])
+from ffn_client.testing import ServerProcess, start_server
+from tests.reference import assert_close, numpy_ffn
 
-# The activations written out in float64, independently of torch.
-NP_ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "relu": lambda z: np.maximum(z, 0.0),
-    "gelu": lambda z: 0.5 * z * (1.0 + _erf(z / math.sqrt(2.0))),
-    "gelu_tanh": lambda z: 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3))),
-    "silu": lambda z: z / (1.0 + np.exp(-z)),
-    "identity": lambda z: z,
-}
+if TYPE_CHECKING:  # imported when used, so that ffn_core's tests do not load the server
+    from app.settings import Settings
+    from tests.in_process import InProcessApp
 
 
-def numpy_ffn(x: np.ndarray, params: dict[str, np.ndarray], activation: str) -> np.ndarray:
-    """y = f(x W1^T + b1) [* (x V^T + c)] W2^T + b2 in float64, on native-named [out, in] weights."""
-    x = np.asarray(x, dtype=np.float64)
-    p = {key: np.asarray(value, dtype=np.float64) for key, value in params.items()}
-    hidden = NP_ACTIVATIONS[activation](x @ p["layer1.weight"].T + p.get("layer1.bias", 0.0))
-    if "linear_v.weight" in p:
-        hidden = hidden * (x @ p["linear_v.weight"].T + p.get("linear_v.bias", 0.0))
-    return hidden @ p["layer2.weight"].T + p.get("layer2.bias", 0.0)
+@pytest.fixture(autouse=True)
+def _no_ffn_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test sees no FFN_* variable, whatever the developer's shell exports."""
+    for name in list(os.environ):
+        if name.startswith("FFN_"):
+            monkeypatch.delenv(name)
 
 
-def assert_close(actual, expected: np.ndarray, rtol: float = 1e-5) -> None:
-    """Largest error within `rtol` of the largest reference value (elementwise rtol breaks near 0)."""
-    actual = np.asarray(actual, dtype=np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    error = np.abs(actual - expected).max()
-    scale = np.abs(expected).max()
-    assert error <= rtol * scale, f"max error {error:.3g} > {rtol:g} x {scale:.3g}"
+@pytest.fixture
+async def start_app() -> AsyncIterator[Callable[..., Awaitable[InProcessApp]]]:
+    """start_app(settings, fast_path=True) -> InProcessApp(app, client): create_app running and ready.
+
+    The lifespan runs, `client` is an httpx.AsyncClient over httpx.ASGITransport, and the test
+    fails if the app is not ready within a minute. Everything started stops after the test.
+    """
+    from tests.in_process import serve_in_process
+
+    async with AsyncExitStack() as stack:
+
+        async def start(settings: Settings, *, fast_path: bool = True) -> InProcessApp:
+            return await stack.enter_async_context(serve_in_process(settings, fast_path=fast_path))
+
+        yield start
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[ServerProcess]:
+    """A real `ffn-serve` with default settings (the built-in demo model), shared by the whole run.
+
+    For tests that only send requests and check answers; a test that needs other settings, or
+    counts on /metrics staying still, starts its own with start_server.
+    """
+    with start_server(env={"FFN_LOG_LEVEL": "warning"}) as server:
+        yield server
 
 
 @pytest.fixture

@@ -51,6 +51,14 @@ async def make(forward, executor, **kwargs) -> Batcher:
     return batcher
 
 
+async def hold(forward: RecordingForward, batcher: Batcher, first: torch.Tensor) -> asyncio.Task[torch.Tensor]:
+    """Submit `first` and return once its forward pass runs, held there until forward.release is set."""
+    forward.release.clear()
+    task = asyncio.create_task(batcher.submit(first))
+    await asyncio.to_thread(forward.started.wait, 5)
+    return task
+
+
 async def test_lone_request_waits_max_wait(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.3)
@@ -87,9 +95,7 @@ async def test_full_batch_goes_at_once_despite_long_wait(executor):
 async def test_arrivals_during_a_forward_form_the_next_batch(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
-    forward.release.clear()
-    first = asyncio.create_task(batcher.submit(rows(2)))
-    await asyncio.to_thread(forward.started.wait, 5)  # first batch is now running and held
+    first = await hold(forward, batcher, rows(2))
     later = [asyncio.create_task(batcher.submit(rows(n, 10 * n))) for n in (1, 2, 3)]
     await asyncio.sleep(0.05)
     forward.release.set()
@@ -115,9 +121,7 @@ async def test_oversized_request_is_chunked_and_reassembled_in_order(executor):
 async def test_cancelled_entry_is_skipped(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
-    forward.release.clear()
-    blocker = asyncio.create_task(batcher.submit(rows(1)))
-    await asyncio.to_thread(forward.started.wait, 5)
+    blocker = await hold(forward, batcher, rows(1))
     gone = asyncio.create_task(batcher.submit(rows(5)))
     kept = asyncio.create_task(batcher.submit(rows(7)))
     await asyncio.sleep(0.02)
@@ -135,9 +139,7 @@ async def test_cancelled_entry_is_skipped(executor):
 async def test_deadline_passed_in_queue_gives_504_and_no_compute(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
-    forward.release.clear()
-    blocker = asyncio.create_task(batcher.submit(rows(1)))
-    await asyncio.to_thread(forward.started.wait, 5)
+    blocker = await hold(forward, batcher, rows(1))
     loop = asyncio.get_running_loop()
     late = asyncio.create_task(batcher.submit(rows(3), deadline=loop.time() + 0.05))
     with pytest.raises(DeadlineExceeded):
@@ -151,9 +153,7 @@ async def test_deadline_passed_in_queue_gives_504_and_no_compute(executor):
 async def test_queue_full_is_overloaded_and_too_big_is_413(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=4, max_wait_s=0.0, max_queue_rows=10)
-    forward.release.clear()
-    blocker = asyncio.create_task(batcher.submit(rows(1)))
-    await asyncio.to_thread(forward.started.wait, 5)
+    blocker = await hold(forward, batcher, rows(1))
     waiting = asyncio.create_task(batcher.submit(rows(8)))
     await asyncio.sleep(0.01)
     with pytest.raises(Overloaded) as info:

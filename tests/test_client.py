@@ -35,8 +35,9 @@ from ffn_client.errors import (
     error_from_response,
     parse_retry_after,
 )
-from ffn_client.local_server import LocalServer, free_port
 from ffn_client.stub_server import StubAnswer, StubRequest, StubServer, echo
+from ffn_client.testing import free_port, start_server
+from tests.reference import assert_close, demo_reference
 
 REPO = Path(__file__).resolve().parents[1]
 D_MODEL = 512
@@ -46,64 +47,35 @@ COMBINATIONS = [(e, d) for e in enc.ENCODINGS for d in enc.SUPPORTED_DTYPES[e]]
 
 
 @pytest.fixture(scope="module")
-def server():
-    with LocalServer(cwd=REPO, env={"FFN_LOG_LEVEL": "warning"}) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with Client(server.url, max_retries=0) as c:
+def client(demo_server):
+    with Client(demo_server.url, max_retries=0) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The demo model's weights in float64 and the FFN written out in numpy."""
-    from ffn_core import demo_ffn
-
-    model = demo_ffn()
-    w1, b1 = (p.detach().double().numpy() for p in (model.layer1.weight, model.layer1.bias))
-    w2, b2 = (p.detach().double().numpy() for p in (model.layer2.weight, model.layer2.bias))
-    return lambda x: np.maximum(np.asarray(x, np.float64) @ w1.T + b1, 0.0) @ w2.T + b2
-
-
-def check(actual: np.ndarray, expected: np.ndarray, dtype: str) -> None:
-    assert actual.shape == expected.shape
-    error = np.abs(actual.astype(np.float64) - expected).max()
-    assert error <= TOLERANCE[dtype] * np.abs(expected).max(), f"max error {error:.3g}"
-
-
-def v2_available(url: str) -> bool:
-    return httpx.get(f"{url}/v2/models/demo").status_code != 404
 
 
 # -- against the real server ------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(7, D_MODEL), (2, 3, D_MODEL)], ids=["2d", "3d"])
 @pytest.mark.parametrize(("encoding", "dtype"), COMBINATIONS, ids=[f"{e}-{d}" for e, d in COMBINATIONS])
-def test_transform_matches_numpy(client, server, reference, encoding, dtype, shape):
-    if encoding.startswith("v2") and not v2_available(server.url):
-        pytest.skip("server has no /v2/models/{name} yet (404)")
+def test_transform_matches_numpy(client, encoding, dtype, shape):
     # Built transposed: a non-contiguous array must travel as well as a contiguous one.
     x = np.random.default_rng(len(shape)).standard_normal(shape[::-1]).astype(np.float32).T
     y = client.transform("demo", x, encoding=encoding, dtype=dtype)
     assert y.dtype == (np.float16 if dtype == "float16" else np.float32)
-    check(y, reference(enc.as_wire_values(x, dtype)), dtype)
+    assert_close(y, demo_reference(enc.as_wire_values(x, dtype)), TOLERANCE[dtype])
 
 
-def test_float16_array_goes_as_float16_by_default(client, reference):
+def test_float16_array_goes_as_float16_by_default(client):
     x = np.random.default_rng(1).standard_normal((3, D_MODEL)).astype(np.float16)
     y = client.transform("demo", x)
     assert y.dtype == np.float16
-    check(y, reference(x), "float16")
+    assert_close(y, demo_reference(x), TOLERANCE["float16"])
 
 
-async def test_async_client_concurrent_requests(server, reference):
+async def test_async_client_concurrent_requests(demo_server):
     rng = np.random.default_rng(2)
     inputs = [rng.standard_normal((int(n), D_MODEL)).astype(np.float32) for n in rng.integers(1, 40, 8)]
     encodings = ["binary", "json", "npy", "v2-binary"] * 2
-    async with AsyncClient(server.url) as client:
+    async with AsyncClient(demo_server.url) as client:
         assert await client.ready() and await client.live()
         outputs = await asyncio.gather(
             *(client.transform("demo", x, encoding=e) for x, e in zip(inputs, encodings))
@@ -111,15 +83,13 @@ async def test_async_client_concurrent_requests(server, reference):
         with pytest.raises(ModelNotFound):
             await client.transform("no-such-model", inputs[0])
     for x, y in zip(inputs, outputs):
-        check(y, reference(x), "float32")
+        assert_close(y, demo_reference(x), TOLERANCE["float32"])
 
 
-def test_models_and_metadata(client, server):
+def test_models_and_metadata(client):
     assert client.ready() and client.live()
     (demo,) = [m for m in client.models() if m["name"] == "demo"]
     assert (demo["d_model"], demo["d_ff"], demo["activation"], demo["gated"]) == (512, 2048, "relu", False)
-    if not v2_available(server.url):
-        pytest.skip("server has no /v2/models/{name} yet (404)")
     meta = client.metadata("demo")
     assert meta["inputs"][0]["name"] == "input" and meta["inputs"][0]["shape"][-1] == D_MODEL
     assert meta["outputs"][0]["name"] == "output"
@@ -148,7 +118,7 @@ def test_metadata_of_unknown_model(client):
 
 
 def test_api_key_against_a_server_that_requires_one():
-    with LocalServer(cwd=REPO, env={"FFN_API_KEY": "s3cret", "FFN_LOG_LEVEL": "warning"}) as secured:
+    with start_server(env={"FFN_API_KEY": "s3cret", "FFN_LOG_LEVEL": "warning"}) as secured:
         with Client(secured.url, max_retries=0) as anonymous:
             assert anonymous.ready()  # health needs no key
             with pytest.raises(Unauthorized) as raised:
@@ -297,11 +267,9 @@ def test_v2_deadline_is_the_timeout_parameter_in_microseconds():
         assert "X-Timeout-Ms" not in request.headers
 
 
-def test_deadline_reaches_the_server(client, server):
+def test_deadline_reaches_the_server(client):
     """A generous deadline is accepted on every route (the server refuses malformed ones with 400)."""
     for encoding in enc.ENCODINGS:
-        if encoding.startswith("v2") and not v2_available(server.url):
-            continue
         y = client.transform("demo", np.ones((2, D_MODEL)), encoding=encoding, timeout_ms=30_000)
         assert y.shape == (2, D_MODEL)
         with pytest.raises(BadRequest, match="timeout"):
@@ -378,7 +346,7 @@ def test_v2_json_answer_decodes_flat_data():
 
 def test_importing_ffn_client_does_not_import_the_server_stack():
     code = (
-        "import sys, ffn_client, ffn_client.loadtest, ffn_client.encodings, ffn_client.local_server;"
+        "import sys, ffn_client, ffn_client.loadtest, ffn_client.encodings, ffn_client.http1, ffn_client.testing;"
         "print(sorted(m for m in ('torch', 'fastapi', 'app', 'ffn_core', 'matplotlib', 'uvicorn') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)

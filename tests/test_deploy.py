@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from app.settings import Settings, read_config_file
-from tests.server_process import free_port
+from ffn_client.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -19,7 +19,10 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server_process import demo_reference, metric_value, running_server, slow_model_config
+from ffn_client.testing import metric_value, start_server, wait_for_metrics
+from tests.reference import demo_reference
+from tests.wire import raw_headers
+from tests.slow_model import slow_model_config
 
 D_MODEL = 512
 WORKERS = 8
@@ -36,11 +39,6 @@ class Sent:
     y: np.ndarray | None = None  # a 200's answer, checked against float64 numpy after the run
 
 
-def raw_headers(rows: int) -> dict[str, str]:
-    return {"content-type": "application/octet-stream", "accept": "application/octet-stream",
-            "x-shape": f"{rows},{D_MODEL}", "x-dtype": "float32"}
-
-
 async def load_worker(url: str, seed: int, log: list[Sent], stop: asyncio.Event) -> None:
     """Send until a request is refused or fails after SIGTERM (or `stop` is set); check answers later."""
     rng = np.random.default_rng(seed)
@@ -55,7 +53,7 @@ async def load_worker(url: str, seed: int, log: list[Sent], stop: asyncio.Event)
                     r = await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
                     y = np.asarray(r.json()["outputs"]) if r.status_code == 200 else None
                 else:
-                    r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(rows))
+                    r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers((rows, D_MODEL)))
                     y = np.frombuffer(r.content, "<f4").reshape(rows, D_MODEL) if r.status_code == 200 else None
             except httpx.TransportError as exc:
                 sent.outcome = type(exc).__name__
@@ -79,14 +77,15 @@ def drain_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path) -> None:
-    with running_server(config=drain_config) as server:
+    with start_server(config=drain_config) as server:
         log: list[Sent] = []
         stop = asyncio.Event()
         workers = [asyncio.create_task(load_worker(server.url, seed, log, stop)) for seed in range(WORKERS)]
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as probe:
             # Load flowing: some demo requests already answered.
-            while metric_value((await probe.get("/metrics")).text, "ffn_requests_total", model="demo", outcome="ok") < 20:
-                await asyncio.sleep(0.02)
+            await wait_for_metrics(
+                probe, lambda m: metric_value(m, "ffn_requests_total", model="demo", outcome="ok") >= 20,
+                "20 demo requests answered")
             # Big slow requests: one in its forward pass and one queued behind it, so the drain
             # lasts at least one whole forward pass after SIGTERM whatever the machine's speed.
             slow_x = np.ones((SLOW_ROWS, D_MODEL), dtype=np.float32).tobytes()
@@ -101,7 +100,7 @@ async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path
                     break
                 if len(slow) < 2 or (started == len(slow) and len(slow) < 6):  # none waiting: send one more
                     slow.append(asyncio.create_task(
-                        probe.post("/v1/models/slow/transform", content=slow_x, headers=raw_headers(SLOW_ROWS))))
+                        probe.post("/v1/models/slow/transform", content=slow_x, headers=raw_headers((SLOW_ROWS, D_MODEL)))))
                 await asyncio.sleep(0.01)
             else:
                 raise AssertionError("never saw one slow request computing and another queued")
@@ -159,19 +158,14 @@ async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path
 
 async def test_drain_timeout_answers_what_is_left_503_and_exits_0(drain_config: Path) -> None:
     """Work that cannot finish within FFN_DRAIN_TIMEOUT_S is answered 503 (never a 500 or a reset)."""
-    with running_server(config=drain_config, env={"FFN_DRAIN_TIMEOUT_S": "0.2"}) as server:
+    with start_server(config=drain_config, env={"FFN_DRAIN_TIMEOUT_S": "0.2"}) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as client:
             body = np.ones((SLOW_ROWS, D_MODEL), dtype=np.float32).tobytes()
             slow = [asyncio.create_task(client.post("/v1/models/slow/transform", content=body,
-                                                    headers=raw_headers(SLOW_ROWS))) for _ in range(3)]
-            give_up = time.monotonic() + 60
-            while time.monotonic() < give_up:  # one computing, two queued: seconds of work left
-                page = (await client.get("/metrics")).text
-                if metric_value(page, "ffn_queue_rows", model="slow") == 2 * SLOW_ROWS:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the slow requests never queued")
+                                                    headers=raw_headers((SLOW_ROWS, D_MODEL)))) for _ in range(3)]
+            # One computing, two queued: seconds of work left.
+            await wait_for_metrics(client, lambda m: metric_value(m, "ffn_queue_rows", model="slow") == 2 * SLOW_ROWS,
+                                   "two slow requests queued behind a third")
             server.terminate()
             answers = await asyncio.gather(*slow)
         code = server.wait(60)

@@ -7,15 +7,12 @@ body must be equal. The fast path must really be the one answering in the first 
 
 from __future__ import annotations
 
-import asyncio
 import io
-from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
 import orjson
 import pytest
-from fastapi import FastAPI
 
 from app.main import ENDPOINTS, create_app
 from app.settings import Settings
@@ -63,24 +60,13 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
 COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after")
 
 
-async def _ready_client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.router.lifespan_context(app):
-        async with asyncio.timeout(30):
-            while not app.state.service.engine.ready:
-                await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-            yield client
-
-
 @pytest.fixture
-async def both() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
     settings = Settings(max_batch_rows=64)
-    fast_app, routed_app = create_app(settings), create_app(settings, fast_path=False)
-    assert any(m.cls is FastPath for m in fast_app.user_middleware)
-    assert not any(m.cls is FastPath for m in routed_app.user_middleware)
-    async for fast in _ready_client(fast_app):
-        async for routed in _ready_client(routed_app):
-            yield fast, routed
+    fast, routed = await start_app(settings), await start_app(settings, fast_path=False)
+    assert any(m.cls is FastPath for m in fast.app.user_middleware)
+    assert not any(m.cls is FastPath for m in routed.app.user_middleware)
+    return fast.client, routed.client
 
 
 @pytest.mark.parametrize("case", list(REQUESTS))

@@ -7,14 +7,16 @@ dot segments stay in paths, headers keep their size, chunked framing is ours.
 
 from __future__ import annotations
 
-import io
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import orjson
 import pytest
 
-from tests.server_process import RawResponse, ServerProcess, demo_reference, http_request, raw_request, running_server
+from ffn_client.http1 import Response
+from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from tests.reference import demo_reference
+from tests.wire import npy_bytes, raw_headers
 
 D_MODEL = 512
 KEY = "hostile-test-key-7f3a9c"
@@ -29,18 +31,18 @@ ZEROS = ", ".join(["0.0"] * (D_MODEL - 1))  # the rest of a row after its first 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0"}
-    with running_server(env=env) as srv:
+    with start_server(env=env) as srv:
         yield srv
 
 
 async def send(server: ServerProcess, method: str, path: str, headers: dict[str, str] | None = None,
-               body: bytes = b"", *, auth: bool = True) -> RawResponse:
+               body: bytes = b"", *, auth: bool = True) -> Response:
     all_headers = {**(AUTH if auth else {}), **(headers or {})}
     # Keep-alive: an answer sent before the body was read must not be lost to a reset (see http_request).
     return await raw_request(server.port, http_request(method, path, all_headers, body, close=False))
 
 
-def assert_error(r: RawResponse, status: int, error_type: str | None = None) -> dict[str, str]:
+def assert_error(r: Response, status: int, error_type: str | None = None) -> dict[str, str]:
     assert r.status == status, f"expected {status}, got {r.status}: {r.body[:300]!r}"
     assert r.headers.get("content-type", "").startswith("application/json")
     body = r.json()
@@ -66,16 +68,6 @@ async def still_serving(server: ServerProcess) -> AsyncIterator[None]:
 
 def row_json(first: str) -> bytes:
     return f'{{"inputs": [[{first}, {ZEROS}]]}}'.encode()
-
-
-def npy_bytes(array: np.ndarray, *, allow_pickle: bool = False) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=allow_pickle)
-    return buffer.getvalue()
-
-
-def raw(shape: str, dtype: str = "float32") -> dict[str, str]:
-    return {"Content-Type": "application/octet-stream", "X-Shape": shape, "X-Dtype": dtype}
 
 
 # ----- JSON ---------------------------------------------------------------------------------
@@ -119,24 +111,24 @@ async def test_hostile_json_is_400(server: ServerProcess, body: bytes) -> None:
 
 ONE_ROW = np.ones((1, D_MODEL), dtype=np.float32).tobytes()
 RAW_CASES = {
-    "shape-product-overflows-int64": (raw("4294967296,4294967296,512"), ONE_ROW),
-    "shape-20-digits": (raw("99999999999999999999,512"), ONE_ROW),
-    "shape-dim-0": (raw("0,512"), b""),
-    "shape-dim-minus-1": (raw("-1,512"), ONE_ROW),
-    "shape-dim-1.5": (raw("1.5,512"), ONE_ROW),
-    "shape-empty": (raw(""), ONE_ROW),
-    "shape-trailing-comma": (raw("1,512,"), ONE_ROW),
-    "shape-superscript-digit": (raw("\u00b2,512"), ONE_ROW),  # '²'.isdigit() is True, int('²') fails
-    "shape-rank-4": (raw("1,1,1,512"), ONE_ROW),
-    "shape-10^12-elements-tiny-body": (raw("1953125000,512"), ONE_ROW),
+    "shape-product-overflows-int64": (raw_headers("4294967296,4294967296,512"), ONE_ROW),
+    "shape-20-digits": (raw_headers("99999999999999999999,512"), ONE_ROW),
+    "shape-dim-0": (raw_headers("0,512"), b""),
+    "shape-dim-minus-1": (raw_headers("-1,512"), ONE_ROW),
+    "shape-dim-1.5": (raw_headers("1.5,512"), ONE_ROW),
+    "shape-empty": (raw_headers(""), ONE_ROW),
+    "shape-trailing-comma": (raw_headers("1,512,"), ONE_ROW),
+    "shape-superscript-digit": (raw_headers("\u00b2,512"), ONE_ROW),  # '²'.isdigit() is True, int('²') fails
+    "shape-rank-4": (raw_headers("1,1,1,512"), ONE_ROW),
+    "shape-10^12-elements-tiny-body": (raw_headers("1953125000,512"), ONE_ROW),
     "shape-missing": ({"Content-Type": "application/octet-stream"}, ONE_ROW),
-    "body-shorter-than-shape": (raw("2,512"), ONE_ROW),
-    "body-longer-than-shape": (raw("1,512"), ONE_ROW + b"\0\0\0\0"),
-    "dtype-big-endian": (raw("1,512", ">f4"), ONE_ROW),
-    "dtype-float64": (raw("1,512", "float64"), ONE_ROW * 2),
-    "dtype-int8": (raw("1,512", "int8"), ONE_ROW[:512]),
-    "nan-in-raw": (raw("1,512"), np.full((1, D_MODEL), np.nan, dtype=np.float32).tobytes()),
-    "inf-in-float16": (raw("1,512", "float16"), np.full((1, D_MODEL), np.inf, dtype=np.float16).tobytes()),
+    "body-shorter-than-shape": (raw_headers("2,512"), ONE_ROW),
+    "body-longer-than-shape": (raw_headers("1,512"), ONE_ROW + b"\0\0\0\0"),
+    "dtype-big-endian": (raw_headers("1,512", ">f4"), ONE_ROW),
+    "dtype-float64": (raw_headers("1,512", "float64"), ONE_ROW * 2),
+    "dtype-int8": (raw_headers("1,512", "int8"), ONE_ROW[:512]),
+    "nan-in-raw": (raw_headers("1,512"), np.full((1, D_MODEL), np.nan, dtype=np.float32).tobytes()),
+    "inf-in-float16": (raw_headers("1,512", "float16"), np.full((1, D_MODEL), np.inf, dtype=np.float16).tobytes()),
 }
 
 NPY = {"Content-Type": "application/x-npy"}
@@ -383,9 +375,7 @@ async def test_no_cors_unless_configured(server: ServerProcess) -> None:
     assert "access-control-allow-origin" not in r.headers
 
 
-def test_binds_loopback_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_binds_loopback_by_default() -> None:
     from app.settings import load_settings
 
-    for name in ("FFN_HOST", "FFN_CONFIG"):
-        monkeypatch.delenv(name, raising=False)
-    assert load_settings().host == "127.0.0.1"
+    assert load_settings().host == "127.0.0.1"  # conftest cleared FFN_HOST and FFN_CONFIG

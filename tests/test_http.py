@@ -8,59 +8,37 @@ import httpx
 import numpy as np
 import pytest
 
-from app.main import create_app
 from app.settings import Settings
-from ffn_core import demo_ffn
-from tests.reference import bf16_bytes, bf16_round, from_bf16_bytes, numpy_weights, relu_ffn
+from ffn_client.testing import metric_value
+from tests.reference import bf16_round, demo_reference
+from tests.wire import bf16_bytes, from_bf16_bytes, npy_bytes
 
 D = 512
 URL = "/v1/models/demo/transform"
 
 
-@pytest.fixture(scope="module")
-def weights():
-    return numpy_weights(demo_ffn())
-
-
 @pytest.fixture
-async def client():
-    app = create_app(Settings(max_batch_rows=256, max_body_bytes=4 * 1024 * 1024))
-    async with app.router.lifespan_context(app):
-        state = app.state.service
-        for _ in range(500):  # warm-up runs in the background; readiness gates it
-            if state.engine.ready:
-                break
-            import asyncio
-
-            await asyncio.sleep(0.01)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
-            yield c
+async def client(start_app) -> httpx.AsyncClient:
+    return (await start_app(Settings(max_batch_rows=256, max_body_bytes=4 * 1024 * 1024))).client
 
 
 def random_input(shape, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()
-
-
 @pytest.mark.parametrize("shape", [(1, D), (7, D), (2, 5, D)])
-async def test_json_in_json_out(client, weights, shape):
+async def test_json_in_json_out(client, shape):
     x = random_input(shape)
     r = await client.post(URL, json={"inputs": x.tolist()})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == "demo" and body["shape"] == list(shape) and body["dtype"] == "float32"
-    np.testing.assert_allclose(np.array(body["outputs"]), relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(body["outputs"]), demo_reference(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("accept", ["application/json", "application/octet-stream", "application/x-npy"])
 @pytest.mark.parametrize("content_type", ["application/json", "application/octet-stream", "application/x-npy"])
-async def test_every_encoding_in_and_out_float32(client, weights, content_type, accept):
+async def test_every_encoding_in_and_out_float32(client, content_type, accept):
     shape = (3, 4, D)
     x = random_input(shape, seed=1)
     headers = {"content-type": content_type, "accept": accept}
@@ -83,10 +61,10 @@ async def test_every_encoding_in_and_out_float32(client, weights, content_type, 
         y = np.load(io.BytesIO(r.content), allow_pickle=False)
         assert y.dtype == np.float32
     assert y.shape == shape
-    np.testing.assert_allclose(y, relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
 
 
-async def test_float16_binary_in_and_out(client, weights):
+async def test_float16_binary_in_and_out(client):
     x = random_input((5, D), seed=2).astype(np.float16)
     r = await client.post(URL, content=x.astype("<f2").tobytes(), headers={
         "content-type": "application/octet-stream", "x-shape": "5,512", "x-dtype": "float16",
@@ -95,20 +73,20 @@ async def test_float16_binary_in_and_out(client, weights):
     assert r.headers["x-dtype"] == "float16"
     y = np.frombuffer(r.content, dtype="<f2").reshape(5, D).astype(np.float64)
     # The model computes in float32 on the float16 input; only the answer is rounded to float16.
-    np.testing.assert_allclose(y, relu_ffn(x.astype(np.float64), weights), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(y, demo_reference(x.astype(np.float64)), rtol=2e-3, atol=2e-3)
 
 
-async def test_float16_npy_in_and_out(client, weights):
+async def test_float16_npy_in_and_out(client):
     x = random_input((4, D), seed=3).astype(np.float16)
     r = await client.post(URL, content=npy_bytes(x), headers={
         "content-type": "application/x-npy", "accept": "application/x-npy"})
     assert r.status_code == 200, r.text
     y = np.load(io.BytesIO(r.content))
     assert y.dtype == np.float16
-    np.testing.assert_allclose(y.astype(np.float64), relu_ffn(x, weights), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(y.astype(np.float64), demo_reference(x), rtol=2e-3, atol=2e-3)
 
 
-async def test_bfloat16_binary_in_and_out(client, weights):
+async def test_bfloat16_binary_in_and_out(client):
     x = random_input((6, D), seed=4)
     r = await client.post(URL, content=bf16_bytes(x), headers={
         "content-type": "application/octet-stream", "x-shape": "6,512", "x-dtype": "bfloat16",
@@ -116,16 +94,16 @@ async def test_bfloat16_binary_in_and_out(client, weights):
     assert r.status_code == 200, r.text
     assert r.headers["x-dtype"] == "bfloat16"
     y = from_bf16_bytes(r.content, (6, D)).astype(np.float64)
-    expected = relu_ffn(bf16_round(x), weights)
+    expected = demo_reference(bf16_round(x))
     np.testing.assert_allclose(y, expected, rtol=1e-2, atol=1e-2)
 
 
-async def test_bfloat16_in_json_out(client, weights):
+async def test_bfloat16_in_json_out(client):
     x = random_input((2, D), seed=5)
     r = await client.post(URL, content=bf16_bytes(x), headers={
         "content-type": "application/octet-stream", "x-shape": "2,512", "x-dtype": "bfloat16"})
     assert r.status_code == 200, r.text
-    np.testing.assert_allclose(np.array(r.json()["outputs"]), relu_ffn(bf16_round(x), weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(r.json()["outputs"]), demo_reference(bf16_round(x)), rtol=1e-5, atol=1e-5)
 
 
 async def test_models_list(client):
@@ -195,12 +173,26 @@ async def test_bfloat16_cannot_be_answered_as_npy(client):
     assert r.status_code == 406
 
 
-async def test_metrics_count_outcomes(client):
-    await client.post(URL, json={"inputs": [[0.0] * D]})
-    await client.post(URL, content=b"{bad")
-    text = (await client.get("/metrics")).text
-    assert 'ffn_requests_total{model="demo",outcome="ok"} 1.0' in text
-    assert 'ffn_requests_total{model="demo",outcome="invalid_input"} 1.0' in text
-    assert 'ffn_batch_rows_count{model="demo"} 1.0' in text
-    for name in ("ffn_queue_seconds_bucket", "ffn_compute_seconds_bucket", "ffn_request_seconds_bucket", "ffn_queue_rows"):
-        assert name in text
+async def test_metrics_count_outcomes_rows_and_latencies(client):
+    """Three valid requests of 1, 3 and 5 rows, sent one after another (so each is its own batch),
+    and two invalid ones: the counters, the histograms' counts and buckets move by exactly that."""
+    before = (await client.get("/metrics")).text
+    for rows in (1, 3, 5):
+        r = await client.post(URL, json={"inputs": [[0.0] * D] * rows})
+        assert r.status_code == 200, r.text
+    for body in (b"{bad", b'{"inputs": [[1.0]]}'):
+        assert (await client.post(URL, content=body)).status_code == 400
+    after = (await client.get("/metrics")).text
+
+    def moved(name: str, **labels: str) -> float:
+        return metric_value(after, name, model="demo", **labels) - metric_value(before, name, model="demo", **labels)
+
+    assert moved("ffn_requests_total", outcome="ok") == 3
+    assert moved("ffn_requests_total", outcome="invalid_input") == 2  # refused before the queue
+    assert moved("ffn_batch_rows_count") == 3 and moved("ffn_batch_rows_sum") == 9
+    # Cumulative buckets: 1 row fits le=1, 3 rows le=4, 5 rows le=8.
+    assert [moved("ffn_batch_rows_bucket", le=le) for le in ("1.0", "2.0", "4.0", "8.0", "+Inf")] == [1, 1, 2, 3, 3]
+    for name in ("ffn_queue_seconds", "ffn_request_seconds", "ffn_compute_seconds"):  # one entry, one batch each
+        assert moved(f"{name}_count") == 3, name
+        assert moved(f"{name}_bucket", le="+Inf") == 3, name
+    assert metric_value(after, "ffn_queue_rows", model="demo") == 0

@@ -4,35 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ffn_client.loadtest import LoadConfig, main, run_load
-from ffn_client.local_server import LocalServer, free_port
 from ffn_client.report import Samples, build_report, window_stats
-from ffn_client.senders import RawSender
 from ffn_client.stub_server import StubAnswer, StubServer
+from ffn_client.testing import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with LocalServer(cwd=REPO, env={"FFN_LOG_LEVEL": "warning"}) as running:
-        yield running
 
 
 def adds_up(counts: dict) -> bool:
     return counts["sent"] == counts["ok"] + sum(counts["errors"].values())
 
 
-def test_closed_loop_cli_writes_json_and_plot(server, tmp_path):
+def test_closed_loop_cli_writes_json_and_plot(demo_server, tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "latency.png"
     code = main([
-        "--url", server.url, "--requests", "200", "--concurrency", "8", "--quiet",
+        "--url", demo_server.url, "--requests", "200", "--concurrency", "8", "--quiet",
         "--json", str(report_path), "--plot", str(plot_path),
     ])
     assert code == 0
@@ -46,8 +37,8 @@ def test_closed_loop_cli_writes_json_and_plot(server, tmp_path):
     assert plot_path.read_bytes()[:8] == PNG_SIGNATURE
 
 
-def test_open_loop_stops_at_its_duration(server):
-    config = LoadConfig(url=server.url, rate=50.0, duration=1.5, requests=100_000, rows=(1, 64), encoding="json")
+def test_open_loop_stops_at_its_duration(demo_server):
+    config = LoadConfig(url=demo_server.url, rate=50.0, duration=1.5, requests=100_000, rows=(1, 64), encoding="json")
     report = asyncio.run(run_load(config))
     counts = report.to_dict()["counts"]
     assert adds_up(counts) and report.ok > 0
@@ -58,21 +49,21 @@ def test_open_loop_stops_at_its_duration(server):
 
 @pytest.mark.parametrize("engine", ["raw", "httpx"])
 @pytest.mark.parametrize(("encoding", "dtype"), [("v2-binary", "bfloat16"), ("npy", "float16"), ("v2-json", "float32")])
-def test_every_encoding_and_engine(server, engine, encoding, dtype):
-    config = LoadConfig(url=server.url, requests=20, concurrency=4, encoding=encoding, dtype=dtype, engine=engine)
+def test_every_encoding_and_engine(demo_server, engine, encoding, dtype):
+    config = LoadConfig(url=demo_server.url, requests=20, concurrency=4, encoding=encoding, dtype=dtype, engine=engine)
     report = asyncio.run(run_load(config))
     assert (report.sent, report.ok, report.errors) == (20, 20, {})
 
 
-def test_warmup_requests_are_not_counted(server):
-    report = asyncio.run(run_load(LoadConfig(url=server.url, requests=30, concurrency=2, warmup=0.3)))
+def test_warmup_requests_are_not_counted(demo_server):
+    report = asyncio.run(run_load(LoadConfig(url=demo_server.url, requests=30, concurrency=2, warmup=0.3)))
     assert report.sent == 30 and adds_up(report.to_dict()["counts"])
     assert report.warmup_requests > 0
     assert report.samples is not None and (report.samples.start_s >= 0).all()
 
 
-def test_errors_are_counted_by_status(server, capsys):
-    code = main(["--url", server.url, "--model", "no-such-model", "--d-model", "512", "-n", "25", "-q", "--json", "-"])
+def test_errors_are_counted_by_status(demo_server, capsys):
+    code = main(["--url", demo_server.url, "--model", "no-such-model", "--d-model", "512", "-n", "25", "-q", "--json", "-"])
     report = json.loads(capsys.readouterr().out)  # the table went to stderr: stdout is pure JSON
     assert code == 1  # nothing succeeded
     assert report["counts"] == {"sent": 25, "ok": 0, "errors": {"404": 25}}
@@ -84,8 +75,8 @@ def test_no_server_counts_connect_errors():
     assert (report.sent, report.ok, report.errors) == (5, 0, {"connect": 5})
 
 
-def test_unknown_model_without_d_model_fails_cleanly(server, capsys):
-    assert main(["--url", server.url, "--model", "no-such-model", "-n", "5", "-q"]) == 1
+def test_unknown_model_without_d_model_fails_cleanly(demo_server, capsys):
+    assert main(["--url", demo_server.url, "--model", "no-such-model", "-n", "5", "-q"]) == 1
     assert "cannot find d_model" in capsys.readouterr().err
 
 
@@ -118,26 +109,6 @@ def test_raw_sender_replaces_connections_the_server_closed():
     with StubServer(respond).in_thread() as stub:
         report = asyncio.run(run_load(LoadConfig(url=stub.url, requests=40, concurrency=4, d_model=8)))
     assert (report.sent, report.ok, report.errors) == (40, 40, {})
-
-
-def test_raw_sender_reads_chunked_answers_and_connection_close():
-    answers = [
-        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\n\r\n",
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
-    ]
-
-    async def exchange(answer: bytes) -> tuple[int, bool]:
-        reader = asyncio.StreamReader()
-        reader.feed_data(answer)
-
-        class Writer:
-            def write(self, data: bytes) -> None:
-                pass
-
-        return await RawSender._exchange(reader, Writer(), b"")  # type: ignore[arg-type]
-
-    assert asyncio.run(exchange(answers[0])) == (200, True)
-    assert asyncio.run(exchange(answers[1])) == (503, False)
 
 
 def test_report_statistics():

@@ -10,20 +10,20 @@ ffn_max_batch_rows. Then the same over HTTP through create_app.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-import httpx
 import pytest
 import torch
 
 from app.engine.batcher import Batcher
 from app.engine.errors import InsufficientMemory
 from app.web.errors import kind_of
-from app.main import create_app
 from app.metrics import Metrics
 from app.engine.runner import ModelRunner
 from app.settings import Settings
+from ffn_client.testing import metric_value
 from ffn_core import demo_ffn
+from tests.in_process import InProcessApp
 
 D_MODEL = 512
 CEILING = 64
@@ -135,30 +135,20 @@ async def test_lowered_ceiling_chunks_later_requests(runner: ModelRunner) -> Non
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(warmup=False, max_wait_ms=50.0, max_batch_rows=CEILING))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://ffn.test", timeout=30.0) as c:
-            for _ in range(500):
-                if (await c.get("/v2/health/ready")).status_code == 200:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the app never became ready")
-            c.app = app  # type: ignore[attr-defined]
-            yield c
+async def served(start_app) -> InProcessApp:
+    return await start_app(Settings(warmup=False, max_wait_ms=50.0, max_batch_rows=CEILING))
 
 
-def inject(client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch, **limits: int) -> InjectedOOM:
-    served = client.app.state.service.engine.registry.models["demo"]  # type: ignore[attr-defined]
-    forward = InjectedOOM(served.runner, **limits)
-    monkeypatch.setattr(served.batcher, "_forward", forward)
+def inject(served: InProcessApp, monkeypatch: pytest.MonkeyPatch, **limits: int) -> InjectedOOM:
+    model = served.app.state.service.engine.registry.models["demo"]
+    forward = InjectedOOM(model.runner, **limits)
+    monkeypatch.setattr(model.batcher, "_forward", forward)
     return forward
 
 
-async def test_http_request_too_big_alone_is_507(client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    inject(client, monkeypatch, max_rows=4)
+async def test_http_request_too_big_alone_is_507(served: InProcessApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = served.client
+    inject(served, monkeypatch, max_rows=4)
     (x,) = inputs(6, seed=3)
     r = await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
     assert r.status_code == 507, r.text
@@ -170,7 +160,7 @@ async def test_http_request_too_big_alone_is_507(client: httpx.AsyncClient, monk
     again = await client.post("/v2/models/demo/infer", json=v2_body)
     assert again.status_code == 200, again.text
 
-    inject(client, monkeypatch, max_rows=1)  # tighter: a 2-row request fails alone over V2 too
+    inject(served, monkeypatch, max_rows=1)  # tighter: a 2-row request fails alone over V2 too
     v2_body["inputs"][0].update(shape=[2, D_MODEL], data=x[:2].ravel().tolist())
     v2 = await client.post("/v2/models/demo/infer", json=v2_body)
     assert v2.status_code == 507, v2.text
@@ -180,8 +170,9 @@ async def test_http_request_too_big_alone_is_507(client: httpx.AsyncClient, monk
     assert 'ffn_requests_total{model="demo",outcome="insufficient_memory"} 2.0' in page
 
 
-async def test_http_split_batch_all_answered(client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    forward = inject(client, monkeypatch, max_parts=1)
+async def test_http_split_batch_all_answered(served: InProcessApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = served.client
+    forward = inject(served, monkeypatch, max_parts=1)
     xs = inputs(1, 2, 3, seed=4)
     responses = await asyncio.gather(*(
         client.post("/v1/models/demo/transform", content=x.numpy().tobytes(),
@@ -195,4 +186,5 @@ async def test_http_split_batch_all_answered(client: httpx.AsyncClient, monkeypa
         y = torch.frombuffer(bytearray(r.content), dtype=torch.float32).view(x.shape)
         assert torch.equal(y, forward.runner([x]))
     page = (await client.get("/metrics")).text
-    assert 'ffn_oom_splits_total{model="demo"}' in page
+    splits = sum(1 for _, ok in forward.calls if not ok)
+    assert metric_value(page, "ffn_oom_splits_total", model="demo") == splits

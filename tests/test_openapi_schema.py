@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.server_process import ServerProcess, running_server
+from ffn_client.testing import ServerProcess, start_server
 
 CHECKS = [
     not_a_server_error,
@@ -38,7 +38,7 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     env = {"FFN_WARMUP": "0", "FFN_MAX_BODY_BYTES": str(1 << 20), "FFN_DEFAULT_TIMEOUT_MS": "10000"}
-    with running_server(env=env) as srv:
+    with start_server(env=env) as srv:
         yield srv
 
 

@@ -14,50 +14,27 @@ whose one big request keeps the model thread busy for a second or more.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import orjson
 import pytest
 
-from tests.server_process import (
-    ServerProcess,
-    demo_reference,
-    http_request,
-    metric_value,
-    raw_request,
-    running_server,
-    slow_model_config,
-)
+from ffn_client.testing import ServerProcess, http_request, metric_value, raw_request, start_server, wait_for_metrics
+from tests.reference import demo_reference
+from tests.slow_model import slow_model_config
+from tests.wire import raw_headers
 
 D_MODEL = 512
 QUEUE_ROWS = 64
 SLOW_ROWS = 3072  # ~1 s or more of forward on the slow model on a 2-core CPU
 
 
-def raw_headers(shape: tuple[int, ...], **extra: str) -> dict[str, str]:
-    return {"content-type": "application/octet-stream", "accept": "application/octet-stream",
-            "x-shape": ",".join(map(str, shape)), "x-dtype": "float32", **extra}
-
-
 async def metrics(client: httpx.AsyncClient) -> str:
     response = await client.get("/metrics")
     assert response.status_code == 200
     return response.text
-
-
-async def wait_for_metrics(client: httpx.AsyncClient, ready: Callable[[str], bool], what: str,
-                           timeout: float = 60.0) -> str:
-    """Poll /metrics until `ready(text)`; bounded, fails with `what` otherwise."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while loop.time() < give_up:
-        text = await metrics(client)
-        if ready(text):
-            return text
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 # ----- burst --------------------------------------------------------------------------------
@@ -67,7 +44,7 @@ async def wait_for_metrics(client: httpx.AsyncClient, ready: Callable[[str], boo
 def burst_server() -> Iterator[ServerProcess]:
     env = {"FFN_MAX_QUEUE_ROWS": str(QUEUE_ROWS), "FFN_MAX_BATCH_ROWS": "1024", "FFN_MAX_WAIT_MS": "1000",
            "FFN_WARMUP": "0", "FFN_TORCH_THREADS": "1"}
-    with running_server(env=env) as server:
+    with start_server(env=env) as server:
         yield server
 
 
@@ -131,7 +108,7 @@ async def test_request_larger_than_the_queue_is_413(burst_server: ServerProcess)
 def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = slow_model_config(tmp_path_factory.mktemp("slow-model"),
                                "max_wait_ms = 0\nmax_batch_rows = 4096\nwarmup = false")
-    with running_server(config=config) as server:
+    with start_server(config=config) as server:
         yield server
 
 
@@ -166,11 +143,20 @@ def rows_delta(before: str, after: str) -> tuple[float, float]:
     return count, rows
 
 
-async def follow_up(client: httpx.AsyncClient, rows: int = 2) -> None:
-    """A valid request after the test's: the server still serves, and the collector has moved past."""
-    x = np.ones((rows, D_MODEL), dtype=np.float32)
+async def only_the_slow_and_follow_up_computed(client: httpx.AsyncClient, slow: SlowRequest, before: str,
+                                               outcome: str) -> None:
+    """Once the slow request is answered, a 2-row follow-up (the server still serves, and the
+    collector has moved past the test's request) is answered too; those two were the only
+    forward passes since `before`, and the test's request was counted once as `outcome`."""
+    await slow.answered()
+    x = np.ones((2, D_MODEL), dtype=np.float32)
     r = await client.post("/v1/models/slow/transform", content=x.tobytes(), headers=raw_headers(x.shape))
     assert r.status_code == 200, r.text
+    after = await metrics(client)
+    assert rows_delta(before, after) == (2, SLOW_ROWS + 2), f"the rows of the request ending {outcome} were computed"
+    counted = (metric_value(after, "ffn_requests_total", model="slow", outcome=outcome)
+               - metric_value(before, "ffn_requests_total", model="slow", outcome=outcome))
+    assert counted == 1
 
 
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
@@ -190,23 +176,13 @@ async def test_deadline_passing_in_the_queue_gives_504_and_no_compute(slow_serve
             })
         assert r.status_code == 504, r.text
         assert r.json()["error_type"] == "deadline_exceeded"
-        await slow.answered()
-        await follow_up(client)
-        after = await metrics(client)
-
-    assert rows_delta(before, after) == (2, SLOW_ROWS + 2), "the expired request's rows were computed"
-    assert metric_value(after, "ffn_requests_total", model="slow", outcome="deadline_exceeded") - \
-        metric_value(before, "ffn_requests_total", model="slow", outcome="deadline_exceeded") == 1
+        await only_the_slow_and_follow_up_computed(client, slow, before, "deadline_exceeded")
 
 
 async def test_client_that_hangs_up_is_dropped_without_compute(slow_server: ServerProcess) -> None:
     rows = 3
-    body = np.ones((rows, D_MODEL), dtype=np.float32).tobytes()
-    head = (
-        f"POST /v1/models/slow/transform HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/octet-stream\r\nX-Shape: {rows},{D_MODEL}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
+    x = np.ones((rows, D_MODEL), dtype=np.float32)
+    request = http_request("POST", "/v1/models/slow/transform", raw_headers(x.shape), x.tobytes(), close=False)
     async with httpx.AsyncClient(base_url=slow_server.url, timeout=60.0) as client:
         before = await metrics(client)
         slow = SlowRequest(client)
@@ -214,7 +190,7 @@ async def test_client_that_hangs_up_is_dropped_without_compute(slow_server: Serv
         computed_before = metric_value(await metrics(client), "ffn_compute_seconds_count", model="slow")
 
         reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
-        writer.write(head + body)
+        writer.write(request)
         await writer.drain()
         await wait_for_metrics(client, lambda m: metric_value(m, "ffn_queue_rows", model="slow") == rows,
                                "the request to be queued")
@@ -226,10 +202,4 @@ async def test_client_that_hangs_up_is_dropped_without_compute(slow_server: Serv
         # Released while the big forward pass still runs: dropped, not taken into a batch.
         assert metric_value(released, "ffn_compute_seconds_count", model="slow") == computed_before
 
-        await slow.answered()
-        await follow_up(client)
-        after = await metrics(client)
-
-    assert rows_delta(before, after) == (2, SLOW_ROWS + 2), "the gone client's rows were computed"
-    assert metric_value(after, "ffn_requests_total", model="slow", outcome="client_closed_request") - \
-        metric_value(before, "ffn_requests_total", model="slow", outcome="client_closed_request") == 1
+        await only_the_slow_and_follow_up_computed(client, slow, before, "client_closed_request")

@@ -8,7 +8,7 @@ import torch
 
 from app.engine.runner import ModelRunner, resolve_device
 from ffn_core import demo_ffn
-from tests.reference import numpy_weights, relu_ffn
+from tests.reference import numpy_ffn, numpy_weights
 
 D = 512
 
@@ -29,7 +29,7 @@ def test_concatenates_parts_and_matches_numpy(model, staging):
     parts = parts_of(0, [1, 5, 3])
     y = runner(parts)
     x = torch.cat(parts).numpy()
-    np.testing.assert_allclose(y.numpy(), relu_ffn(x, numpy_weights(model)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y.numpy(), numpy_ffn(x, numpy_weights(model)), rtol=1e-5, atol=1e-5)
 
 
 def test_staged_path_reuses_its_buffer_without_corrupting_earlier_answers(model):
@@ -55,12 +55,22 @@ def test_mixed_input_dtypes_are_converted_to_the_model_dtype(model, staging):
     single = parts_of(5, [3])[0]
     y = runner([half, single])
     x = torch.cat([half.float(), single]).numpy()
-    np.testing.assert_allclose(y.numpy(), relu_ffn(x, numpy_weights(model)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y.numpy(), numpy_ffn(x, numpy_weights(model)), rtol=1e-5, atol=1e-5)
 
 
-def test_warm_up_runs_every_bucket(model):
-    runner = ModelRunner(model, max_batch_rows=100)
-    assert runner.warm_up(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+@pytest.mark.parametrize(("max_rows", "buckets"), [(100, [1, 2, 4, 8, 16, 32, 64, 100]), (64, [1, 2, 4, 8, 16, 32, 64]),
+                                                   (1, [1])])
+def test_warm_up_runs_every_bucket(model, max_rows, buckets):
+    """What the model itself was called with, not what warm_up says it did."""
+    runner = ModelRunner(model, max_batch_rows=max_rows)
+    ran: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(lambda module, args: ran.append(tuple(args[0].shape)))
+    try:
+        reported = runner.warm_up(max_rows)
+    finally:
+        hook.remove()
+    assert ran == [(rows, D) for rows in buckets]
+    assert reported == buckets
 
 
 def test_resolve_device():
@@ -83,4 +93,4 @@ def test_cuda_runner_matches_cpu(model, dtype):
     assert y.device.type == "cpu" and y.dtype == dtype
     x = torch.cat(parts).numpy()
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    np.testing.assert_allclose(y.float().numpy(), relu_ffn(x, numpy_weights(model)), rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(y.float().numpy(), numpy_ffn(x, numpy_weights(model)), rtol=tolerance, atol=tolerance)

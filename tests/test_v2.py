@@ -10,27 +10,16 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from ffn_core import demo_ffn
-from tests.reference import bf16_bytes, bf16_round, from_bf16_bytes, numpy_weights, relu_ffn
-from tests.server_process import running_server
+from app.settings import Settings
+from tests.reference import bf16_round, demo_reference
+from tests.wire import bf16_bytes, from_bf16_bytes
 
 D = 512
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(env={"FFN_TORCH_THREADS": "1", "FFN_MAX_BATCH_ROWS": "256"}) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return numpy_weights(demo_ffn())
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = triton.InferenceServerClient(server.url.removeprefix("http://"))
+def client(demo_server):
+    c = triton.InferenceServerClient(demo_server.url.removeprefix("http://"))
     yield c
     c.close()
 
@@ -52,7 +41,7 @@ def test_model_metadata(client):
 @pytest.mark.parametrize("binary_in", [False, True])
 @pytest.mark.parametrize("binary_out", [False, True])
 @pytest.mark.parametrize("datatype", ["FP32", "FP16"])
-def test_infer_with_tritonclient(client, weights, binary_in, binary_out, datatype):
+def test_infer_with_tritonclient(client, binary_in, binary_out, datatype):
     np_dtype = np.float32 if datatype == "FP32" else np.float16
     x = np.random.default_rng(3).standard_normal((5, D)).astype(np_dtype)
     tensor = triton.InferInput("input", list(x.shape), datatype)
@@ -63,15 +52,15 @@ def test_infer_with_tritonclient(client, weights, binary_in, binary_out, datatyp
     assert result.get_response()["id"] == "req-7"
     assert y.shape == x.shape
     tolerance = 1e-5 if datatype == "FP32" else 2e-3
-    np.testing.assert_allclose(y.astype(np.float64), relu_ffn(x, weights), rtol=tolerance, atol=tolerance)
+    np.testing.assert_allclose(y.astype(np.float64), demo_reference(x), rtol=tolerance, atol=tolerance)
 
 
-def test_infer_three_dimensional_input(client, weights):
+def test_infer_three_dimensional_input(client):
     x = np.random.default_rng(4).standard_normal((2, 3, D)).astype(np.float32)
     tensor = triton.InferInput("input", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
     y = client.infer("demo", [tensor]).as_numpy("output")  # no outputs named: all binary
-    np.testing.assert_allclose(y, relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_model_surfaces_as_message(client):
@@ -98,7 +87,7 @@ def split_binary_answer(response: httpx.Response) -> tuple[dict, bytes]:
     return json.loads(response.content[:header_length]), response.content[header_length:]
 
 
-def test_wire_format_byte_for_byte(server, weights):
+def test_wire_format_byte_for_byte(demo_server):
     x = np.random.default_rng(5).standard_normal((3, D)).astype(np.float32)
     blob = x.astype("<f4").tobytes()
     header = json.dumps({
@@ -106,7 +95,7 @@ def test_wire_format_byte_for_byte(server, weights):
         "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32", "parameters": {"binary_data_size": len(blob)}}],
         "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
     }).encode()
-    r = httpx.post(f"{server.url}/v2/models/demo/infer", content=header + blob, headers={
+    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob, headers={
         "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))})
     assert r.status_code == 200, r.text
     answer, raw = split_binary_answer(r)
@@ -115,31 +104,31 @@ def test_wire_format_byte_for_byte(server, weights):
     assert output["name"] == "output" and output["datatype"] == "FP32" and output["shape"] == [3, D]
     assert output["parameters"]["binary_data_size"] == len(raw) == 3 * D * 4
     y = np.frombuffer(raw, dtype="<f4").reshape(3, D)
-    np.testing.assert_allclose(y, relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
 
 
-def test_wire_bf16_binary_and_nested_json(server, weights):
+def test_wire_bf16_binary_and_nested_json(demo_server):
     x = np.random.default_rng(6).standard_normal((2, D)).astype(np.float32)
     blob = bf16_bytes(x)
     header = json.dumps({
         "inputs": [{"name": "input", "shape": [2, D], "datatype": "BF16", "parameters": {"binary_data_size": len(blob)}}],
         "parameters": {"binary_data_output": True},
     }).encode()
-    r = httpx.post(f"{server.url}/v2/models/demo/infer", content=header + blob,
+    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob,
                    headers={"Inference-Header-Content-Length": str(len(header))})
     assert r.status_code == 200, r.text
     answer, raw = split_binary_answer(r)
     assert answer["outputs"][0]["datatype"] == "BF16"
     y = from_bf16_bytes(raw, (2, D)).astype(np.float64)
-    np.testing.assert_allclose(y, relu_ffn(bf16_round(x), weights), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(y, demo_reference(bf16_round(x)), rtol=1e-2, atol=1e-2)
 
     # JSON tensors may be nested as well as flat; the JSON answer is flat, row-major.
-    r = httpx.post(f"{server.url}/v2/models/demo/infer", json={
+    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", json={
         "inputs": [{"name": "input", "shape": [2, D], "datatype": "FP32", "data": x.tolist()}]})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/json")
     (output,) = r.json()["outputs"]
-    np.testing.assert_allclose(np.array(output["data"]).reshape(2, D), relu_ffn(x, weights), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(output["data"]).reshape(2, D), demo_reference(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -153,10 +142,45 @@ def test_wire_bf16_binary_and_nested_json(server, weights):
         ({"inputs": []}, b"", 10_000, "exceeds the body"),
     ],
 )
-def test_v2_errors(server, document, blob, header_length, needle):
+def test_v2_errors(demo_server, document, blob, header_length, needle):
     header = json.dumps(document).encode()
     length = header_length if header_length is not None else len(header)
-    r = httpx.post(f"{server.url}/v2/models/demo/infer", content=header + blob,
+    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob,
                    headers={"Inference-Header-Content-Length": str(length)})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]
+
+
+# ----- the versioned path behind the API key (in-process) ---------------------------------------
+
+KEY = "v2-versioned-key"
+VERSIONED = "/v2/models/demo/versions/1/infer"
+
+
+@pytest.fixture
+async def secured(start_app) -> httpx.AsyncClient:
+    return (await start_app(Settings(api_key=KEY, warmup=False))).client
+
+
+def v2_body(x: np.ndarray) -> dict:
+    return {"id": "versioned", "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                           "data": x.ravel().tolist()}]}
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", KEY])
+async def test_versioned_infer_without_the_key_is_401(secured: httpx.AsyncClient, authorization: str | None) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    r = await secured.post(VERSIONED, json=v2_body(np.zeros((1, D), np.float32)), headers=headers)
+    assert r.status_code == 401, r.text
+    assert r.json()["error_type"] == "unauthorized"
+
+
+async def test_versioned_infer_with_the_key_answers_right(secured: httpx.AsyncClient) -> None:
+    x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
+    r = await secured.post(VERSIONED, json=v2_body(x), headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["model_name"] == "demo" and answer["id"] == "versioned"
+    (output,) = answer["outputs"]
+    assert output["name"] == "output" and output["shape"] == [3, D]
+    np.testing.assert_allclose(np.array(output["data"]).reshape(3, D), demo_reference(x), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,241 @@
+"""Helpers for tests and benchmarks that need a real ffn-serve: the launcher, a free port, raw requests.
+
+    with start_server(env={"FFN_MAX_QUEUE_ROWS": "64"}) as server:
+        httpx.get(server.url + "/v2/health/ready")
+        server.pid, server.logs(), server.rss_bytes()
+    server.returncode  # after the block: the exit code of the SIGTERM stop (its log is kept unless 0)
+
+Not part of the client API (ffn_client's __init__ does not export it). Like the rest of
+ffn_client it imports neither torch nor the server: the server runs as a subprocess,
+`python -m app.cli --host 127.0.0.1 --port <free port>`, with its output in a log file (a pipe
+nobody reads could fill up and stall it). FFN_* variables of the calling environment are
+dropped, so that a developer's shell cannot change what a test or a benchmark sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ffn_client.client import Client
+from ffn_client.http1 import Response, build_request, read_response
+
+HOST = "127.0.0.1"
+SERVE_COMMAND = (sys.executable, "-m", "app.cli")
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def read_rss(pid: int) -> int:
+    """A process's resident set size in bytes, from /proc/<pid>/status (VmRSS; Linux only)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# ----- the launcher ------------------------------------------------------------------------------
+
+
+class ServerFailed(RuntimeError):
+    """The server exited or never became ready, or would not stop; the message holds its log."""
+
+
+@dataclass
+class ServerProcess:
+    """A started server: where it listens, its log, and how to stop it.
+
+    As a context manager: stopped (SIGTERM, then wait) when the block ends, unless the block
+    stopped it; the log file is removed when it exited 0 and kept for whoever debugs it otherwise.
+    """
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    returncode: int | None = field(default=None)  # set once it has exited and been waited for
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def logs(self) -> str:
+        """Everything the server printed so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def rss_bytes(self) -> int:
+        """The process's resident memory now. With a command prefix, the prefix's process: use one that execs."""
+        return read_rss(self.proc.pid)
+
+    def terminate(self) -> None:
+        """Send SIGTERM (a drain) without waiting."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        """Wait for the process to exit; kill it and raise ServerFailed if it does not in `timeout` seconds."""
+        try:
+            self.returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.returncode = self.proc.wait(10)
+            raise ServerFailed(f"server did not exit within {timeout:g} s; log:\n{self.logs()}") from None
+        return self.returncode
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM unless it has exited already, then wait for the exit code (killed after `timeout` s)."""
+        if self.proc.poll() is None:
+            self.terminate()
+        return self.wait(timeout)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.returncode is None:
+            self.stop()
+        if self.returncode == 0:
+            self.log_path.unlink(missing_ok=True)
+
+
+def start_server(
+    env: Mapping[str, str] | None = None,
+    config: str | Path | None = None,
+    args: Sequence[str] = (),
+    *,
+    prefix: Sequence[str] = (),
+    command: Sequence[str] = SERVE_COMMAND,
+    cwd: str | Path | None = None,
+    ready_timeout: float = 90.0,
+) -> ServerProcess:
+    """Start `*prefix *command --host 127.0.0.1 --port <free> [--config F] *args` and return once ready.
+
+    Use it in a `with` block (see ServerProcess), or stop() it yourself.
+
+    env: added to the calling environment less its FFN_* variables (FFN_LOG_LEVEL is info
+    unless given). prefix: a wrapper such as `taskset -c 0`. command: another way to run the
+    server, such as the installed `ffn-serve` script. Ready is GET /v2/health/ready answering
+    200; a server that exits first or is not ready within `ready_timeout` s raises ServerFailed.
+    """
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    child_env.update({"PYTHONUNBUFFERED": "1", "FFN_LOG_LEVEL": "info"})
+    child_env.update(env or {})
+    argv = [*prefix, *command, "--host", HOST, "--port", str(port)]
+    if config is not None:
+        argv += ["--config", str(config)]
+    argv += args
+    log_fd, log_name = tempfile.mkstemp(prefix=f"ffn-serve-{port}-", suffix=".log")
+    with os.fdopen(log_fd, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, port, Path(log_name))
+    try:
+        _wait_ready(server, ready_timeout)
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        raise
+    return server
+
+
+def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with Client(server.url, timeout=2.0, max_retries=0) as client:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                raise ServerFailed(f"server exited with {server.proc.returncode} while starting; log:\n{server.logs()}")
+            if client.ready():
+                return
+            time.sleep(0.05)
+    raise ServerFailed(f"server not ready within {timeout:g} s; log:\n{server.logs()}")
+
+
+# ----- raw requests ------------------------------------------------------------------------------
+
+
+def http_request(method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"",
+                 *, close: bool = True) -> bytes:
+    """The bytes of a request to the local server, with Connection: close unless `close` is false.
+
+    Keep the connection open (close=False) when the server may answer before reading the whole
+    body: closing a socket with unread data makes the kernel reset it, and the reset can destroy
+    the answer before the client reads it.
+    """
+    return build_request(method, path, {**({"Connection": "close"} if close else {}), **(headers or {})}, body,
+                         host=HOST)
+
+
+async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: float = 30.0) -> Response:
+    """Send bytes exactly as given (one piece or several writes) on a new connection and read one answer.
+
+    For requests httpx would normalise (dot segments, huge or duplicate headers, chunked
+    framing) and for bursts: one connection per request is cheap for the server, and httpx's
+    pool gets slow with hundreds of concurrent connections. A reset while sending (the server
+    answered early) still reads the answer.
+    """
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                for piece in [data] if isinstance(data, bytes) else data:
+                    writer.write(piece)
+                    await writer.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+            return await read_response(reader)
+    finally:
+        writer.close()
+
+
+async def wait_for_metrics(client: httpx.AsyncClient, ready: Callable[[str], bool], what: str,
+                           timeout: float = 60.0) -> str:
+    """Poll `client`'s /metrics until `ready(page)` and return that page; AssertionError naming
+    `what` after `timeout` seconds (a wait with a bound, so that a hang fails instead)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout
+    while loop.time() < give_up:
+        response = await client.get("/metrics")
+        assert response.status_code == 200, f"/metrics answered {response.status_code}"
+        if ready(response.text):
+            return response.text
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for: {what}")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0.0 when the series does not exist yet)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, label_text = head.partition("{")
+        if series != name:
+            continue
+        found = dict(
+            (part.split("=", 1)[0], part.split("=", 1)[1].strip('"'))
+            for part in label_text.rstrip("}").split(",") if "=" in part
+        )
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(value)
+    return 0.0
