@@ -65,3 +65,25 @@ def test_boolean_flags_parse(flag: str) -> None:
     from app.settings import command_line
 
     assert command_line([flag]) == {"warmup": flag == "--warmup"}
+
+
+def test_json_logs_are_one_object_per_line_and_say_what_started() -> None:
+    import httpx
+
+    from ffn_client.testing import start_server
+
+    with start_server(env={"FFN_LOG_FORMAT": "json", "FFN_ACCESS_LOG": "true", "FFN_API_KEY": "k"}) as server:
+        httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"})
+        assert server.stop() == 0
+        log = server.logs()  # read before the block ends: a clean exit deletes the log
+    records = [json.loads(line) for line in log.splitlines() if line.strip()]
+    messages = [r["message"] for r in records]
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert messages[0].startswith(f"ffn-serve {__version__}, torch ")
+    assert any(m.startswith("loaded model demo: relu, d_model 512, d_ff 2048, float32 on cpu") for m in messages)
+    assert any(m.startswith("settings changed from defaults: ") and "api_key=***" in m and "log_format=json" in m
+               for m in messages)
+    assert "auth on (Bearer API key)" in messages
+    assert any(m == f"listening on http://127.0.0.1:{server.port}" for m in messages)
+    access = [r for r in records if r["logger"] == "uvicorn.access" and r.get("path") == "/v1/models"]
+    assert access and access[0]["status"] == 200 and access[0]["method"] == "GET"
