@@ -1,12 +1,16 @@
 """Weight files as keys, shapes and tensors: one reader per kind of file.
 
-PyTorch files are only read with `torch.load(weights_only=True)`, so a pickle that would run code
-is refused, never run.
+Only a regular file is ever opened. `os.stat` looks first, because opening a FIFO for reading
+blocks until a writer comes and a device such as /dev/zero never ends: either would hang the
+start instead of failing it. PyTorch files are only read with `torch.load(weights_only=True)`, so
+a pickle that would run code is refused, never run.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import stat
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -39,6 +43,7 @@ class SafetensorsReader:
     """A safetensors file: the header is read at once, a tensor's data only when asked for."""
 
     def __init__(self, path: Path) -> None:
+        regular_file_size(path)
         self.path = path
         try:
             self._file = safe_open(str(path), framework="pt")
@@ -64,6 +69,7 @@ class TorchStateDictReader:
     """A PyTorch state dict file, loaded whole, memory-mapped where it is a zip archive."""
 
     def __init__(self, path: Path) -> None:
+        regular_file_size(path)
         self.path = path
         self._state = _torch_load(path)
         self.keys = frozenset(self._state)
@@ -88,16 +94,42 @@ def open_reader(path: Path, kind: str) -> Reader:
     """The reader of `kind` ('safetensors' or 'torch') over the file at `path`."""
     return READERS[kind](path)
 
+
+# What a path that is not a regular file is, for the message; checked in this order.
+_FILE_TYPES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def regular_file_size(path: Path) -> int:
+    """The size of the regular file at `path`; anything else is refused before it is opened.
+
+    os.stat follows links, so a symlink to a regular file (as Kubernetes mounts them) is fine.
+    """
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise WeightsError(f"{path}: cannot read weights file ({brief(exc)})") from exc
+    if not stat.S_ISREG(info.st_mode):
+        what = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
+        raise WeightsError(f"{path}: is {what}, not a regular file; weights must be in a regular file")
+    return info.st_size
+
+
 def sniff(path: Path) -> str | None:
     """'safetensors', 'torch' or None (neither), from the first bytes of the file.
 
     A safetensors file opens with its header's length and then the JSON header; torch.save
     writes a zip archive, or in its legacy form a pickle (protocol 2+ opens with 0x80).
     """
+    size = regular_file_size(path)
     try:
         with path.open("rb") as f:
             head = f.read(9)
-        size = path.stat().st_size
     except OSError as exc:
         raise WeightsError(f"{path}: cannot read weights file ({brief(exc)})") from exc
     if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
