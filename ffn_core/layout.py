@@ -74,7 +74,9 @@ def config_from_keys(
         raise WeightsError(f"{path}: {exc}") from exc
 
 
-def brief(exc: BaseException) -> str:
-    """The first line of an exception: torch's messages run to many lines of advice."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def brief(exc: BaseException, limit: int = 300) -> str:
+    """An exception in one short line: torch's messages run to many lines of advice, and some
+    quote a file's contents, which a hostile file makes as long as it likes."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -38,6 +38,9 @@ FORMATS = ("native", "torch", *FAMILIES)
 FORMAT_TAG = "ffn-serve"
 CONFIG_KEY = "ffn_config"
 
+# What json.loads returns, in JSON's words, for a message about a value that is not an object.
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false", type(None): "null"}
+
 
 def load_ffn(
     path: str | Path,
@@ -108,12 +111,24 @@ def _read_state_dict(path: Path, format: str, activation: str | None, gated: boo
 
 
 def _config_from_metadata(path: Path, metadata: dict[str, str]) -> FFNConfig | None:
+    """The FFNConfig a native file stores as JSON in its metadata; None where it stores none.
+
+    The metadata is the file's to choose: anything but a JSON object of FFNConfig fields is a
+    WeightsError, including JSON nested too deep to parse and values too long to quote whole.
+    """
     if CONFIG_KEY not in metadata:
         return None
+    invalid = f"{path}: invalid {CONFIG_KEY} in the file's metadata"
     try:
-        return FFNConfig.from_dict(json.loads(metadata[CONFIG_KEY]))
-    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-        raise WeightsError(f"{path}: invalid {CONFIG_KEY} in the file's metadata ({exc})") from exc
+        values = json.loads(metadata[CONFIG_KEY])
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; "[[[[..." recurses
+        raise WeightsError(f"{invalid}: cannot be parsed as JSON ({brief(exc)})") from exc
+    if not isinstance(values, dict):
+        raise WeightsError(f"{invalid}: {_JSON_TYPES[type(values)]}, not a JSON object of FFNConfig fields")
+    try:
+        return FFNConfig.from_dict(values)
+    except (ValueError, TypeError) as exc:  # unknown or missing fields, values of the wrong type
+        raise WeightsError(f"{invalid} ({brief(exc)})") from exc
 
 
 def _infer_config(

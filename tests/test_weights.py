@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 from torch import nn
 
-from ffn_core import FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
+from ffn_core import ACTIVATIONS, FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
 from tests.weight_files import D_FF, D_MODEL, inputs, run
 
 
@@ -117,13 +120,17 @@ def test_arguments_that_contradict_the_file(tmp_path):
 # --- strictness ------------------------------------------------------------------------------------
 
 
-def _saved(tmp_path: Path, edit) -> Path:
-    """A native file (with metadata) whose state dict `edit` changed."""
+def _saved(
+    tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], object] | None = None, config_json: str | None = None
+) -> Path:
+    """A native relu file, its state dict changed by `edit`, its ffn_config by default the true one."""
     model = _model(FFNConfig(D_MODEL, D_FF))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    edit(state)
+    if edit is not None:
+        edit(state)
     path = tmp_path / "edited.safetensors"
-    save_file(state, str(path), metadata={"format": "ffn-serve", "ffn_config": json.dumps(model.config.to_dict())})
+    config_json = json.dumps(model.config.to_dict()) if config_json is None else config_json
+    save_file(state, str(path), metadata={"format": "ffn-serve", "ffn_config": config_json})
     return path
 
 
@@ -220,6 +227,95 @@ def test_formats_mixed_up_get_a_hint(tmp_path):
         load_ffn(tmp_path / "f.pt")
     with pytest.raises(WeightsError, match="format 'native'"):
         load_ffn(tmp_path / "f.safetensors", format="torch")
+
+# --- metadata: the file's to choose, so anything may be in it ----------------------------------------
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("config_json", "reason"),
+    [
+        ("[" * DEEP + "]" * DEEP, "cannot be parsed as JSON (RecursionError"),
+        ('{"a": ' * DEEP + "1" + "}" * DEEP, "cannot be parsed as JSON (RecursionError"),
+        ("\x00\xff{garbage", "cannot be parsed as JSON"),
+        ("9" * 5000, "cannot be parsed as JSON"),  # more digits than Python converts to an int
+        ("null", "null, not a JSON object"),
+        ("[8, 24]", "an array, not a JSON object"),
+        ('"relu"', "a string, not a JSON object"),
+        ("false", "true or false, not a JSON object"),
+        ("1e400", "a number, not a JSON object"),
+        ('{"d_model": 8}', "missing 1 required positional argument: 'd_ff'"),
+        ('{"d_model": 8, "d_ff": 24, "activation": ["relu"]}', "unhashable type: 'list'"),
+        ('{"d_model": 8, "d_ff": 24, "dropout": NaN}', "dropout must be in [0, 1)"),
+        ('{"d_model": 8, "d_ff": 24, "is_gated": true}', "unknown FFN config keys: ['is_gated']"),
+    ],
+    ids=[
+        "deep-array", "deep-object", "garbage", "long-int", "null", "array", "string", "bool", "number",
+        "missing-field", "unhashable", "nan", "unknown-field",
+    ],
+)
+def test_malformed_ffn_config_is_a_weights_error(tmp_path, config_json, reason):
+    path = _saved(tmp_path, config_json=config_json)
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path)
+    assert str(info.value).startswith(f"{path}: invalid ffn_config in the file's metadata")
+    assert reason in str(info.value)
+
+
+def test_a_huge_value_is_not_quoted_whole(tmp_path):
+    activation = "x" * 10_000_000
+    path = _saved(tmp_path, config_json=json.dumps({"d_model": D_MODEL, "d_ff": D_FF, "activation": activation}))
+    with pytest.raises(WeightsError, match="unknown activation 'xxxx") as info:
+        load_ffn(path)
+    assert len(str(info.value)) < 1000
+
+
+def _json_values() -> st.SearchStrategy[object]:
+    """Any JSON value, small."""
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=8,
+    )
+
+
+# Every FFNConfig field, with values that fit the file's relu weights mixed among any JSON at all,
+# so that some configs load and most fail somewhere in the checks.
+_CONFIGS = st.fixed_dictionaries(
+    {"d_model": st.just(D_MODEL) | _json_values(), "d_ff": st.just(D_FF) | _json_values()},
+    optional={
+        "activation": st.sampled_from(sorted(ACTIVATIONS)) | _json_values(),
+        "gated": st.booleans() | _json_values(),
+        "bias1": st.just(True) | _json_values(),
+        "bias2": st.just(True) | _json_values(),
+        "bias_gate": st.booleans() | _json_values(),
+        "dropout": st.floats(0, 1) | _json_values(),
+        "extra": _json_values(),
+    },
+)
+
+
+# No deadline (nothing here is timed); derandomized so that CI runs the same examples every time.
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # one file, rewritten per example
+)
+@given(config_json=st.text() | _json_values().map(json.dumps) | _CONFIGS.map(json.dumps))
+def test_any_ffn_config_loads_or_is_a_weights_error(tmp_path, config_json):
+    path = _saved(tmp_path, config_json=config_json)
+    try:
+        model = load_ffn(path)
+    except WeightsError as exc:
+        assert str(exc).startswith(f"{path}: ")
+    else:
+        values = json.loads(config_json)
+        assert (values["d_model"], values["d_ff"]) == (D_MODEL, D_FF) == (model.config.d_model, model.config.d_ff)
+
 
 
 # --- PyTorch state dicts -----------------------------------------------------------------------------
