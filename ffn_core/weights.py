@@ -166,11 +166,39 @@ def _build(path: Path, weights: FileWeights, dtype: torch.dtype, device: str | t
         }
     except (RuntimeError, AssertionError) as exc:  # unknown device, or CUDA not available
         raise WeightsError(f"{path}: cannot place weights on device {device!r} ({brief(exc)})") from exc
+    for key, tensor in state.items():
+        _check_finite(path, weights.stored_keys[key], weights.tensors[key], tensor)
     with torch.device("meta"):  # no random init: every parameter comes from the file
         model = build_ffn(weights.config)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()
+
+
+def _check_finite(path: Path, key: str, stored: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Refuse NaN and ±inf: one of them silently turns every output row it touches into NaN.
+
+    They come from the file, or from the conversion: float32's 1e5 is inf in float16. Only the
+    loaded tensor is scanned where all is well; the stored one only to tell the two apart.
+    """
+    bad = _count_non_finite(loaded)
+    if not bad:
+        return
+    in_file = _count_non_finite(stored)
+    if in_file:
+        raise WeightsError(
+            f"{path}: key {key!r} holds {in_file} non-finite value{'s' if in_file > 1 else ''} "
+            f"(NaN or ±inf) among {stored.numel()}"
+        )
+    source, target = (str(t.dtype).removeprefix("torch.") for t in (stored, loaded))
+    raise WeightsError(
+        f"{path}: key {key!r}: converting {source} to {target} overflowed: {bad} value{'s' if bad > 1 else ''} "
+        f"beyond {target}'s range (±{torch.finfo(loaded.dtype).max:.5g}) became ±inf; load it as a wider dtype"
+    )
+
+
+def _count_non_finite(tensor: torch.Tensor) -> int:
+    return tensor.numel() - int(torch.isfinite(tensor).sum())
 
 
 def _parse_dtype(dtype: torch.dtype | str, path: Path) -> torch.dtype:

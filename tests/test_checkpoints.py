@@ -87,7 +87,8 @@ def test_gpt2_wrong_shape_is_named_as_stored(tmp_path):
         load_ffn(path, format="gpt2", layer=0, gated=True)
 
 
-def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
+def _bert_state() -> dict[str, np.ndarray]:
+    """A small BertModel-with-head state dict: two layers under the "bert." prefix."""
     rng = np.random.default_rng(3)
     state = {"bert.embeddings.word_embeddings.weight": rng.normal(size=(10, D_MODEL)).astype(np.float32)}
     for i in range(2):
@@ -99,6 +100,11 @@ def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
             base + "output.dense.weight": rng.normal(size=(D_MODEL, D_FF)).astype(np.float32),
             base + "output.dense.bias": rng.normal(size=D_MODEL).astype(np.float32),
         }
+    return state
+
+
+def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
+    state = _bert_state()
     path = write(state, tmp_path / "bert.bin")
     model = load_ffn(path, format="bert", layer=1, activation="gelu_tanh", dtype="bfloat16")
     assert model.config.activation == "gelu_tanh" and model.layer1.weight.dtype == torch.bfloat16
@@ -113,8 +119,8 @@ def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
     close(run(model, x), np_ffn(x.astype(np.float64), raw, "gelu_tanh"), rtol=3e-2)
 
 
-@pytest.mark.parametrize("prefix", ["model.", ""])
-def test_llama_layer_matches_numpy(tmp_path, prefix, close):
+def _llama_state(prefix: str = "model.") -> dict[str, np.ndarray]:
+    """A small LLaMA state dict: two layers of SwiGLU FFNs without biases."""
     rng = np.random.default_rng(4)
     state = {f"{prefix}embed_tokens.weight": rng.normal(size=(20, D_MODEL)), f"{prefix}norm.weight": np.ones(D_MODEL)}
     for i in range(2):
@@ -126,7 +132,12 @@ def test_llama_layer_matches_numpy(tmp_path, prefix, close):
             base + "mlp.up_proj.weight": rng.normal(size=(D_FF, D_MODEL)),
             base + "mlp.down_proj.weight": rng.normal(size=(D_MODEL, D_FF)),
         }
-    state = {k: v.astype(np.float32) for k, v in state.items()}
+    return {k: v.astype(np.float32) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("prefix", ["model.", ""])
+def test_llama_layer_matches_numpy(tmp_path, prefix, close):
+    state = _llama_state(prefix)
     path = write(state, tmp_path / "llama.safetensors")
     model = load_ffn(path, format="llama", layer=1)
     assert model.config == FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=False, bias_gate=False)
@@ -139,3 +150,38 @@ def test_llama_layer_matches_numpy(tmp_path, prefix, close):
     path = write(state, tmp_path / "llama.safetensors")
     with pytest.raises(WeightsError, match=rf"missing key '{m}up_proj.weight' \(expected shape \[{D_FF}, {D_MODEL}\]"):
         load_ffn(path, format="llama", layer=1)
+
+
+# --- non-finite weights, named as stored -----------------------------------------------------------
+
+# A family's state dict, and one FFN key of its layer 1 as the checkpoint names it.
+STATES = {
+    "bert": (_bert_state, "bert.encoder.layer.1.output.dense.weight"),
+    "gpt2": (_gpt2_state, "h.1.mlp.c_fc.weight"),
+    "llama": (_llama_state, "model.layers.1.mlp.up_proj.weight"),
+}
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+@pytest.mark.parametrize("format", sorted(STATES))
+def test_non_finite_weights_are_refused(tmp_path, format, suffix):
+    make_state, key = STATES[format]
+    state = make_state()
+    state[key][0, 1], state[key][2, 3], state[key][4, 5] = np.nan, np.inf, -np.inf
+    path = write(state, tmp_path / f"{format}{suffix}")
+    load_ffn(path, format=format, layer=0)  # only the chosen layer is read
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path, format=format, layer=1)
+    assert str(info.value).startswith(f"{path}: key {key!r} holds 3 non-finite values (NaN or ±inf) among {D_MODEL * D_FF}")
+
+
+@pytest.mark.parametrize("format", sorted(STATES))
+def test_a_conversion_that_overflows_is_refused(tmp_path, format):
+    make_state, key = STATES[format]
+    state = make_state()
+    state[key][1, 1] = state[key][2, 2] = -1e5  # finite in float32, beyond float16's 65504
+    path = write(state, tmp_path / f"{format}.safetensors")
+    load_ffn(path, format=format, layer=1, dtype="float32")  # finite as stored
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path, format=format, layer=1, dtype="float16")
+    assert str(info.value).startswith(f"{path}: key {key!r}: converting float32 to float16 overflowed: 2 values")

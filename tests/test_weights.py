@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ffn_core import ACTIVATIONS, FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
-from tests.weight_files import D_FF, D_MODEL, inputs, run
+from tests.weight_files import D_FF, D_MODEL, inputs, run, write
 
 
 def _model(config: FFNConfig, seed: int = 0):
@@ -416,3 +416,50 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, how, format):
         load_ffn(path, format=format, layer=0 if format == "gpt2" else None)
     assert "weights_only=False" not in str(info.value)  # no advice to load it unsafely
     assert not sentinel.exists()
+
+
+# --- non-finite weights ----------------------------------------------------------------------------
+
+
+def _relu_state(dtype: type = np.float32) -> dict[str, np.ndarray]:
+    """A relu FFN's native state dict as numpy arrays of `dtype`."""
+    return {k: v.numpy().astype(dtype) for k, v in _model(FFNConfig(D_MODEL, D_FF)).state_dict().items()}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("format", "suffix"), [("native", ".safetensors"), ("torch", ".pt")])
+def test_non_finite_weights_are_refused(tmp_path, format, suffix, bad):
+    state = _relu_state()
+    state["layer2.weight"][1, 2] = state["layer2.weight"][3, 4] = bad
+    path = write(state, tmp_path / f"f{suffix}")
+    for dtype in ("float32", "float16", "bfloat16"):
+        with pytest.raises(WeightsError) as info:
+            load_ffn(path, format=format, dtype=dtype)
+        assert str(info.value).startswith(
+            f"{path}: key 'layer2.weight' holds 2 non-finite values (NaN or ±inf) among {D_MODEL * D_FF}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("stored", "value", "dtype", "limit"),
+    [
+        (np.float32, 1e5, "float16", "65504"),
+        (np.float32, np.finfo(np.float32).max, "bfloat16", "3.3895e+38"),  # bfloat16 rounds it up to inf
+        (np.float64, 1e300, "float32", "3.4028e+38"),
+    ],
+)
+@pytest.mark.parametrize(("format", "suffix"), [("native", ".safetensors"), ("torch", ".pt")])
+def test_a_conversion_that_overflows_is_refused(tmp_path, format, suffix, stored, value, dtype, limit):
+    state = _relu_state(stored)
+    state["layer1.bias"][0] = value
+    path = write(state, tmp_path / f"f{suffix}")
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path, format=format, dtype=dtype)
+    source = np.dtype(stored).name
+    assert str(info.value).startswith(
+        f"{path}: key 'layer1.bias': converting {source} to {dtype} overflowed: 1 value beyond {dtype}'s range (±{limit})"
+    )
+    # The largest finite value of the dtype itself loads.
+    state["layer1.bias"][0] = float(torch.finfo(getattr(torch, dtype)).max)
+    write(state, path)
+    assert load_ffn(path, format=format, dtype=dtype).layer1.bias[0].item() == torch.finfo(getattr(torch, dtype)).max
