@@ -1,9 +1,8 @@
 """The native layout of an FFN's weights: the keys and shapes a config has, and the strict check.
 
-Every way of reading weights (native and torch state dicts in `weights`, checkpoint families in
-`checkpoints`, the file readers in `readers`) checks against this layout and reports through
-`WeightsError`, so both live here, below all of them: the modules import this one, never each
-other in a circle.
+Native and torch state dicts (`weights`) and checkpoint families (`checkpoints`) are checked
+against this layout, and they and the file readers (`readers`) report through `WeightsError`. So
+both live here, below all three, which import this module and never each other in a circle.
 """
 
 from __future__ import annotations
@@ -75,8 +74,9 @@ def config_from_keys(
 
 
 def brief(exc: BaseException, limit: int = 300) -> str:
-    """An exception in one short line: torch's messages run to many lines of advice, and some
-    quote a file's contents, which a hostile file makes as long as it likes."""
+    """An exception in one line of at most `limit` characters, for a WeightsError's reason."""
+    # torch's messages run to many lines of advice, and some quote a file's contents, which a
+    # hostile file makes as long as it likes.
     lines = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"

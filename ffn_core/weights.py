@@ -2,8 +2,10 @@
 
 Loading is strict, as nanoGPT's `from_pretrained` asserts, made real errors: a key that is not
 expected, a missing key or a wrong shape raises `WeightsError` naming the file, the key and both
-shapes. The files themselves are read by `readers`, the checkpoint families (BERT, GPT-2, LLaMA)
-by `checkpoints`; this module picks between them, checks native files, and builds the module.
+shapes. Weights that are NaN or ±inf, in the file or after the conversion to the asked dtype,
+are refused too. The files themselves are read by `readers`, the checkpoint families (BERT,
+GPT-2, LLaMA) by `checkpoints`; this module picks between them, checks native files, and builds
+the module.
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ FORMAT_TAG = "ffn-serve"
 CONFIG_KEY = "ffn_config"
 
 # What json.loads returns, in JSON's words, for a message about a value that is not an object.
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false", type(None): "null"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+}
 
 
 def load_ffn(
