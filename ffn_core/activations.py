@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 from torch import nn
 
-# Name -> class (or factory). The GLU variants are these same activations on a gated FFN:
-# ReGLU = relu, GEGLU = gelu, SwiGLU = silu, bilinear = identity.
-ACTIVATIONS: dict[str, type[nn.Module] | partial[nn.Module]] = {
+# Name -> what builds it: a class, or a class with its arguments bound. The GLU variants are these
+# same activations on a gated FFN: ReGLU = relu, GEGLU = gelu, SwiGLU = silu, bilinear = identity.
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
     "gelu": nn.GELU,  # exact erf form, as BERT uses
     "gelu_tanh": partial(nn.GELU, approximate="tanh"),  # GPT-2's "gelu_new"

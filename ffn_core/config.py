@@ -57,6 +57,7 @@ class FFNConfig:
         }[self.activation]
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, as save_ffn stores them in a file's metadata."""
         return asdict(self)
 
     @classmethod

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 from ffn_core.activations import ACTIVATIONS
+from ffn_core.checkpoints import FAMILIES
 from ffn_core.dtypes import DTYPE_NAMES
-from ffn_core.weights import FAMILIES, FORMATS, WeightsError, load_ffn, save_ffn
+from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
 
 
 def _parser() -> argparse.ArgumentParser:

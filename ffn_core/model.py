@@ -31,6 +31,7 @@ class FeedForward(nn.Module):
         return self.activation(self.layer1(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN of every row of `x`: (..., d_model) -> (..., d_model)."""
         return self.layer2(self.hidden(x))  # (..., d_model)
 
 
@@ -42,6 +43,7 @@ class GatedFeedForward(FeedForward):
         self.linear_v = nn.Linear(config.d_model, config.d_ff, bias=config.bias_gate)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated hidden layer, f(x W1 + b1) ⊗ (x V + c): (..., d_ff)."""
         return self.activation(self.layer1(x)) * self.linear_v(x)  # (..., d_ff)
 
 

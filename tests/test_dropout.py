@@ -22,9 +22,22 @@ def x():
     return torch.randn(2, 3, D_MODEL, generator=torch.Generator().manual_seed(1))
 
 
-def test_off_by_default(model, x):
-    # The serving forward pass ignores config.dropout.
-    assert torch.equal(model(x), model(x))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "config",
+    [FFNConfig(D_MODEL, D_FF, "relu", dropout=0.5), FFNConfig(D_MODEL, D_FF, "gelu", gated=True, dropout=0.1)],
+    ids=lambda c: f"{c.variant}-p{c.dropout}",
+)
+def test_the_serving_forward_pass_has_no_dropout(config, training, x, np_ffn, close):
+    # config.dropout is only for mc_dropout: even in train mode, where torch's own dropout would
+    # zero about a fraction p of the hidden units, forward is the plain formula.
+    torch.manual_seed(0)
+    model = build_ffn(config).train(training)
+    assert model.training is training
+    with torch.no_grad():
+        y = model(x)
+    params = {key: value.double().numpy() for key, value in model.state_dict().items()}
+    close(y.numpy(), np_ffn(x.double().numpy(), params, config.activation))
 
 
 def test_shapes_and_spread(model, x):

@@ -1,12 +1,20 @@
-"""The architecture's contracts: layers import in one direction, tables are written once."""
+"""The architecture's contracts: layers import in one direction, tables are written once.
+
+ffn_core is the bottom layer and pulls in nothing of the service; the engine pulls in nothing of
+the web; every error has one row in the status table; the settings' choices are ffn_core's tables.
+"""
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import importlib.metadata
 import inspect
+import json
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -17,23 +25,58 @@ from app.web import errors as web_errors
 from ffn_core import ACTIVATIONS, FORMATS
 from ffn_core.dtypes import DTYPE_NAMES
 
-WEB_FRAMEWORKS = ("fastapi", "starlette", "uvicorn", "app.web", "app.main")
+ROOT = Path(__file__).resolve().parents[1]
+SUBMODULES = sorted(f"ffn_core.{path.stem}" for path in (ROOT / "ffn_core").glob("*.py") if path.stem != "__init__")
+SERVICE = ("app", "fastapi", "starlette", "uvicorn")  # top-level packages ffn_core must not import
+ENGINE = sorted(f"app.engine.{path.stem}" for path in (ROOT / "app" / "engine").glob("*.py") if path.stem != "__init__")
 
 
-def _modules_loaded_by(statement: str) -> set[str]:
-    """The top-level and package names in sys.modules after running `statement` in a fresh interpreter."""
-    code = f"{statement}\nimport sys\nprint('\\n'.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return set(out.split())
-
-
-def test_the_engine_imports_nothing_of_the_web() -> None:
-    loaded = _modules_loaded_by(
-        "import app.engine.service, app.engine.batcher, app.engine.runner, app.engine.registry, app.engine.errors"
+def _service_modules_after(*imports: str) -> list[list[str]]:
+    """For each module in turn, imported in one fresh interpreter: the service's modules loaded by then."""
+    code = "import importlib, json, sys\n" + "".join(
+        f"importlib.import_module({name!r}); print(json.dumps(sorted(sys.modules)))\n" for name in imports
     )
-    assert "app.engine.batcher" in loaded  # the probe really imported the engine
-    offenders = sorted(m for m in loaded if m.startswith(WEB_FRAMEWORKS))
-    assert offenders == []
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    snapshots = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [name in modules for name, modules in zip(imports, snapshots)] == [True] * len(imports)
+    return [[name for name in modules if name.split(".")[0] in SERVICE] for modules in snapshots]
+
+
+def _web_modules(modules: list[str]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in ("fastapi", "starlette", "uvicorn") or m.startswith("app.web")]
+
+
+def test_ffn_core_imports_nothing_of_the_service():
+    # The package first, as a user imports it; then every module, extract's CLI included.
+    assert _service_modules_after("ffn_core", *SUBMODULES) == [[]] * (1 + len(SUBMODULES))
+
+
+def test_the_check_sees_the_service_when_it_is_there():
+    # The same look at sys.modules finds the web framework once it is imported: the empty lists
+    # above are a finding, not a blind spot.
+    [found] = _service_modules_after("fastapi")
+    assert {"fastapi", "starlette"} <= set(found)
+
+
+def test_ffn_core_modules_import_each_other_in_one_direction():
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "ffn_core").glob("*.py"):
+        name = "ffn_core" if path.stem == "__init__" else f"ffn_core.{path.stem}"
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                graph[name].add(node.module)
+            elif isinstance(node, ast.Import):
+                graph[name].update(alias.name for alias in node.names)
+        graph[name] = {module for module in graph[name] if module.split(".")[0] == "ffn_core"}
+    assert set(graph) == {"ffn_core", *SUBMODULES}
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert order[-1] == "ffn_core"  # the package comes last: it only re-exports
+
+
+def test_the_engine_imports_nothing_of_the_web():
+    assert [_web_modules(modules) for modules in _service_modules_after(*ENGINE)] == [[]] * len(ENGINE)
 
 
 def test_every_service_error_has_one_row_in_the_table() -> None:

@@ -5,28 +5,21 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 from torch import nn
 
-from ffn_core import FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
-
-D_MODEL, D_FF = 8, 24
-
-
-def _x(rows: int = 5, d_model: int = D_MODEL) -> np.ndarray:
-    return np.random.default_rng(rows).normal(size=(rows, d_model)).astype(np.float32) * 2
-
-
-def _run(model, x: np.ndarray) -> np.ndarray:
-    with torch.inference_mode():
-        return model(torch.from_numpy(x).to(model.layer1.weight.dtype)).double().numpy()
+from ffn_core import ACTIVATIONS, FORMATS, FFNConfig, WeightsError, build_ffn, load_ffn, save_ffn
+from tests.weight_files import D_FF, D_MODEL, inputs, run, write
 
 
 def _model(config: FFNConfig, seed: int = 0):
@@ -63,8 +56,8 @@ def test_round_trip(tmp_path, config, dtype):
         param = loaded.state_dict()[key]
         assert param.dtype == dtype and torch.equal(param, value), key
     assert all(not p.requires_grad for p in loaded.parameters())
-    x = _x()
-    np.testing.assert_array_equal(_run(loaded, x), _run(model, x))
+    x = inputs()
+    np.testing.assert_array_equal(run(loaded, x), run(model, x))
 
 
 def test_saved_file_describes_itself(tmp_path):
@@ -90,8 +83,8 @@ def test_cast_to_other_dtype_and_string_dtypes(tmp_path, np_ffn, close):
         loaded = load_ffn(tmp_path / "f.safetensors", dtype=dtype, device=torch.device("cpu"))
         assert {p.dtype for p in loaded.parameters()} == {expected}
         assert {p.device.type for p in loaded.parameters()} == {"cpu"}
-    x = _x()
-    close(_run(loaded, x), np_ffn(x, _native_numpy(model), "gelu"))
+    x = inputs()
+    close(run(loaded, x), np_ffn(x, _native_numpy(model), "gelu"))
 
 
 def test_without_metadata_the_keys_say_what_they_can(tmp_path, np_ffn, close):
@@ -107,8 +100,8 @@ def test_without_metadata_the_keys_say_what_they_can(tmp_path, np_ffn, close):
     save_numpy(params, str(path))
     model = load_ffn(path, activation="silu")
     assert model.config == FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=True, bias_gate=True)
-    x = _x()
-    close(_run(model, x), np_ffn(x, params, "silu"))
+    x = inputs()
+    close(run(model, x), np_ffn(x, params, "silu"))
     assert load_ffn(path, gated=True).config.activation == "relu"  # the seeds' default
     with pytest.raises(WeightsError, match="gated=False was asked, but the file has gate weights"):
         load_ffn(path, gated=False)
@@ -127,13 +120,17 @@ def test_arguments_that_contradict_the_file(tmp_path):
 # --- strictness ------------------------------------------------------------------------------------
 
 
-def _saved(tmp_path: Path, edit) -> Path:
-    """A native file (with metadata) whose state dict `edit` changed."""
+def _saved(
+    tmp_path: Path, edit: Callable[[dict[str, torch.Tensor]], object] | None = None, config_json: str | None = None
+) -> Path:
+    """A native relu file, its state dict changed by `edit`, its ffn_config by default the true one."""
     model = _model(FFNConfig(D_MODEL, D_FF))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    edit(state)
+    if edit is not None:
+        edit(state)
     path = tmp_path / "edited.safetensors"
-    save_file(state, str(path), metadata={"format": "ffn-serve", "ffn_config": json.dumps(model.config.to_dict())})
+    config_json = json.dumps(model.config.to_dict()) if config_json is None else config_json
+    save_file(state, str(path), metadata={"format": "ffn-serve", "ffn_config": config_json})
     return path
 
 
@@ -231,6 +228,95 @@ def test_formats_mixed_up_get_a_hint(tmp_path):
     with pytest.raises(WeightsError, match="format 'native'"):
         load_ffn(tmp_path / "f.safetensors", format="torch")
 
+# --- metadata: the file's to choose, so anything may be in it ----------------------------------------
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("config_json", "reason"),
+    [
+        ("[" * DEEP + "]" * DEEP, "cannot be parsed as JSON (RecursionError"),
+        ('{"a": ' * DEEP + "1" + "}" * DEEP, "cannot be parsed as JSON (RecursionError"),
+        ("\x00\xff{garbage", "cannot be parsed as JSON"),
+        ("9" * 5000, "cannot be parsed as JSON"),  # more digits than Python converts to an int
+        ("null", "null, not a JSON object"),
+        ("[8, 24]", "an array, not a JSON object"),
+        ('"relu"', "a string, not a JSON object"),
+        ("false", "true or false, not a JSON object"),
+        ("1e400", "a number, not a JSON object"),
+        ('{"d_model": 8}', "missing 1 required positional argument: 'd_ff'"),
+        ('{"d_model": 8, "d_ff": 24, "activation": ["relu"]}', "unhashable type: 'list'"),
+        ('{"d_model": 8, "d_ff": 24, "dropout": NaN}', "dropout must be in [0, 1)"),
+        ('{"d_model": 8, "d_ff": 24, "is_gated": true}', "unknown FFN config keys: ['is_gated']"),
+    ],
+    ids=[
+        "deep-array", "deep-object", "garbage", "long-int", "null", "array", "string", "bool", "number",
+        "missing-field", "unhashable", "nan", "unknown-field",
+    ],
+)
+def test_malformed_ffn_config_is_a_weights_error(tmp_path, config_json, reason):
+    path = _saved(tmp_path, config_json=config_json)
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path)
+    assert str(info.value).startswith(f"{path}: invalid ffn_config in the file's metadata")
+    assert reason in str(info.value)
+
+
+def test_a_huge_value_is_not_quoted_whole(tmp_path):
+    activation = "x" * 10_000_000
+    path = _saved(tmp_path, config_json=json.dumps({"d_model": D_MODEL, "d_ff": D_FF, "activation": activation}))
+    with pytest.raises(WeightsError, match="unknown activation 'xxxx") as info:
+        load_ffn(path)
+    assert len(str(info.value)) < 1000
+
+
+def _json_values() -> st.SearchStrategy[object]:
+    """Any JSON value, small."""
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=8,
+    )
+
+
+# Every FFNConfig field, with values that fit the file's relu weights mixed among any JSON at all,
+# so that some configs load and most fail somewhere in the checks.
+_CONFIGS = st.fixed_dictionaries(
+    {"d_model": st.just(D_MODEL) | _json_values(), "d_ff": st.just(D_FF) | _json_values()},
+    optional={
+        "activation": st.sampled_from(sorted(ACTIVATIONS)) | _json_values(),
+        "gated": st.booleans() | _json_values(),
+        "bias1": st.just(True) | _json_values(),
+        "bias2": st.just(True) | _json_values(),
+        "bias_gate": st.booleans() | _json_values(),
+        "dropout": st.floats(0, 1) | _json_values(),
+        "extra": _json_values(),
+    },
+)
+
+
+# No deadline (nothing here is timed); derandomized so that CI runs the same examples every time.
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # one file, rewritten per example
+)
+@given(config_json=st.text() | _json_values().map(json.dumps) | _CONFIGS.map(json.dumps))
+def test_any_ffn_config_loads_or_is_a_weights_error(tmp_path, config_json):
+    path = _saved(tmp_path, config_json=config_json)
+    try:
+        model = load_ffn(path)
+    except WeightsError as exc:
+        assert str(exc).startswith(f"{path}: ")
+    else:
+        values = json.loads(config_json)
+        assert (values["d_model"], values["d_ff"]) == (D_MODEL, D_FF) == (model.config.d_model, model.config.d_ff)
+
+
 
 # --- PyTorch state dicts -----------------------------------------------------------------------------
 
@@ -271,9 +357,9 @@ def test_seed_state_dict_loads_unchanged(tmp_path, kwargs, activation, np_ffn, c
     model = load_ffn(path, format="torch", activation=activation)
     assert model.config.gated == kwargs.get("is_gated", False)
     assert model.config.bias1 == kwargs.get("bias1", True) and model.config.bias2 == kwargs.get("bias2", True)
-    x = _x()
+    x = inputs()
     expected = np_ffn(x, {k: v.numpy() for k, v in seed.state_dict().items()}, activation or "relu")
-    close(_run(model, x), expected)
+    close(run(model, x), expected)
     with torch.inference_mode():
         close(seed(torch.from_numpy(x)).numpy(), expected)
 
@@ -332,142 +418,48 @@ def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, how, format):
     assert not sentinel.exists()
 
 
-# --- checkpoint families ---------------------------------------------------------------------------
+# --- non-finite weights ----------------------------------------------------------------------------
 
 
-def test_minilm_layers_match_numpy(minilm_path, np_ffn, close):
-    x = _x(6, 384)
-    with safe_open(str(minilm_path), framework="np") as f:
-        for layer in (0, 5):
-            model = load_ffn(minilm_path, format="bert", layer=layer)
-            assert model.config == FFNConfig(384, 1536, "gelu")
-            raw = {
-                "layer1.weight": f.get_tensor(f"encoder.layer.{layer}.intermediate.dense.weight"),
-                "layer1.bias": f.get_tensor(f"encoder.layer.{layer}.intermediate.dense.bias"),
-                "layer2.weight": f.get_tensor(f"encoder.layer.{layer}.output.dense.weight"),
-                "layer2.bias": f.get_tensor(f"encoder.layer.{layer}.output.dense.bias"),
-            }
-            assert raw["layer1.weight"].shape == (1536, 384)
-            close(_run(model, x), np_ffn(x, raw, "gelu"))
+def _relu_state(dtype: type = np.float32) -> dict[str, np.ndarray]:
+    """A relu FFN's native state dict as numpy arrays of `dtype`."""
+    return {k: v.numpy().astype(dtype) for k, v in _model(FFNConfig(D_MODEL, D_FF)).state_dict().items()}
 
 
-def test_minilm_layer_out_of_range(minilm_path):
-    for layer in (6, -1):
-        with pytest.raises(WeightsError, match=rf"no layer {layer}; the file has 6 layers \(0\.\.5\)") as info:
-            load_ffn(minilm_path, format="bert", layer=layer)
-        assert str(minilm_path) in str(info.value)
-    with pytest.raises(WeightsError, match="needs a layer index"):
-        load_ffn(minilm_path, format="bert")
-    with pytest.raises(WeightsError, match="no gpt2 layers found"):
-        load_ffn(minilm_path, format="gpt2", layer=0)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(("format", "suffix"), [("native", ".safetensors"), ("torch", ".pt")])
+def test_non_finite_weights_are_refused(tmp_path, format, suffix, bad):
+    state = _relu_state()
+    state["layer2.weight"][1, 2] = state["layer2.weight"][3, 4] = bad
+    path = write(state, tmp_path / f"f{suffix}")
+    for dtype in ("float32", "float16", "bfloat16"):
+        with pytest.raises(WeightsError) as info:
+            load_ffn(path, format=format, dtype=dtype)
+        assert str(info.value).startswith(
+            f"{path}: key 'layer2.weight' holds 2 non-finite values (NaN or ±inf) among {D_MODEL * D_FF}"
+        )
 
 
-def _gpt2_state(n_layers: int = 3, prefix: str = "") -> dict[str, np.ndarray]:
-    """A small GPT-2 state dict in the real layout: Conv1D weights are [in, out]."""
-    rng = np.random.default_rng(2)
-    state = {f"{prefix}wte.weight": rng.normal(size=(50, D_MODEL)), f"{prefix}ln_f.weight": np.ones(D_MODEL)}
-    for i in range(n_layers):
-        h = f"{prefix}h.{i}."
-        state |= {
-            h + "ln_1.weight": np.ones(D_MODEL),
-            h + "attn.c_attn.weight": rng.normal(size=(D_MODEL, 3 * D_MODEL)),
-            h + "attn.c_attn.bias": rng.normal(size=3 * D_MODEL),
-            h + "mlp.c_fc.weight": rng.normal(size=(D_MODEL, D_FF)),
-            h + "mlp.c_fc.bias": rng.normal(size=D_FF),
-            h + "mlp.c_proj.weight": rng.normal(size=(D_FF, D_MODEL)) / 4,
-            h + "mlp.c_proj.bias": rng.normal(size=D_MODEL),
-        }
-    return {k: v.astype(np.float32) for k, v in state.items()}
-
-
-def _write(state: dict[str, np.ndarray], path: Path) -> Path:
-    if path.suffix == ".safetensors":
-        save_numpy(state, str(path))
-    else:
-        torch.save({k: torch.from_numpy(v) for k, v in state.items()}, path)
-    return path
-
-
-@pytest.mark.parametrize("prefix", ["", "transformer."])
-@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
-def test_gpt2_layer_matches_numpy(tmp_path, prefix, suffix, close):
-    state = _gpt2_state(prefix=prefix)
-    path = _write(state, tmp_path / f"gpt2{suffix}")
-    x = _x()
-    for layer in range(3):
-        model = load_ffn(path, format="gpt2", layer=layer)
-        assert model.config == FFNConfig(D_MODEL, D_FF, "gelu_tanh")
-        h = f"{prefix}h.{layer}.mlp."
-        # Conv1D is x @ W + b with W [in, out]; gelu_tanh written out.
-        z = x.astype(np.float64) @ state[h + "c_fc.weight"] + state[h + "c_fc.bias"]
-        g = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
-        expected = g @ state[h + "c_proj.weight"] + state[h + "c_proj.bias"]
-        close(_run(model, x), expected)
-
-
-def test_gpt2_wrong_shape_is_named_as_stored(tmp_path):
-    state = _gpt2_state()
-    state["h.1.mlp.c_proj.weight"] = np.zeros((D_FF, D_MODEL + 1), np.float32)
-    path = _write(state, tmp_path / "gpt2.safetensors")
-    load_ffn(path, format="gpt2", layer=0)  # other layers are not read
-    with pytest.raises(WeightsError, match=rf"'h.1.mlp.c_proj.weight' has shape \[{D_FF}, {D_MODEL + 1}\], expected \[{D_FF}, {D_MODEL}\]"):
-        load_ffn(path, format="gpt2", layer=1)
-    del state["h.2.mlp.c_proj.bias"]
-    path = _write(state, tmp_path / "gpt2.safetensors")
-    assert load_ffn(path, format="gpt2", layer=2).config.bias2 is False
-    with pytest.raises(WeightsError, match="not gated"):
-        load_ffn(path, format="gpt2", layer=0, gated=True)
-
-
-def test_bert_prefix_and_activation_override(tmp_path, np_ffn, close):
-    rng = np.random.default_rng(3)
-    state = {"bert.embeddings.word_embeddings.weight": rng.normal(size=(10, D_MODEL)).astype(np.float32)}
-    for i in range(2):
-        base = f"bert.encoder.layer.{i}."
-        state |= {
-            base + "attention.self.query.weight": rng.normal(size=(D_MODEL, D_MODEL)).astype(np.float32),
-            base + "intermediate.dense.weight": rng.normal(size=(D_FF, D_MODEL)).astype(np.float32),
-            base + "intermediate.dense.bias": rng.normal(size=D_FF).astype(np.float32),
-            base + "output.dense.weight": rng.normal(size=(D_MODEL, D_FF)).astype(np.float32),
-            base + "output.dense.bias": rng.normal(size=D_MODEL).astype(np.float32),
-        }
-    path = _write(state, tmp_path / "bert.bin")
-    model = load_ffn(path, format="bert", layer=1, activation="gelu_tanh", dtype="bfloat16")
-    assert model.config.activation == "gelu_tanh" and model.layer1.weight.dtype == torch.bfloat16
-    raw = {
-        "layer1.weight": state["bert.encoder.layer.1.intermediate.dense.weight"],
-        "layer1.bias": state["bert.encoder.layer.1.intermediate.dense.bias"],
-        "layer2.weight": state["bert.encoder.layer.1.output.dense.weight"],
-        "layer2.bias": state["bert.encoder.layer.1.output.dense.bias"],
-    }
-    x = _x()
-    # bfloat16 keeps 8 bits of mantissa: a loose bound, but still a real check of the values.
-    close(_run(model, x), np_ffn(x.astype(np.float64), raw, "gelu_tanh"), rtol=3e-2)
-
-
-@pytest.mark.parametrize("prefix", ["model.", ""])
-def test_llama_layer_matches_numpy(tmp_path, prefix, close):
-    rng = np.random.default_rng(4)
-    state = {f"{prefix}embed_tokens.weight": rng.normal(size=(20, D_MODEL)), f"{prefix}norm.weight": np.ones(D_MODEL)}
-    for i in range(2):
-        base = f"{prefix}layers.{i}."
-        state |= {
-            base + "self_attn.q_proj.weight": rng.normal(size=(D_MODEL, D_MODEL)),
-            base + "input_layernorm.weight": np.ones(D_MODEL),
-            base + "mlp.gate_proj.weight": rng.normal(size=(D_FF, D_MODEL)),
-            base + "mlp.up_proj.weight": rng.normal(size=(D_FF, D_MODEL)),
-            base + "mlp.down_proj.weight": rng.normal(size=(D_MODEL, D_FF)),
-        }
-    state = {k: v.astype(np.float32) for k, v in state.items()}
-    path = _write(state, tmp_path / "llama.safetensors")
-    model = load_ffn(path, format="llama", layer=1)
-    assert model.config == FFNConfig(D_MODEL, D_FF, "silu", gated=True, bias1=False, bias2=False, bias_gate=False)
-    x = _x().astype(np.float64)
-    m = f"{prefix}layers.1.mlp."
-    gate = x @ state[m + "gate_proj.weight"].T
-    expected = (gate / (1 + np.exp(-gate)) * (x @ state[m + "up_proj.weight"].T)) @ state[m + "down_proj.weight"].T
-    close(_run(model, x.astype(np.float32)), expected)
-    del state[m + "up_proj.weight"]
-    path = _write(state, tmp_path / "llama.safetensors")
-    with pytest.raises(WeightsError, match=rf"missing key '{m}up_proj.weight' \(expected shape \[{D_FF}, {D_MODEL}\]"):
-        load_ffn(path, format="llama", layer=1)
+@pytest.mark.parametrize(
+    ("stored", "value", "dtype", "limit"),
+    [
+        (np.float32, 1e5, "float16", "65504"),
+        (np.float32, np.finfo(np.float32).max, "bfloat16", "3.3895e+38"),  # bfloat16 rounds it up to inf
+        (np.float64, 1e300, "float32", "3.4028e+38"),
+    ],
+)
+@pytest.mark.parametrize(("format", "suffix"), [("native", ".safetensors"), ("torch", ".pt")])
+def test_a_conversion_that_overflows_is_refused(tmp_path, format, suffix, stored, value, dtype, limit):
+    state = _relu_state(stored)
+    state["layer1.bias"][0] = value
+    path = write(state, tmp_path / f"f{suffix}")
+    with pytest.raises(WeightsError) as info:
+        load_ffn(path, format=format, dtype=dtype)
+    source = np.dtype(stored).name
+    assert str(info.value).startswith(
+        f"{path}: key 'layer1.bias': converting {source} to {dtype} overflowed: 1 value beyond {dtype}'s range (±{limit})"
+    )
+    # The largest finite value of the dtype itself loads.
+    state["layer1.bias"][0] = float(torch.finfo(getattr(torch, dtype)).max)
+    write(state, path)
+    assert load_ffn(path, format=format, dtype=dtype).layer1.bias[0].item() == torch.finfo(getattr(torch, dtype)).max
