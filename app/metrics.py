@@ -39,6 +39,22 @@ class Metrics:
             "ffn_request_seconds", "Time from a request's arrival at the batcher to its answer.",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        # For the V2 statistics extension (Triton's shape): what the instruments above cannot give.
+        # Triton counts compute time per request (each request its batch's whole pass), failed
+        # requests with their durations, and the time of the last inference.
+        self.request_compute_seconds = Counter(
+            "ffn_request_compute_seconds", "Forward-pass time summed over requests: each request in a batch "
+            "counts the batch's whole pass.", ["model"], registry=r,
+        )
+        self.failed_request_seconds = Histogram(
+            "ffn_failed_request_seconds", "Time from a request's arrival at the batcher to its failure "
+            "(queue full, deadline passed, client gone, model error, shutdown).",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.last_inference = Gauge(
+            "ffn_last_inference_timestamp_seconds", "When the model last finished a forward pass (Unix time).",
+            ["model"], registry=r, multiprocess_mode="max",
+        )
         self.batch_rows = Histogram(
             "ffn_batch_rows", "Rows in each forward pass.", ["model"], buckets=ROW_BUCKETS, registry=r
         )
@@ -59,6 +75,9 @@ class Metrics:
             queue_seconds=self.queue_seconds.labels(model=model),
             compute_seconds=self.compute_seconds.labels(model=model),
             request_seconds=self.request_seconds.labels(model=model),
+            request_compute_seconds=self.request_compute_seconds.labels(model=model),
+            failed_request_seconds=self.failed_request_seconds.labels(model=model),
+            last_inference=self.last_inference.labels(model=model),
             batch_rows=self.batch_rows.labels(model=model),
             queue_rows=self.queue_rows.labels(model=model),
             batch_ceiling=self.batch_ceiling.labels(model=model),
@@ -73,6 +92,9 @@ class ModelInstruments:
     queue_seconds: Histogram
     compute_seconds: Histogram
     request_seconds: Histogram
+    request_compute_seconds: Counter
+    failed_request_seconds: Histogram
+    last_inference: Gauge
     batch_rows: Histogram
     queue_rows: Gauge
     batch_ceiling: Gauge

@@ -150,19 +150,21 @@ class Batcher:
 
     async def submit(self, rows: torch.Tensor, *, deadline: float | None = None) -> torch.Tensor:
         """The model's output for `rows` (n, d_model), n >= 1. `deadline` is in loop.time() seconds."""
+        arrived = time.perf_counter()
         if not self._accepting:
-            raise Unavailable("the server is not accepting work (starting up or draining)")
+            raise self._refused(arrived, Unavailable("the server is not accepting work (starting up or draining)"))
         n = rows.shape[0]
         assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
         if n > self.max_queue_rows:
-            raise RequestTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
+            raise self._refused(arrived, RequestTooLarge(
+                f"request has {n} rows; this model queues at most {self.max_queue_rows} rows"))
         if self._queued_rows + n > self.max_queue_rows:
-            raise Overloaded(
+            raise self._refused(arrived, Overloaded(
                 f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",
                 retry_after_s=1,
-            )
+            ))
         loop = asyncio.get_running_loop()
-        now, arrived = loop.time(), time.perf_counter()
+        now = loop.time()
         chunk_rows = self._ceiling
         chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
         entries = [Entry(chunk, loop.create_future(), now, arrived, deadline) for chunk in chunks]
@@ -180,6 +182,7 @@ class Batcher:
             self._instruments.request_seconds.observe(time.perf_counter() - arrived)
             return result
         except BaseException:
+            self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
             # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
             for entry in entries:
                 self._release(entry)
@@ -187,6 +190,11 @@ class Batcher:
                     entry.future.exception()  # retrieved: no "never retrieved" warning
                 entry.future.cancel()
             raise
+
+    def _refused(self, arrived: float, error: Exception) -> Exception:
+        """Count a request refused before queueing as failed (the statistics' `fail`); return the error."""
+        self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
+        return error
 
     # ----- queue -----------------------------------------------------------------------------
 
@@ -303,8 +311,11 @@ class Batcher:
             for entry in batch:
                 self._fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
             return
-        self._instruments.compute_seconds.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._instruments.compute_seconds.observe(elapsed)
+        self._instruments.request_compute_seconds.inc(elapsed * len(batch))
         self._instruments.batch_rows.observe(rows)
+        self._instruments.last_inference.set(time.time())
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
         offset = 0
         for entry in batch:
