@@ -45,6 +45,10 @@ class ModelSpec(BaseModel):
     gated: bool | None = Field(default=None, description="Gated (GLU) FFN, where the file does not say.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="float32", description="Compute dtype.")
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="auto = cuda when available.")
+    dropout: float | None = Field(
+        default=None, ge=0.0, lt=1.0,
+        description="Dropout rate of Monte Carlo dropout requests; unset: the file's (native files store it).",
+    )
 
 
 class Settings(BaseSettings):
@@ -77,6 +81,10 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(default=0, ge=0, description="torch intra-op threads; 0 = torch's default.")
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
+    max_mc_passes: int = Field(
+        default=64, ge=0, le=4096,
+        description="Most Monte Carlo dropout passes one request may ask for (mc_passes); 0 turns the mode off.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 
     @field_validator("models")

@@ -112,8 +112,8 @@ async def test_models_list(client):
     (model,) = r.json()["models"]
     assert model | {"ready": True} == {
         "name": "demo", "d_model": 512, "d_ff": 2048, "activation": "relu", "gated": False, "variant": "relu",
-        "bias": {"layer1": True, "layer2": True, "linear_v": None}, "dtype": "float32", "device": "cpu",
-        "format": "demo", "ready": True,
+        "bias": {"layer1": True, "layer2": True, "linear_v": None}, "dropout": 0.0, "dtype": "float32",
+        "device": "cpu", "format": "demo", "ready": True,
     }
 
 

@@ -11,6 +11,7 @@ import torch
 
 from app.engine.batcher import Batcher
 from app.engine.errors import ModelNotFound
+from app.engine.montecarlo import MonteCarloLane
 from app.engine.runner import ModelRunner, device_executor, resolve_device
 from app.metrics import Metrics
 from app.settings import ModelSpec, Settings
@@ -30,6 +31,7 @@ class ServedModel:
     model: FeedForward
     runner: ModelRunner
     batcher: Batcher
+    monte_carlo: MonteCarloLane
     warm: bool = False
 
     @property
@@ -39,6 +41,11 @@ class ServedModel:
     @property
     def d_model(self) -> int:
         return self.model.config.d_model
+
+    @property
+    def dropout(self) -> float:
+        """The hidden-layer dropout rate of Monte Carlo dropout requests: the config's, else the file's."""
+        return self.spec.dropout if self.spec.dropout is not None else self.model.config.dropout
 
     @property
     def dtype(self) -> DType:
@@ -65,6 +72,7 @@ class ServedModel:
             "gated": config.gated,
             "variant": config.variant,
             "bias": {"layer1": config.bias1, "layer2": config.bias2, "linear_v": config.bias_gate if config.gated else None},
+            "dropout": self.dropout,
             "dtype": self.spec.dtype,
             "device": str(self.runner.device),
             "format": self.spec.format if self.spec.weights else "demo",
@@ -109,7 +117,11 @@ class Registry:
                 runner, name=spec.name, max_batch_rows=s.max_batch_rows, max_wait_s=s.max_wait_ms / 1000.0,
                 max_queue_rows=s.max_queue_rows, executor=executor, metrics=self.metrics,
             )
-            served = ServedModel(spec, model, runner, batcher)
+            monte_carlo = MonteCarloLane(
+                model, executor=executor, instruments=self.metrics.for_model(spec.name),
+                max_rows=s.max_batch_rows, max_queue_rows=s.max_queue_rows,
+            )
+            served = ServedModel(spec, model, runner, batcher, monte_carlo)
             self.models[spec.name] = served
             log.info("loaded model %s", served.summary())
 

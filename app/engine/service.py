@@ -48,6 +48,7 @@ class Engine:
             await asyncio.to_thread(self.registry.load)
         for served in self.registry.models.values():
             await served.batcher.start()
+            served.monte_carlo.start()
         self._warm_up_task = asyncio.create_task(self._warm_up(), name="warm-up")
         self.started = True
 
@@ -57,6 +58,7 @@ class Engine:
             self._warm_up_task.cancel()
         for served in self.registry.models.values():
             await served.batcher.stop()
+            served.monte_carlo.stop()
         self.registry.shutdown_executors()
 
     async def drain(self) -> bool:
@@ -67,12 +69,14 @@ class Engine:
         self.draining = True
         timeout = self.settings.drain_timeout_s
         models = list(self.registry.models.values())
-        finished = await asyncio.gather(*(m.batcher.drain(timeout) for m in models))
+        finished = await asyncio.gather(*(m.batcher.drain(timeout) for m in models),
+                                        *(m.monte_carlo.drain(timeout) for m in models))
         if not all(finished):
             # Out of time: answer what is left 503 now, while its clients are still connected
             # (after uvicorn's own grace period their requests would be cancelled instead).
             for served in models:
                 await served.batcher.stop()
+                served.monte_carlo.stop()
         return all(finished)
 
     async def _warm_up(self) -> None:

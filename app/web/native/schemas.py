@@ -30,6 +30,17 @@ class TransformResponse(BaseModel):
     outputs: Matrix | Tensor3
 
 
+class MonteCarloResponse(BaseModel):
+    model: str
+    shape: list[int] = Field(description="The shape of `mean` and of `std`: the input's.")
+    dtype: Literal["float32"] = "float32"
+    mc_passes: int
+    mc_dropout: float
+    mc_seed: int = Field(description="The seed the masks were drawn from: send it again to repeat the answer.")
+    mean: Matrix | Tensor3
+    std: Matrix | Tensor3 = Field(description="Per-element standard deviation over the passes (Bessel-corrected).")
+
+
 class BiasFlags(BaseModel):
     layer1: bool
     layer2: bool
@@ -44,6 +55,7 @@ class ModelInfo(BaseModel):
     gated: bool
     variant: str = Field(description="relu, gelu, gelu_tanh, silu, reglu, geglu, swiglu, bilinear, ...")
     bias: BiasFlags
+    dropout: float = Field(description="The rate Monte Carlo dropout requests use unless they pass mc_dropout.")
     dtype: str = Field(description="Compute dtype.", json_schema_extra={"enum": list(DTYPE_NAMES)})
     device: str
     format: str
