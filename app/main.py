@@ -54,7 +54,8 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
     register(app, ENDPOINTS, fast_path=fast_path)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length"])
+                           allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length",
+                                           "X-MC-Passes", "X-MC-Dropout", "X-MC-Seed"])
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=api_key)
     return app

@@ -31,12 +31,19 @@ def numpy_ffn(x: np.ndarray, params: Mapping[str, np.ndarray], activation: str =
     `params` has the native names ([out, in] weights); a missing bias is zero, and the gate
     applies when `linear_v.weight` is there.
     """
+    hidden = numpy_hidden(x, params, activation)  # (..., d_ff)
+    w2, b2 = (np.asarray(params.get(key, 0.0), dtype=np.float64) for key in ("layer2.weight", "layer2.bias"))
+    return hidden @ w2.T + b2  # (..., d_model)
+
+
+def numpy_hidden(x: np.ndarray, params: Mapping[str, np.ndarray], activation: str = "relu") -> np.ndarray:
+    """The hidden layer f(x W1ᵀ + b1) [⊙ (x Vᵀ + c)] in float64: what dropout acts on, (..., d_ff)."""
     x = np.asarray(x, dtype=np.float64)
     p = {key: np.asarray(value, dtype=np.float64) for key, value in params.items()}
-    hidden = ACTIVATIONS[activation](x @ p["layer1.weight"].T + p.get("layer1.bias", 0.0))  # (..., d_ff)
+    hidden = ACTIVATIONS[activation](x @ p["layer1.weight"].T + p.get("layer1.bias", 0.0))
     if "linear_v.weight" in p:
         hidden = hidden * (x @ p["linear_v.weight"].T + p.get("linear_v.bias", 0.0))
-    return hidden @ p["layer2.weight"].T + p.get("layer2.bias", 0.0)  # (..., d_model)
+    return hidden
 
 
 def numpy_weights(model: FeedForward) -> dict[str, np.ndarray]:

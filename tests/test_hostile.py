@@ -315,8 +315,6 @@ V2_JSON_CASES = {
     "no-inputs": b'{"inputs": []}',
     "inputs-not-list": b'{"inputs": {"name": "input"}}',
     "unknown-output": orjson.dumps({**orjson.loads(v2_json()), "outputs": [{"name": "logits"}]}),
-    "classification": orjson.dumps({**orjson.loads(v2_json()),
-                                    "outputs": [{"name": "output", "parameters": {"classification": 3}}]}),
     "id-not-string": orjson.dumps({**orjson.loads(v2_json()), "id": 7}),
     "timeout-string": orjson.dumps({**orjson.loads(v2_json()), "parameters": {"timeout": "soon"}}),
     "timeout-negative": orjson.dumps({**orjson.loads(v2_json()), "parameters": {"timeout": -1}}),

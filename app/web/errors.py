@@ -32,6 +32,14 @@ class InvalidInput(EdgeError):
     """Malformed or mismatched input: shape, dtype, size, JSON, headers."""
 
 
+class UnsupportedExtension(EdgeError):
+    """A V2 protocol extension this server does not implement: shared memory, trace, logging, ..."""
+
+    def __init__(self, extension: str, detail: str) -> None:
+        super().__init__(f"the {extension} extension is not supported by this server: {detail}")
+        self.extension = extension
+
+
 class Unauthorized(EdgeError):
     """Missing or wrong API key."""
 
@@ -71,6 +79,7 @@ class ErrorKind:
 
 ERRORS: dict[type[Exception], ErrorKind] = {
     InvalidInput: ErrorKind(400, "invalid_input"),
+    UnsupportedExtension: ErrorKind(400, "unsupported_extension"),
     Unauthorized: ErrorKind(401, "unauthorized", lambda exc: {"WWW-Authenticate": "Bearer"}),
     engine.ModelNotFound: ErrorKind(404, "model_not_found"),
     NotAcceptable: ErrorKind(406, "not_acceptable"),

@@ -5,12 +5,16 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.engine.registry import ServedModel
+from app.web import montecarlo
 from app.web.endpoints import Endpoint
+from app.web.errors import InvalidInput
 from app.web.http import TIMEOUT_HEADER, deadline_from, read_body, unless_disconnected
 from app.web.native import codec
-from app.web.native.schemas import ModelList, TransformRequest, TransformResponse
+from app.web.native import montecarlo as native_montecarlo
+from app.web.native.schemas import MonteCarloResponse, ModelList, TransformRequest, TransformResponse
 from app.web.openapi import error_responses
-from app.web.state import StateDep, service_state
+from app.web.state import ServiceState, StateDep, service_state
 from ffn_core.dtypes import DTYPE_NAMES
 
 
@@ -21,21 +25,42 @@ async def transform(name: str, request: Request) -> Response:
     served = state.engine.registry.get(name)
     with state.count(name):
         state.engine.check_serving(served)
-        headers = request.headers
-        encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
-        encoding_out = codec.response_encoding(headers.get("accept"))
-        deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        body = await read_body(request, state.settings.max_body_bytes)
-        if encoding_in == "raw":
-            decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
-        elif encoding_in == "npy":
-            decoded = codec.decode_npy(body, served.d_model)
-        else:
-            decoded = codec.decode_json(body, served.d_model)
-        codec.check_answerable(encoding_out, decoded.dtype)
+        if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
+            return await _transform_monte_carlo(request, state, served)
+        decoded, encoding_out, deadline = await _read(request, state, served)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
         content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
+
+
+async def _read(request: Request, state: ServiceState,
+                served: ServedModel) -> tuple[codec.DecodedInput, codec.Encoding, float]:
+    """The request's rows, the answer's encoding and the deadline; every client mistake refused here."""
+    headers = request.headers
+    encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
+    encoding_out = codec.response_encoding(headers.get("accept"))
+    deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
+    body = await read_body(request, state.settings.max_body_bytes)
+    if encoding_in == "raw":
+        decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
+    elif encoding_in == "npy":
+        decoded = codec.decode_npy(body, served.d_model)
+    else:
+        decoded = codec.decode_json(body, served.d_model)
+    codec.check_answerable(encoding_out, decoded.dtype)
+    return decoded, encoding_out, deadline
+
+
+async def _transform_monte_carlo(request: Request, state: ServiceState, served: ServedModel) -> Response:
+    """N dropout passes over the request's rows: their mean and standard deviation (native/montecarlo.py)."""
+    parameters = native_montecarlo.query_parameters(request.scope["query_string"])
+    asked = montecarlo.monte_carlo_request(parameters, served, state.settings.max_mc_passes)
+    if asked is None:
+        raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {montecarlo.PASSES}")
+    decoded, encoding_out, deadline = await _read(request, state, served)
+    result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
+    content, headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)
+    return Response(content, headers=headers)
 
 
 async def list_models(state: StateDep) -> ModelList:
@@ -53,12 +78,15 @@ _TRANSFORM_DOC = {
     "response_model": None,
     "responses": {
         200: {
-            "model": TransformResponse,
-            "description": "The FFN's output, same shape as the input.",
+            "model": TransformResponse | MonteCarloResponse,
+            "description": "The FFN's output, same shape as the input; with mc_passes, the mean and std over "
+            "the passes (raw and .npy answers stack them: shape [2, ...], mean first).",
             "content": {"application/octet-stream": _BINARY, "application/x-npy": _BINARY},
             "headers": {
                 "X-Shape": {"schema": {"type": "string"}, "description": "Raw answers: the shape, e.g. 7,512."},
                 "X-Dtype": {"schema": {"type": "string"}, "description": "Raw answers: the dtype of the request."},
+                **{header: {"schema": {"type": "string"}, "description": "Monte Carlo answers: the parameter used."}
+                   for header in ("X-MC-Passes", "X-MC-Dropout", "X-MC-Seed")},
             },
         },
         **error_responses(400, 401, 404, 406, 413, 415, 429, 503, 504, 507),
@@ -72,6 +100,15 @@ _TRANSFORM_DOC = {
              "description": "Raw bodies: the dtype, little-endian; `float32` by default."},
             {"name": "X-Timeout-Ms", "in": "header", "required": False, "schema": {"type": "number"},
              "description": "Deadline in ms; a request still queued then is answered 504."},
+            {"name": montecarlo.PASSES, "in": "query", "required": False, "schema": {"type": "integer", "minimum": 2},
+             "description": "Monte Carlo dropout: this many stochastic passes (at most max_mc_passes); "
+             "the answer is their mean and standard deviation."},
+            {"name": montecarlo.SEED, "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 0, "maximum": montecarlo.MAX_SEED},
+             "description": "Monte Carlo dropout: the masks' seed; one is drawn (and answered) when absent."},
+            {"name": montecarlo.DROPOUT, "in": "query", "required": False,
+             "schema": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+             "description": "Monte Carlo dropout: the rate, instead of the model's."},
         ],
         "requestBody": {
             "required": True,

@@ -15,13 +15,17 @@ from typing import Any
 import orjson
 import torch
 
-from app.web.errors import InvalidInput, UnsupportedMediaType
+from app.web import montecarlo
+from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
 from app.web.http import media_type, refuse_content_encoding
 from app.web.tensors import check_shape, json_numbers_to_array, loads_json, raw_bytes, to_wire_dtype, view_rows
 from ffn_core.dtypes import BY_V2, DType
 
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
+# Monte Carlo dropout answers `output` (the mean over the passes) and this (their standard deviation).
+STD_OUTPUT_NAME = "output_std"
+OUTPUT_NAMES = (OUTPUT_NAME, STD_OUTPUT_NAME)
 HEADER_LENGTH = "inference-header-content-length"
 # JSON bodies; with the binary extension the body is a JSON header followed by raw bytes.
 MEDIA_TYPES = ("application/json", "application/octet-stream")
@@ -33,8 +37,9 @@ class V2Request:
     shape: tuple[int, ...]
     dtype: DType
     id: str | None
-    binary_output: bool
-    timeout_us: Any  # the `timeout` parameter, microseconds as in Triton; None when absent
+    outputs: dict[str, bool] | None  # output name -> binary, as asked; None: every output the answer has
+    binary_output: bool  # binary_data_output: the default for outputs that do not say
+    parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
 
 
 def check_content(content_type: str | None, content_encoding: str | None) -> None:
@@ -67,6 +72,9 @@ def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Reques
     shape = _shape(tensor.get("shape"))
     rows = check_shape(shape, d_model)
     input_parameters = _parameters(tensor.get("parameters"), "input")
+    _refuse_extensions(parameters, input_parameters)
+    if montecarlo.PASSES not in parameters and (montecarlo.SEED in parameters or montecarlo.DROPOUT in parameters):
+        montecarlo.refuse_without_passes(parameters)
     binary_size = input_parameters.get("binary_data_size")
     if binary_size is not None:
         if "data" in tensor:
@@ -76,7 +84,32 @@ def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Reques
         if json_end != len(body):
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
         values = _json_tensor(tensor.get("data"), shape, rows, d_model)
-    return V2Request(values, shape, dtype, request_id, _wants_binary(document, parameters), parameters.get("timeout"))
+    binary_output = bool(parameters.get("binary_data_output", False))
+    outputs = _requested_outputs(document.get("outputs"), binary_output, montecarlo.PASSES in parameters)
+    return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters)
+
+
+SHARED_MEMORY_REGION = "shared_memory_region"
+# Request parameters of extensions this server does not implement: refused, never ignored.
+_SEQUENCE = ("sequence", "an FFN is position-wise and keeps no sequence state")
+_EXTENSION_PARAMETERS = {
+    "sequence_id": _SEQUENCE, "sequence_start": _SEQUENCE, "sequence_end": _SEQUENCE,
+    "priority": ("schedule_policy", "each model has one first-come queue; of its parameters only 'timeout' is served"),
+}
+
+
+def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, Any]) -> None:
+    """Refuse a request that relies on an extension we do not implement, naming it."""
+    if SHARED_MEMORY_REGION in input_parameters:
+        raise _shared_memory_unsupported()
+    for name, (extension, detail) in _EXTENSION_PARAMETERS.items():
+        if name in parameters:
+            raise UnsupportedExtension(extension, f"parameter {name!r} was sent, but {detail}")
+
+
+def _shared_memory_unsupported() -> UnsupportedExtension:
+    return UnsupportedExtension("system_shared_memory/cuda_shared_memory",
+                                "send tensors in the request body (binary_tensor_data)")
 
 
 def _json_length(header_length: str | None, body_length: int) -> int:
@@ -125,38 +158,58 @@ def _json_tensor(data: object, shape: tuple[int, ...], rows: int, d_model: int) 
     return torch.from_numpy(array.reshape(rows, d_model))
 
 
-def _wants_binary(document: dict[str, Any], parameters: dict[str, Any]) -> bool:
-    """binary_data on the requested output, else the request's binary_data_output."""
-    outputs = document.get("outputs")
-    if outputs is None:
-        return bool(parameters.get("binary_data_output", False))
+def _requested_outputs(outputs: object, binary_output: bool, monte_carlo: bool) -> dict[str, bool] | None:
+    """Output name -> binary for each output asked for: its binary_data, else binary_data_output."""
+    if outputs is None or outputs == []:  # none named: every output, as in Triton
+        return None
     if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
         raise InvalidInput("'outputs' must be a list of objects")
-    wanted = False
+    wanted: dict[str, bool] = {}
     for output in outputs:
-        if output.get("name") != OUTPUT_NAME:
-            raise InvalidInput(f"unknown output {str(output.get('name'))[:64]!r}; this model's output is {OUTPUT_NAME!r}")
+        name = output.get("name")
+        if name not in OUTPUT_NAMES:
+            raise InvalidInput(f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
+                               f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)")
+        if name == STD_OUTPUT_NAME and not monte_carlo:
+            raise InvalidInput(f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
+                               f"add parameters.{montecarlo.PASSES}")
         output_parameters = _parameters(output.get("parameters"), "output")
         if "classification" in output_parameters:
-            raise InvalidInput("the classification extension is not supported")
-        wanted = bool(output_parameters.get("binary_data", parameters.get("binary_data_output", False)))
+            raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
+        if SHARED_MEMORY_REGION in output_parameters:
+            raise _shared_memory_unsupported()
+        wanted[name] = bool(output_parameters.get("binary_data", binary_output))
     return wanted
 
 
-def encode(model: str, request: V2Request, output: torch.Tensor) -> tuple[bytes, dict[str, str]]:
-    """The response body and headers: JSON, or a JSON header followed by the binary output."""
-    wire = to_wire_dtype(output, request.dtype)
-    described: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": request.dtype.v2, "shape": list(request.shape)}
-    answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": [described]}
+def encode(model: str, request: V2Request, tensors: dict[str, torch.Tensor],
+           parameters: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+    """The response body and headers: JSON, or a JSON header followed by the binary outputs.
+
+    `tensors` holds every output the answer has, by name; the request's `outputs` pick among them.
+    """
+    wanted = request.outputs if request.outputs is not None else dict.fromkeys(tensors, request.binary_output)
+    described_outputs: list[dict[str, Any]] = []
+    answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described_outputs}
     if request.id is not None:
         answer["id"] = request.id
-    if not request.binary_output:
-        described["data"] = wire.to(torch.float32).numpy().reshape(-1)
-        return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": "application/json"}
-    blob = raw_bytes(wire)
-    described["parameters"] = {"binary_data_size": len(blob)}
-    header = orjson.dumps(answer)
-    return header + blob, {
+    if parameters:
+        answer["parameters"] = parameters
+    blobs: list[memoryview] = []
+    for name, binary in wanted.items():
+        wire = to_wire_dtype(tensors[name], request.dtype)
+        described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
+        if binary:
+            blob = raw_bytes(wire)
+            described["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            described["data"] = wire.to(torch.float32).numpy().reshape(-1)
+        described_outputs.append(described)
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, {"content-type": "application/json"}
+    return b"".join([header, *blobs]), {
         "content-type": "application/octet-stream",
         "inference-header-content-length": str(len(header)),
     }

@@ -8,43 +8,35 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import __version__
-from app.engine.errors import ModelNotFound, Unavailable
+from app.engine.errors import Unavailable
+from app.engine.registry import ServedModel
+from app.web import montecarlo
 from app.web.endpoints import Endpoint
 from app.web.errors import error_response
 from app.web.http import deadline_from, read_body, unless_disconnected
 from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
-from app.web.v2 import codec
+from app.web.v2 import codec, extensions
 from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
-
-SERVER_NAME = "ffn-serve"
-MODEL_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data"]
+from app.web.v2.served import MODEL_VERSION, PLATFORM, SERVER_NAME, check_version, served_model
 
 
 async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
-
-
-def _check_version(version: str | None) -> None:
-    if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model version {version[:32]!r} is not served; the only version is {MODEL_VERSION!r}")
+    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
 
 
 def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
-    _check_version(version)
-    served = state.engine.registry.get(name)
+    served = served_model(state, name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
     return ModelMetadata.model_validate({
-        "name": name, "versions": [MODEL_VERSION], "platform": "pytorch_ffn",
+        "name": name, "versions": [MODEL_VERSION], "platform": PLATFORM,
         "inputs": [{"name": codec.INPUT_NAME, **tensor}],
         "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
     })
 
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
-    _check_version(version)
-    served = state.engine.registry.get(name)
+    served = served_model(state, name, version)
     if served.warm and not state.engine.draining:
         return Response(status_code=200)
     return error_response(Unavailable(f"model {name!r} is not ready"))
@@ -52,7 +44,7 @@ def _model_ready(state: ServiceState, name: str, version: str | None) -> Respons
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     state: ServiceState = service_state(request)
-    _check_version(version)
+    check_version(version)
     header_length = request.headers.get(codec.HEADER_LENGTH)
     served = state.engine.registry.get(name)
     with state.count(name):
@@ -62,11 +54,25 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         codec.check_content(content_type, request.headers.get("content-encoding"))
         body = await read_body(request, state.settings.max_body_bytes)
         decoded = codec.decode(body, header_length, served.d_model)
-        timeout_ms = None if decoded.timeout_us is None else _us_to_ms(decoded.timeout_us)
+        timeout_us = decoded.parameters.get("timeout")
+        timeout_ms = None if timeout_us is None else _us_to_ms(timeout_us)
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
+        if montecarlo.PASSES in decoded.parameters:
+            return await _infer_monte_carlo(request, state, served, decoded, deadline)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
-        content, headers = codec.encode(name, decoded, output)
+        content, headers = codec.encode(name, decoded, {codec.OUTPUT_NAME: output})
         return Response(content, headers=headers)
+
+
+async def _infer_monte_carlo(request: Request, state: ServiceState, served: ServedModel, decoded: codec.V2Request,
+                             deadline: float) -> Response:
+    """`output` is the mean over the passes, `output_std` their spread; the parameters used are echoed."""
+    asked = montecarlo.monte_carlo_request(decoded.parameters, served, state.settings.max_mc_passes)
+    assert asked is not None, "called without mc_passes; this is a bug."
+    result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
+    tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
+    content, headers = codec.encode(served.name, decoded, tensors, montecarlo.echoed(asked))
+    return Response(content, headers=headers)
 
 
 # The route handlers: FastAPI reads their signatures, so each route gets its own, with exactly
@@ -142,6 +148,8 @@ _INFER: dict[str, Any] = {
 }
 
 ENDPOINTS = [
+    # The extensions first: /v2/models/stats must match before /v2/models/{name} does.
+    *extensions.ENDPOINTS,
     Endpoint("GET", "/v2", server_metadata, openapi={
         "summary": "Server metadata", "response_model": ServerMetadata, "responses": error_responses(401),
         "tags": ["v2"],

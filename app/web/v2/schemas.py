@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from ffn_core.dtypes import BY_V2
 
@@ -45,14 +45,15 @@ class InferInput(BaseModel):
 
 
 class InferRequestedOutput(BaseModel):
-    name: Literal["output"]
+    name: Literal["output", "output_std"] = Field(description="output_std: Monte Carlo dropout requests only.")
     parameters: dict[str, Any] | None = Field(default=None, description="binary_data: true for a binary output.")
 
 
 class InferRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = Field(
-        default=None, description="binary_data_output: true for binary outputs; timeout in microseconds."
+        default=None, description="binary_data_output: true for binary outputs; timeout in microseconds; "
+        "Monte Carlo dropout: mc_passes (2..max_mc_passes), mc_seed, mc_dropout (a rate in [0, 1))."
     )
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
     outputs: list[InferRequestedOutput] | None = None
@@ -72,3 +73,79 @@ class InferResponse(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = None
     outputs: list[InferOutput]
+
+
+# ----- extensions: model configuration, statistics, model repository (Triton's JSON shapes) -----
+
+
+class ConfigTensor(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    data_type: str = Field(description="TYPE_FP32, TYPE_FP16 or TYPE_BF16: the model's compute dtype.")
+    dims: list[int] = Field(description="Without the batch dimension (max_batch_size > 0): [d_model].")
+
+
+class ModelConfiguration(BaseModel):
+    """Triton's ModelConfig as JSON (model_config.proto); the fields this service can fill."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int = Field(description="max_batch_rows: the most rows in one forward pass.")
+    input: list[ConfigTensor]
+    output: list[ConfigTensor]
+    dynamic_batching: dict[str, Any]
+    instance_group: list[dict[str, Any]]
+    parameters: dict[str, dict[str, str]] = Field(description="FFN details as {key: {string_value}}.")
+
+
+class DurationStat(BaseModel):
+    count: int
+    ns: int
+
+
+class InferenceStats(BaseModel):
+    success: DurationStat
+    fail: DurationStat
+    queue: DurationStat
+    compute_input: DurationStat
+    compute_infer: DurationStat
+    compute_output: DurationStat
+    cache_hit: DurationStat
+    cache_miss: DurationStat
+
+
+class MemoryUsage(BaseModel):
+    type: str
+    id: int
+    byte_size: int
+
+
+class ModelStatistics(BaseModel):
+    name: str
+    version: str
+    last_inference: int = Field(description="Milliseconds since the epoch; 0 before the first.")
+    inference_count: int = Field(description="Rows computed.")
+    execution_count: int = Field(description="Forward passes.")
+    inference_stats: InferenceStats
+    response_stats: dict[str, Any]
+    batch_stats: list[dict[str, Any]]
+    memory_usage: list[MemoryUsage]
+
+
+class StatisticsResponse(BaseModel):
+    model_stats: list[ModelStatistics]
+
+
+class RepositoryIndexRequest(BaseModel):
+    ready: bool = Field(default=False, description="Only the models ready for inference.")
+
+
+class RepositoryModel(BaseModel):
+    name: str
+    version: str
+    state: Literal["READY", "LOADING", "UNAVAILABLE"]
+    reason: str

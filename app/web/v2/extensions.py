@@ -1,0 +1,185 @@
+"""Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
+
+The extensions this server does not implement (shared memory, trace, logging, repository
+load/unload, generate) have their routes too, so that a client calling one learns which
+extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
+`EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from starlette.responses import Response
+
+from app.engine.registry import ServedModel
+from app.settings import Settings
+from app.web.endpoints import Endpoint, Handler
+from app.web.errors import UnsupportedExtension
+from app.web.openapi import error_responses
+from app.web.state import ServiceState, StateDep
+from app.web.v2 import codec, statistics
+from app.web.v2.schemas import (
+    ModelConfiguration,
+    RepositoryIndexRequest,
+    RepositoryModel,
+    StatisticsResponse,
+)
+from app.web.v2.served import MODEL_VERSION, PLATFORM, served_model
+
+# binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
+# model_repository is not listed: of its three APIs only the index is served.
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+
+
+# ----- model configuration ---------------------------------------------------------------------
+
+
+def model_configuration(served: ServedModel, settings: Settings) -> dict[str, Any]:
+    """The model as Triton's ModelConfig JSON: batching from the settings, tensors from the model."""
+    config, device = served.model.config, served.runner.device
+    tensor = {"data_type": f"TYPE_{served.dtype.v2}", "dims": [served.d_model]}
+    on_gpu = device.type == "cuda"
+    details = {
+        "d_ff": config.d_ff, "activation": config.activation, "gated": config.gated, "variant": config.variant,
+        "dropout": served.dropout, "max_mc_passes": settings.max_mc_passes, "max_queue_rows": settings.max_queue_rows,
+    }
+    return {
+        "name": served.name,
+        "platform": PLATFORM,
+        "backend": "pytorch",
+        "version_policy": {"latest": {"num_versions": 1}},
+        # Rows are the batch dimension. A request may hold more (up to max_queue_rows): it is cut
+        # into chunks of this size and reassembled.
+        "max_batch_size": settings.max_batch_rows,
+        "input": [{"name": codec.INPUT_NAME, **tensor, "format": "FORMAT_NONE", "is_shape_tensor": False,
+                   "allow_ragged_batch": False, "optional": False}],
+        "output": [{"name": codec.OUTPUT_NAME, **tensor, "label_filename": "", "is_shape_tensor": False}],
+        "dynamic_batching": {
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": round(settings.max_wait_ms * 1000),
+            "preserve_ordering": False,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": round(settings.default_timeout_ms * 1000),
+                "allow_timeout_override": True,
+            },
+        },
+        "instance_group": [{"name": served.name, "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
+                            "gpus": [device.index or 0] if on_gpu else []}],
+        "parameters": {key: {"string_value": str(value).lower() if isinstance(value, bool) else str(value)}
+                       for key, value in details.items()},
+    }
+
+
+async def config(name: str, state: StateDep) -> dict[str, Any]:
+    return model_configuration(served_model(state, name, None), state.settings)
+
+
+async def version_config(name: str, version: str, state: StateDep) -> dict[str, Any]:
+    return model_configuration(served_model(state, name, version), state.settings)
+
+
+# ----- statistics ------------------------------------------------------------------------------
+
+
+def _statistics(state: ServiceState, models: list[ServedModel]) -> dict[str, Any]:
+    return statistics.model_stats(state.metrics.registry, models)
+
+
+async def all_stats(state: StateDep) -> dict[str, Any]:
+    return _statistics(state, list(state.engine.registry.models.values()))
+
+
+async def stats(name: str, state: StateDep) -> dict[str, Any]:
+    return _statistics(state, [served_model(state, name, None)])
+
+
+async def version_stats(name: str, version: str, state: StateDep) -> dict[str, Any]:
+    return _statistics(state, [served_model(state, name, version)])
+
+
+# ----- model repository ------------------------------------------------------------------------
+
+
+def _repository_entry(state: ServiceState, served: ServedModel) -> RepositoryModel:
+    state_name: Literal["READY", "LOADING", "UNAVAILABLE"]
+    if state.engine.draining:
+        state_name, reason = "UNAVAILABLE", "draining before shutdown"
+    elif not served.warm:
+        state_name, reason = "LOADING", "warming up"
+    else:
+        state_name, reason = "READY", ""
+    return RepositoryModel(name=served.name, version=MODEL_VERSION, state=state_name, reason=reason)
+
+
+async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
+    entries = [_repository_entry(state, served) for served in state.engine.registry.models.values()]
+    if body is not None and body.ready:
+        entries = [entry for entry in entries if entry.state == "READY"]
+    return entries
+
+
+# ----- the extensions not implemented ----------------------------------------------------------
+
+
+def _unsupported(extension: str, detail: str) -> Handler:
+    async def refuse() -> Response:
+        raise UnsupportedExtension(extension, detail)
+
+    return refuse
+
+
+_SHARED_MEMORY = "send tensors in the request body (binary_tensor_data)"
+_UNSUPPORTED: dict[tuple[str, str], list[str]] = {
+    ("system_shared_memory", _SHARED_MEMORY): [
+        "GET /v2/systemsharedmemory/status", "GET /v2/systemsharedmemory/region/{region}/status",
+        "POST /v2/systemsharedmemory/region/{region}/register", "POST /v2/systemsharedmemory/unregister",
+        "POST /v2/systemsharedmemory/region/{region}/unregister",
+    ],
+    ("cuda_shared_memory", _SHARED_MEMORY): [
+        "GET /v2/cudasharedmemory/status", "GET /v2/cudasharedmemory/region/{region}/status",
+        "POST /v2/cudasharedmemory/region/{region}/register", "POST /v2/cudasharedmemory/unregister",
+        "POST /v2/cudasharedmemory/region/{region}/unregister",
+    ],
+    ("trace", "requests are not traced; /metrics has queue, compute and total latency histograms"): [
+        "GET /v2/trace/setting", "POST /v2/trace/setting",
+        "GET /v2/models/{name}/trace/setting", "POST /v2/models/{name}/trace/setting",
+    ],
+    ("logging", "the log level and format are settings fixed at start (FFN_LOG_LEVEL, FFN_LOG_FORMAT)"): [
+        "GET /v2/logging", "POST /v2/logging",
+    ],
+    ("model_repository", "the models are fixed at start by the config file, so load and unload are refused; "
+                         "POST /v2/repository/index lists them"): [
+        "POST /v2/repository/models/{name}/load", "POST /v2/repository/models/{name}/unload",
+    ],
+    ("generate", "the FFN maps embeddings to embeddings, not text to text; use /infer"): [
+        "POST /v2/models/{name}/generate", "POST /v2/models/{name}/generate_stream",
+        "POST /v2/models/{name}/versions/{version}/generate",
+        "POST /v2/models/{name}/versions/{version}/generate_stream",
+    ],
+}
+
+_TAGS = {"tags": ["v2 extensions"]}
+_CONFIG = {"summary": "Model configuration (Triton's ModelConfig JSON)", "response_model": ModelConfiguration,
+           "responses": error_responses(401, 404), **_TAGS}
+_STATS = {"summary": "Inference statistics (Triton's statistics extension)", "response_model": StatisticsResponse,
+          "responses": error_responses(401, 404), **_TAGS}
+
+ENDPOINTS = [
+    Endpoint("GET", "/v2/models/stats", all_stats, openapi={**_STATS, "summary": "Statistics of every model"}),
+    Endpoint("GET", "/v2/models/{name}/stats", stats, openapi=_STATS),
+    Endpoint("GET", "/v2/models/{name}/versions/{version}/stats", version_stats, openapi=_STATS),
+    Endpoint("GET", "/v2/models/{name}/config", config, openapi=_CONFIG),
+    Endpoint("GET", "/v2/models/{name}/versions/{version}/config", version_config, openapi=_CONFIG),
+    Endpoint("POST", "/v2/repository/index", repository_index, openapi={
+        "summary": "The models and their state (model repository index)", "response_model": list[RepositoryModel],
+        "responses": error_responses(400, 401), **_TAGS,
+    }),
+    *(
+        Endpoint(route.split(" ")[0], route.split(" ")[1], _unsupported(extension, detail),
+                 openapi={"include_in_schema": False})
+        for (extension, detail), routes in _UNSUPPORTED.items()
+        for route in routes
+    ),
+]

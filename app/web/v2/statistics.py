@@ -1,0 +1,83 @@
+"""The statistics extension's answer, in Triton's shape, read from the Prometheus registry's samples.
+
+No counters of its own: every number is a sample that /metrics exports too, read through
+`registry.collect()`, so the two always agree (and stay right wherever the samples come from).
+Samples of one model are summed over any other label, but the last-inference time, which is
+the latest.
+
+What Triton reports and the service does not measure is zero, never invented: compute_input
+and compute_output (host-device copies are timed inside compute_infer), the response cache
+(there is none), batch_stats (no per-batch-size timings) and response_stats.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from app.engine.registry import ServedModel
+from app.web.v2.served import MODEL_VERSION
+
+_LATEST = {"ffn_last_inference_timestamp_seconds"}
+_NOT_MEASURED = {"count": 0, "ns": 0}
+
+
+def model_stats(registry: CollectorRegistry, models: Iterable[ServedModel]) -> dict[str, list[dict[str, Any]]]:
+    """{"model_stats": [...]}: one entry per model, version 1."""
+    samples = _samples_by_model(registry)
+    return {"model_stats": [_model_stat(served, samples[served.name]) for served in models]}
+
+
+def _samples_by_model(registry: CollectorRegistry) -> defaultdict[str, defaultdict[str, float]]:
+    """model -> sample name (`ffn_queue_seconds_sum`, ...) -> value."""
+    by_model: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for family in registry.collect():
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None or sample.name.endswith("_bucket"):
+                continue
+            values = by_model[model]
+            if sample.name in _LATEST:
+                values[sample.name] = max(values[sample.name], sample.value)
+            else:
+                values[sample.name] += sample.value
+    return by_model
+
+
+def _duration(count: float, seconds: float) -> dict[str, int]:
+    return {"count": int(count), "ns": round(seconds * 1e9)}
+
+
+def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, Any]:
+    succeeded = s["ffn_request_seconds_count"]
+    return {
+        "name": served.name,
+        "version": MODEL_VERSION,
+        "last_inference": round(s["ffn_last_inference_timestamp_seconds"] * 1000),  # ms since the epoch; 0: never
+        "inference_count": int(s["ffn_batch_rows_sum"]),  # rows computed: each row is one inference
+        "execution_count": int(s["ffn_compute_seconds_count"]),  # forward passes
+        "inference_stats": {
+            "success": _duration(succeeded, s["ffn_request_seconds_sum"]),
+            "fail": _duration(s["ffn_failed_request_seconds_count"], s["ffn_failed_request_seconds_sum"]),
+            "queue": _duration(s["ffn_queue_seconds_count"], s["ffn_queue_seconds_sum"]),
+            "compute_input": _NOT_MEASURED,
+            # As in Triton, per request: each request counts its batch's whole forward pass.
+            "compute_infer": _duration(succeeded, s["ffn_request_compute_seconds_total"]),
+            "compute_output": _NOT_MEASURED,
+            "cache_hit": _NOT_MEASURED,
+            "cache_miss": _NOT_MEASURED,
+        },
+        "response_stats": {},
+        "batch_stats": [],
+        "memory_usage": [_memory_usage(served)],
+    }
+
+
+def _memory_usage(served: ServedModel) -> dict[str, Any]:
+    """The weights' bytes on their device, as Triton reports a model's memory at load."""
+    device = served.runner.device
+    size = sum(p.numel() * p.element_size() for p in served.model.parameters())
+    return {"type": "GPU" if device.type == "cuda" else "CPU", "id": device.index or 0, "byte_size": size}
