@@ -53,11 +53,19 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
     "v2 binary": _v2_binary(x, "/v2/models/demo/infer"),
     "v2 versioned": _v2_binary(x, "/v2/models/demo/versions/1/infer"),
     "v2 wrong version": _v2_binary(x, "/v2/models/demo/versions/2/infer"),
+    "native monte carlo": ("POST", "/v1/models/demo/transform?mc_passes=3&mc_seed=1&mc_dropout=0.1", x.tobytes(),
+                           {"content-type": "application/octet-stream", "x-shape": f"3,{D}",
+                            "accept": "application/octet-stream"}),
+    "v2 monte carlo": ("POST", "/v2/models/demo/infer",
+                       orjson.dumps({"inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32",
+                                                 "data": x.ravel().tolist()}],
+                                     "parameters": {"mc_passes": 3, "mc_seed": 1, "mc_dropout": 0.1}}), {}),
     "v2 bad datatype": ("POST", "/v2/models/demo/infer",
                         orjson.dumps({"inputs": [{"name": "input", "shape": [1, D], "datatype": "INT8",
                                                   "data": [0] * D}]}), {}),
 }
-COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after")
+COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after",
+                    "x-mc-seed")
 
 
 @pytest.fixture

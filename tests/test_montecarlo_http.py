@@ -31,15 +31,19 @@ URL = "/v1/models/mc/transform"
 
 
 def reference(x: np.ndarray, weights: dict[str, np.ndarray], activation: str, *, passes: int, p: float,
-              seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and std over `passes` masked passes, the masks drawn as the server draws them, in float64."""
+              seed: int, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std over `passes` masked passes, the masks drawn as the server draws them, in float64.
+
+    `device`: the served model's; the masks come from a generator there (CUDA draws other bits).
+    """
     shape = x.shape
     hidden = numpy_hidden(x.reshape(-1, shape[-1]), weights, activation)  # (rows, d_ff)
-    generator = torch.Generator().manual_seed(seed)
-    keep_probs = torch.full(hidden.shape, 1.0 - p)  # float32, as torch.full_like over a float32 hidden layer
+    generator = torch.Generator(device=device).manual_seed(seed)
+    # float32, as torch.full_like over the server's float32 hidden layer
+    keep_probs = torch.full(hidden.shape, 1.0 - p, device=device)
     outputs = []
     for _ in range(passes):
-        mask = torch.bernoulli(keep_probs, generator=generator).double().numpy()
+        mask = torch.bernoulli(keep_probs, generator=generator).double().cpu().numpy()
         outputs.append((hidden * mask / (1.0 - p)) @ weights["layer2.weight"].T + weights["layer2.bias"])
     stacked = np.stack(outputs)
     return stacked.mean(axis=0).reshape(shape), stacked.std(axis=0, ddof=1).reshape(shape)
@@ -75,15 +79,23 @@ async def service(start_app, files: dict[str, Path]) -> InProcessApp:
     ]))
 
 
-def expected(x: np.ndarray, weights, **asked) -> tuple[np.ndarray, np.ndarray]:
-    return reference(x, weights, "gelu", **{"p": FILE_RATE, **asked})
+@pytest.fixture
+async def device(service: InProcessApp) -> str:
+    """Where the model runs (auto: CUDA where there is one)."""
+    return (await service.client.get("/v1/models")).json()["models"][0]["device"]
+
+
+@pytest.fixture
+def expected(weights, device: str):
+    """expected(x, passes=, seed=[, p=]) -> the reference mean and std for the `mc` model."""
+    return lambda x, **asked: reference(x, weights, "gelu", device=device, **{"p": FILE_RATE, **asked})
 
 
 # ----- native ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", [(4, D_MODEL), (2, 3, D_MODEL)])
-async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessApp, weights, shape) -> None:
+async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessApp, expected, shape) -> None:
     x = inputs(*shape)
     r = await service.client.post(f"{URL}?mc_passes=16&mc_seed=5", json={"inputs": x.tolist()})
     assert r.status_code == 200, r.text
@@ -91,14 +103,14 @@ async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessA
     assert (answer["mc_passes"], answer["mc_dropout"], answer["mc_seed"]) == (16, FILE_RATE, 5)
     assert (r.headers["x-mc-passes"], r.headers["x-mc-dropout"], r.headers["x-mc-seed"]) == ("16", "0.25", "5")
     assert answer["shape"] == list(shape) and "outputs" not in answer
-    mean, std = expected(x, weights, passes=16, seed=5)
+    mean, std = expected(x, passes=16, seed=5)
     assert_close(np.array(answer["mean"]), mean)
     assert_close(np.array(answer["std"]), std, rtol=1e-4)
     assert (std > 0).mean() > 0.9  # a real spread: GELU's hidden units are almost never exactly 0
 
 
 @pytest.mark.parametrize("accept", ["application/octet-stream", "application/x-npy"])
-async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, weights, accept: str) -> None:
+async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, expected, accept: str) -> None:
     x = inputs(3, D_MODEL, seed=1)
     r = await service.client.post(f"{URL}?mc_passes=8&mc_seed=9&mc_dropout=0.5", content=x.tobytes(), headers={
         "content-type": "application/octet-stream", "x-shape": f"3,{D_MODEL}", "accept": accept})
@@ -109,12 +121,12 @@ async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, 
         assert (r.headers["x-shape"], r.headers["x-dtype"]) == (f"2,3,{D_MODEL}", "float32")
         stacked = np.frombuffer(r.content, dtype="<f4").reshape(2, 3, D_MODEL)
     assert stacked.shape == (2, 3, D_MODEL)
-    mean, std = expected(x, weights, passes=8, seed=9, p=0.5)
+    mean, std = expected(x, passes=8, seed=9, p=0.5)
     assert_close(stacked[0], mean)
     assert_close(stacked[1], std, rtol=1e-4)
 
 
-async def test_a_drawn_seed_is_answered_and_repeats_the_answer(service: InProcessApp, weights) -> None:
+async def test_a_drawn_seed_is_answered_and_repeats_the_answer(service: InProcessApp, expected) -> None:
     x = inputs(2, D_MODEL, seed=2)
     first = await service.client.post(f"{URL}?mc_passes=4", json={"inputs": x.tolist()})
     seed = first.json()["mc_seed"]
@@ -122,7 +134,7 @@ async def test_a_drawn_seed_is_answered_and_repeats_the_answer(service: InProces
     assert again.content == first.content
     other = await service.client.post(f"{URL}?mc_passes=4&mc_seed={seed ^ 1}", json={"inputs": x.tolist()})
     assert other.json()["std"] != first.json()["std"]
-    mean, _ = expected(x, weights, passes=4, seed=seed)
+    mean, _ = expected(x, passes=4, seed=seed)
     assert_close(np.array(first.json()["mean"]), mean)
 
 
@@ -168,12 +180,13 @@ async def test_more_rows_than_one_forward_pass_is_413(service: InProcessApp) -> 
 
 
 async def test_turned_off_with_max_mc_passes_zero(start_app, files) -> None:
-    app = await start_app(Settings(max_mc_passes=0, warmup=False, models=[ModelSpec(name="mc", weights=files["rated"])]))
+    settings = Settings(max_mc_passes=0, warmup=False, models=[ModelSpec(name="mc", weights=files["rated"])])
+    app = await start_app(settings)
     r = await app.client.post(f"{URL}?mc_passes=2", json={"inputs": inputs(1, D_MODEL).tolist()})
     assert r.status_code == 400 and "turned off" in r.json()["error"], r.text
 
 
-async def test_never_batched_with_plain_requests(service: InProcessApp, weights) -> None:
+async def test_never_batched_with_plain_requests(service: InProcessApp, weights, expected) -> None:
     """Plain and Monte Carlo requests sent at once: each answer is its own, exactly."""
     client = service.client
     xs = [inputs(3, D_MODEL, seed=10 + i) for i in range(12)]
@@ -185,7 +198,7 @@ async def test_never_batched_with_plain_requests(service: InProcessApp, weights)
     for i, r in await asyncio.gather(*(send(i) for i in range(12))):
         assert r.status_code == 200, r.text
         if i % 3 == 0:
-            mean, std = expected(xs[i], weights, passes=6, seed=i)
+            mean, std = expected(xs[i], passes=6, seed=i)
             assert_close(np.array(r.json()["mean"]), mean)
             assert_close(np.array(r.json()["std"]), std, rtol=1e-4)
         else:
@@ -211,7 +224,7 @@ def v2_document(x: np.ndarray, parameters: dict, outputs: list | None = None) ->
     return document
 
 
-async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, weights) -> None:
+async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, expected) -> None:
     x = inputs(2, 2, D_MODEL, seed=4)
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(x, {"mc_passes": 12, "mc_seed": 3}))
     assert r.status_code == 200, r.text
@@ -220,12 +233,12 @@ async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, weigh
     by_name = {o["name"]: o for o in answer["outputs"]}
     assert list(by_name) == ["output", "output_std"]
     assert all(o["shape"] == [2, 2, D_MODEL] and o["datatype"] == "FP32" for o in by_name.values())
-    mean, std = expected(x, weights, passes=12, seed=3)
+    mean, std = expected(x, passes=12, seed=3)
     assert_close(np.array(by_name["output"]["data"]).reshape(x.shape), mean)
     assert_close(np.array(by_name["output_std"]["data"]).reshape(x.shape), std, rtol=1e-4)
 
 
-async def test_v2_binary_output_std_alone(service: InProcessApp, weights) -> None:
+async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> None:
     x = inputs(3, D_MODEL, seed=6)
     document = v2_document(x, {"mc_passes": 5, "mc_seed": 8, "mc_dropout": 0.1},
                            outputs=[{"name": "output_std", "parameters": {"binary_data": True}}])
@@ -234,7 +247,7 @@ async def test_v2_binary_output_std_alone(service: InProcessApp, weights) -> Non
     length = int(r.headers["inference-header-content-length"])
     header = orjson.loads(r.content[:length])
     assert [o["name"] for o in header["outputs"]] == ["output_std"]
-    _, std = expected(x, weights, passes=5, seed=8, p=0.1)
+    _, std = expected(x, passes=5, seed=8, p=0.1)
     assert_close(np.frombuffer(r.content[length:], dtype="<f4").reshape(x.shape), std, rtol=1e-4)
 
 
@@ -278,6 +291,7 @@ def test_tritonclient_asks_with_parameters(demo_server_mc: ServerProcess, binary
     finally:
         client.close()
     assert result.get_response()["parameters"] == {"mc_passes": 8, "mc_dropout": 0.2, "mc_seed": 21}
-    mean, std = reference(x, demo_weights(), "relu", passes=8, p=0.2, seed=21)
+    device = httpx.get(f"{demo_server_mc.url}/v1/models").json()["models"][0]["device"]
+    mean, std = reference(x, demo_weights(), "relu", passes=8, p=0.2, seed=21, device=device)
     assert_close(result.as_numpy("output"), mean)
     assert_close(result.as_numpy("output_std"), std, rtol=1e-4)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from app.engine.errors import DeadlineExceeded, Overloaded, RequestTooLarge, Unavailable
+from app.engine import errors
 from app.engine.montecarlo import MonteCarloLane, MonteCarloRequest
 from app.metrics import Metrics
 from ffn_client.testing import metric_value
@@ -86,7 +86,7 @@ async def test_the_answer_is_mc_dropout_of_the_rows_and_is_counted_like_a_batch(
 async def test_a_deadline_passed_before_its_turn_is_504_and_never_computed(lane: Lane) -> None:
     release = await lane.hold()
     deadline = asyncio.get_running_loop().time() + 0.05
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(errors.DeadlineExceeded):
         await lane.lane.submit(rows(2), ASK, deadline=deadline)
     release.set()
     await lane.flush()
@@ -108,12 +108,12 @@ async def test_a_client_gone_before_its_turn_is_never_computed(lane: Lane) -> No
 
 
 async def test_bounded_in_rows(lane: Lane) -> None:
-    with pytest.raises(RequestTooLarge, match="at most 16 rows"):
+    with pytest.raises(errors.RequestTooLarge, match="at most 16 rows"):
         await lane.lane.submit(rows(17), ASK)
     release = await lane.hold()
     waiting = asyncio.create_task(lane.lane.submit(rows(16), ASK))
     await until_waiting(lane.lane, 16)
-    with pytest.raises(Overloaded, match="16 of 20 rows waiting"):
+    with pytest.raises(errors.Overloaded, match="16 of 20 rows waiting"):
         await lane.lane.submit(rows(5), ASK)
     release.set()
     assert (await waiting).mean.shape == (16, D_MODEL)
@@ -125,7 +125,7 @@ async def test_stop_answers_the_waiting_503(lane: Lane) -> None:
     task = asyncio.create_task(lane.lane.submit(rows(2), ASK))
     await until_waiting(lane.lane, 2)
     lane.lane.stop()
-    with pytest.raises(Unavailable, match="shutting down"):
+    with pytest.raises(errors.Unavailable, match="shutting down"):
         await task
     release.set()
     await lane.flush()
@@ -137,8 +137,26 @@ async def test_drain_waits_for_the_accepted_and_refuses_new_ones(lane: Lane) -> 
     task = asyncio.create_task(lane.lane.submit(rows(2), ASK))
     await until_waiting(lane.lane, 2)
     assert await lane.lane.drain(0.05) is False  # the device thread is held: not finished yet
-    with pytest.raises(Unavailable):
+    with pytest.raises(errors.Unavailable):
         await lane.lane.submit(rows(1), ASK)
     release.set()
     assert await lane.lane.drain(60) is True
     assert (await task).std.shape == (2, D_MODEL)
+
+
+@pytest.mark.parametrize(("raised", "answered", "message"), [
+    (MemoryError, errors.InsufficientMemory, "6 passes over 4 rows do not fit"),
+    (RuntimeError, errors.ModelError, "the Monte Carlo dropout passes failed: RuntimeError"),
+])
+async def test_a_failing_pass_is_answered_and_the_lane_goes_on(lane: Lane, monkeypatch: pytest.MonkeyPatch,
+                                                              raised: type[Exception], answered: type[Exception],
+                                                              message: str) -> None:
+    def fail(x: torch.Tensor) -> torch.Tensor:
+        raise raised("injected")
+
+    monkeypatch.setattr(lane.model, "hidden", fail)
+    with pytest.raises(answered, match=message):
+        await lane.lane.submit(rows(4), ASK)
+    monkeypatch.undo()
+    assert (await lane.lane.submit(rows(4), ASK)).mean.shape == (4, D_MODEL)
+    assert lane.count("ffn_failed_request_seconds_count") == 1 and lane.count("ffn_compute_seconds_count") == 1

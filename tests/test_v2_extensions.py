@@ -212,9 +212,9 @@ SHARED_MEMORY = {"shared_memory_region": "r0", "shared_memory_byte_size": 64}
 
 
 @pytest.mark.parametrize(("change", "extension"), [
-    (lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY), "system_shared_memory/cuda_shared_memory"),
+    (lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY), "shared memory (system_shared_memory, cuda_shared_memory)"),
     (lambda b: b.update(outputs=[{"name": "output", "parameters": SHARED_MEMORY}]),
-     "system_shared_memory/cuda_shared_memory"),
+     "shared memory (system_shared_memory, cuda_shared_memory)"),
     (lambda b: b.update(parameters={"sequence_id": 7, "sequence_start": True}), "sequence"),
     (lambda b: b.update(parameters={"priority": 1}), "schedule_policy"),
     (lambda b: b.update(outputs=[{"name": "output", "parameters": {"classification": 3}}]), "classification"),

@@ -33,7 +33,7 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
-from app.metrics import Metrics
+from app.metrics import Metrics, ModelInstruments
 
 log = logging.getLogger("ffn_serve.batcher")
 
@@ -41,6 +41,11 @@ log = logging.getLogger("ffn_serve.batcher")
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+
+
+def count_failure(instruments: ModelInstruments, arrived: float) -> None:
+    """Count a request that arrived at `arrived` (perf_counter) and failed now: the statistics' `fail`."""
+    instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
 
 
 @dataclass(eq=False)
@@ -152,17 +157,19 @@ class Batcher:
         """The model's output for `rows` (n, d_model), n >= 1. `deadline` is in loop.time() seconds."""
         arrived = time.perf_counter()
         if not self._accepting:
-            raise self._refused(arrived, Unavailable("the server is not accepting work (starting up or draining)"))
+            count_failure(self._instruments, arrived)
+            raise Unavailable("the server is not accepting work (starting up or draining)")
         n = rows.shape[0]
         assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
         if n > self.max_queue_rows:
-            raise self._refused(arrived, RequestTooLarge(
-                f"request has {n} rows; this model queues at most {self.max_queue_rows} rows"))
+            count_failure(self._instruments, arrived)
+            raise RequestTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
         if self._queued_rows + n > self.max_queue_rows:
-            raise self._refused(arrived, Overloaded(
+            count_failure(self._instruments, arrived)
+            raise Overloaded(
                 f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",
                 retry_after_s=1,
-            ))
+            )
         loop = asyncio.get_running_loop()
         now = loop.time()
         chunk_rows = self._ceiling
@@ -182,7 +189,7 @@ class Batcher:
             self._instruments.request_seconds.observe(time.perf_counter() - arrived)
             return result
         except BaseException:
-            self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
+            count_failure(self._instruments, arrived)
             # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
             for entry in entries:
                 self._release(entry)
@@ -190,11 +197,6 @@ class Batcher:
                     entry.future.exception()  # retrieved: no "never retrieved" warning
                 entry.future.cancel()
             raise
-
-    def _refused(self, arrived: float, error: Exception) -> Exception:
-        """Count a request refused before queueing as failed (the statistics' `fail`); return the error."""
-        self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
-        return error
 
     # ----- queue -----------------------------------------------------------------------------
 

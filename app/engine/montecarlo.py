@@ -20,15 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.batcher import OUT_OF_MEMORY
-from app.engine.errors import (
-    DeadlineExceeded,
-    InsufficientMemory,
-    ModelError,
-    Overloaded,
-    RequestTooLarge,
-    Unavailable,
-)
+from app.engine.batcher import OUT_OF_MEMORY, count_failure
+from app.engine.errors import DeadlineExceeded, InsufficientMemory, ModelError, Overloaded, RequestTooLarge, Unavailable
 from app.metrics import ModelInstruments
 from ffn_core import FeedForward, mc_dropout
 
@@ -119,14 +112,15 @@ class MonteCarloLane:
         arrived = time.perf_counter()
         n = rows.shape[0]
         if not self._accepting:
-            raise self._refused(arrived, Unavailable("the server is not accepting work (starting up or draining)"))
+            count_failure(self._instruments, arrived)
+            raise Unavailable("the server is not accepting work (starting up or draining)")
         if n > self.max_rows:
-            raise self._refused(arrived, RequestTooLarge(
-                f"a Monte Carlo dropout request may hold at most {self.max_rows} rows (max_batch_rows); "
-                f"this one has {n}"))
+            count_failure(self._instruments, arrived)
+            raise RequestTooLarge(f"a Monte Carlo dropout request may hold at most {self.max_rows} rows "
+                                  f"(max_batch_rows); this one has {n}")
         if self._waiting_rows + n > self.max_queue_rows:
-            raise self._refused(arrived, Overloaded(
-                f"Monte Carlo dropout queue full: {self._waiting_rows} of {self.max_queue_rows} rows waiting"))
+            count_failure(self._instruments, arrived)
+            raise Overloaded(f"Monte Carlo dropout queue full: {self._waiting_rows} of {self.max_queue_rows} rows waiting")
         loop = asyncio.get_running_loop()
         job = _Job(rows, request, loop.create_future(), arrived)
         self._jobs.add(job)
@@ -146,14 +140,10 @@ class MonteCarloLane:
             return result
         except BaseException:
             self._abandon(job)  # client gone or failed: never start it
-            self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
+            count_failure(self._instruments, arrived)
             raise
         finally:
             self._release(job)
-
-    def _refused(self, arrived: float, error: Exception) -> Exception:
-        self._instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
-        return error
 
     def _abandon(self, job: _Job) -> bool:
         """Mark a job nobody waits for; True if it had not started (so it never will)."""
@@ -188,17 +178,14 @@ class MonteCarloLane:
 
     def _settle(self, job: _Job, done: asyncio.Future[MonteCarloResult | None]) -> None:
         """On the loop, when the device thread is done with `job`: answer it and count it."""
-        if done.cancelled():  # the executor shut down before its turn
-            if not job.answer.done():
-                job.answer.set_exception(Unavailable("the server is shutting down"))
-            return
-        error = done.exception()
-        result = done.result() if error is None else None
-        if job.started is not None and job.finished is not None:
+        error = None if done.cancelled() else done.exception()
+        if job.finished is not None:
             self._count(job)
         if job.answer.done() or job not in self._jobs:  # answered by stop(), or its waiter is gone
             return
-        if isinstance(error, OUT_OF_MEMORY):
+        if done.cancelled():  # the executor shut down before its turn
+            job.answer.set_exception(Unavailable("the server is shutting down"))
+        elif isinstance(error, OUT_OF_MEMORY):
             log.warning("out of memory on a Monte Carlo dropout request of %d rows x %d passes",
                         job.n_rows, job.request.passes)
             job.answer.set_exception(InsufficientMemory(
@@ -206,9 +193,10 @@ class MonteCarloLane:
         elif error is not None:
             log.error("Monte Carlo dropout failed (%d rows)", job.n_rows, exc_info=error)
             job.answer.set_exception(ModelError(f"the Monte Carlo dropout passes failed: {type(error).__name__}"))
-        elif result is None:
-            job.answer.cancel()  # abandoned before its turn; its waiter has already answered
         else:
+            result = done.result()
+            # Only an abandoned job is skipped, and abandoning releases it in the same step.
+            assert result is not None, "a skipped job still had a waiter; this is a bug."
             job.answer.set_result(result)
 
     def _count(self, job: _Job) -> None:

@@ -108,7 +108,7 @@ def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, A
 
 
 def _shared_memory_unsupported() -> UnsupportedExtension:
-    return UnsupportedExtension("system_shared_memory/cuda_shared_memory",
+    return UnsupportedExtension("shared memory (system_shared_memory, cuda_shared_memory)",
                                 "send tensors in the request body (binary_tensor_data)")
 
 
