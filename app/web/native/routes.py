@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,20 +28,28 @@ async def transform(name: str, request: Request) -> Response:
         state.engine.check_serving(served)
         if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
             return await _transform_monte_carlo(request, state, served)
-        decoded, encoding_out, deadline = await _read(request, state, served)
+        headers = request.headers
+        encoding_in, encoding_out, deadline = _negotiate(headers, state)
+        body = await read_body(request, state.settings.max_body_bytes)
+        decoded = _decode(body, headers, encoding_in, encoding_out, served)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
         content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
 
 
-async def _read(request: Request, state: ServiceState,
-                served: ServedModel) -> tuple[codec.DecodedInput, codec.Encoding, float]:
-    """The request's rows, the answer's encoding and the deadline; every client mistake refused here."""
-    headers = request.headers
+# Plain functions, not coroutines: on the hot path an extra await costs more than their work.
+
+
+def _negotiate(headers: Headers, state: ServiceState) -> tuple[codec.Encoding, codec.Encoding, float]:
+    """The body's encoding, the answer's, and the deadline, from the headers."""
     encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
     encoding_out = codec.response_encoding(headers.get("accept"))
-    deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-    body = await read_body(request, state.settings.max_body_bytes)
+    return encoding_in, encoding_out, deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
+
+
+def _decode(body: bytearray, headers: Headers, encoding_in: codec.Encoding, encoding_out: codec.Encoding,
+            served: ServedModel) -> codec.DecodedInput:
+    """The request's rows, refused here if anything is wrong, and checked answerable in `encoding_out`."""
     if encoding_in == "raw":
         decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
     elif encoding_in == "npy":
@@ -48,7 +57,7 @@ async def _read(request: Request, state: ServiceState,
     else:
         decoded = codec.decode_json(body, served.d_model)
     codec.check_answerable(encoding_out, decoded.dtype)
-    return decoded, encoding_out, deadline
+    return decoded
 
 
 async def _transform_monte_carlo(request: Request, state: ServiceState, served: ServedModel) -> Response:
@@ -57,10 +66,13 @@ async def _transform_monte_carlo(request: Request, state: ServiceState, served: 
     asked = montecarlo.monte_carlo_request(parameters, served, state.settings.max_mc_passes)
     if asked is None:
         raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {montecarlo.PASSES}")
-    decoded, encoding_out, deadline = await _read(request, state, served)
+    headers = request.headers
+    encoding_in, encoding_out, deadline = _negotiate(headers, state)
+    body = await read_body(request, state.settings.max_body_bytes)
+    decoded = _decode(body, headers, encoding_in, encoding_out, served)
     result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
-    content, headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)
-    return Response(content, headers=headers)
+    content, answer_headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)
+    return Response(content, headers=answer_headers)
 
 
 async def list_models(state: StateDep) -> ModelList:
