@@ -22,7 +22,11 @@ _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, and the traceback if any."""
+    """One JSON object per record: time, level, logger, message, the worker if any, and the traceback if any."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self._worker = worker
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
@@ -31,6 +35,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self._worker is not None:
+            entry.update(worker=self._worker, pid=record.process)
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
             entry.update(zip(_ACCESS_FIELDS, record.args))
         if record.exc_info:
@@ -38,10 +44,18 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
-def configure_logging(level: str, log_format: LogFormat) -> None:
-    """One handler on the root logger, on stderr; every library logger propagates to it."""
+def configure_logging(level: str, log_format: LogFormat, worker: int | None = None) -> None:
+    """One handler on the root logger, on stderr; every library logger propagates to it.
+
+    `worker`: the worker process's number, added to each record so that the lines of several
+    processes sharing one stream can be told apart.
+    """
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter(worker))
+    else:
+        prefix = "" if worker is None else f"[worker {worker}] "
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT.replace("%(name)s", prefix + "%(name)s")))
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())

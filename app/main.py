@@ -25,10 +25,14 @@ from app.web.v2 import routes as v2
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
 
 
-def create_app(settings: Settings, registry: Registry | None = None, *, fast_path: bool = True) -> FastAPI:
+def create_app(
+    settings: Settings, registry: Registry | None = None, *, fast_path: bool = True, warm_before_serving: bool = False
+) -> FastAPI:
     """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
 
     `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
+    `warm_before_serving`: the lifespan's start-up waits for the warm-up, so the server accepts
+    connections only once warm (worker processes: a restarted one takes no traffic while cold).
     """
     registry = registry or Registry(settings, Metrics())
     engine = Engine(settings, registry)
@@ -38,6 +42,8 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         try:
+            if warm_before_serving:
+                await engine.until_warm()
             yield
         finally:
             await engine.stop()
@@ -57,5 +63,5 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
                            allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length",
                                            "X-MC-Passes", "X-MC-Dropout", "X-MC-Seed"])
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(GuardMiddleware, api_key=api_key)
+    app.add_middleware(GuardMiddleware, api_key=api_key, metrics_port=settings.metrics_port)
     return app

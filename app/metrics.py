@@ -1,10 +1,23 @@
-"""The service's Prometheus instruments, one registry per app (so tests can run several apps)."""
+"""The service's Prometheus instruments, one registry per app (so tests can run several apps).
+
+With worker processes (prometheus_client's multiprocess mode: PROMETHEUS_MULTIPROC_DIR set before
+the process imported prometheus_client), each worker's instruments write to files in that folder,
+and `Metrics.merged` reads every worker's files, live or dead: counters and histograms add up,
+each gauge merges as its `multiprocess_mode` says. One process: `merged` is `registry` itself.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from app.collectors import BuildInfoCollector, GpuMemoryCollector, ProcessesCollector
+
+MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 # The *_created series double the page for no use in dashboards.
 disable_created_metrics()
@@ -16,14 +29,34 @@ LATENCY_BUCKETS = (
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def multiprocess_folder() -> Path | None:
+    """The folder shared by the worker processes' metrics, or None in a single process."""
+    folder = os.environ.get(MULTIPROCESS_VARIABLE)
+    return Path(folder) if folder else None
+
+
 @dataclass
 class Metrics:
-    """Named instruments; every one is labelled by model."""
+    """Named instruments (labelled by model), and `merged`: what a scrape shows.
+
+    `registry` holds this process's instruments. `merged` is the whole service: the instruments
+    of every worker, plus the build, the processes and GPU memory, read at collection time. Read
+    `merged` (e.g. `merged.collect()` once, or `merged.get_sample_value(name, labels)`) for
+    figures about the service; with workers, `registry` alone is one worker's share.
+    """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
         r = self.registry
+        folder = multiprocess_folder()
+        if folder is None:
+            self.merged = r
+        else:
+            self.merged = CollectorRegistry()
+            MultiProcessCollector(self.merged, path=str(folder))
+        for collector in (BuildInfoCollector(), ProcessesCollector(folder), GpuMemoryCollector()):
+            self.merged.register(collector)
         self.requests = Counter(
             "ffn_requests", "Requests answered, by model and outcome.", ["model", "outcome"], registry=r
         )
@@ -58,16 +91,28 @@ class Metrics:
         self.batch_rows = Histogram(
             "ffn_batch_rows", "Rows in each forward pass.", ["model"], buckets=ROW_BUCKETS, registry=r
         )
-        self.queue_rows = Gauge("ffn_queue_rows", "Rows waiting in the queue.", ["model"], registry=r)
+        self.request_rows = Histogram(
+            "ffn_request_rows", "Rows in each request the batcher accepted.", ["model"], buckets=ROW_BUCKETS,
+            registry=r,
+        )
+        # With workers: the rows waiting in all of them, and the lowest ceiling any of them has.
+        self.queue_rows = Gauge(
+            "ffn_queue_rows", "Rows waiting in the queue.", ["model"], registry=r, multiprocess_mode="livesum"
+        )
         self.batch_ceiling = Gauge(
-            "ffn_max_batch_rows", "Current batch size ceiling (lowered after out-of-memory).", ["model"], registry=r
+            "ffn_max_batch_rows", "Current batch size ceiling (lowered after out-of-memory).", ["model"],
+            registry=r, multiprocess_mode="livemin",
         )
         self.oom_splits = Counter(
             "ffn_oom_splits", "Batches split in halves after running out of memory.", ["model"], registry=r
         )
+        self.worker_restarts = Counter(
+            "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r
+        )
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text of `merged`."""
+        return generate_latest(self.merged)
 
     def for_model(self, model: str) -> ModelInstruments:
         """The instruments with the model's label bound once (a label lookup per use costs µs)."""
@@ -79,6 +124,7 @@ class Metrics:
             failed_request_seconds=self.failed_request_seconds.labels(model=model),
             last_inference=self.last_inference.labels(model=model),
             batch_rows=self.batch_rows.labels(model=model),
+            request_rows=self.request_rows.labels(model=model),
             queue_rows=self.queue_rows.labels(model=model),
             batch_ceiling=self.batch_ceiling.labels(model=model),
             oom_splits=self.oom_splits.labels(model=model),
@@ -96,6 +142,7 @@ class ModelInstruments:
     failed_request_seconds: Histogram
     last_inference: Gauge
     batch_rows: Histogram
+    request_rows: Histogram
     queue_rows: Gauge
     batch_ceiling: Gauge
     oom_splits: Counter

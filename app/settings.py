@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 
 from app import __version__
@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     config: Path | None = Field(default=None, description="TOML config file with settings and [[models]].")
     host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port.")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Also serve /metrics here, without the API key (like Triton's 8002); unset = main port only.",
+    )
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="Server processes sharing the port, each with its own models; 1 = one process, no supervisor.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="Logging level of the service and uvicorn."
     )
@@ -79,13 +87,21 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
     api_key: SecretStr | None = Field(default=None, description="If set, every route but health needs Bearer auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
-    torch_threads: int = Field(default=0, ge=0, description="torch intra-op threads; 0 = torch's default.")
+    torch_threads: int = Field(
+        default=0, ge=0, description="torch intra-op threads per process; 0 = torch's default, or cores / workers."
+    )
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     max_mc_passes: int = Field(
         default=64, ge=0, le=4096,
         description="Most Monte Carlo dropout passes one request may ask for (mc_passes); 0 turns the mode off.",
     )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> Settings:
+        if self.metrics_port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port (both are {self.port})")
+        return self
 
     @field_validator("models")
     @classmethod

@@ -170,6 +170,7 @@ class Batcher:
                 f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",
                 retry_after_s=1,
             )
+        self._instruments.request_rows.observe(n)
         loop = asyncio.get_running_loop()
         now = loop.time()
         chunk_rows = self._ceiling

@@ -52,6 +52,11 @@ class Engine:
         self._warm_up_task = asyncio.create_task(self._warm_up(), name="warm-up")
         self.started = True
 
+    async def until_warm(self) -> None:
+        """Wait for the warm-up that start() began; a worker process accepts no connection before it ends."""
+        if self._warm_up_task is not None:
+            await asyncio.shield(self._warm_up_task)
+
     async def stop(self) -> None:
         """Stop warming up, answer every pending entry 503 and release the device threads."""
         if self._warm_up_task is not None:

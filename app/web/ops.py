@@ -11,6 +11,7 @@ from app.web.openapi import error_responses
 from app.web.state import StateDep
 
 HEALTH_PREFIX = "/v2/health/"  # the guard lets these through without a key: probes carry none
+METRICS_PATH = "/metrics"  # the one path of the metrics port, where it needs no key
 
 
 async def live() -> Response:
@@ -38,7 +39,7 @@ ENDPOINTS = [
         "response_class": Response,  # 200 has no body; without this the page would promise JSON
         "responses": {200: {"content": {}}, **error_responses(503)}, "tags": ["health"],
     }),
-    Endpoint("GET", "/metrics", metrics, openapi={
+    Endpoint("GET", METRICS_PATH, metrics, openapi={
         "summary": "Prometheus metrics", "response_class": Response,
         "responses": {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)},
         "tags": ["metrics"],

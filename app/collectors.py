@@ -1,0 +1,105 @@
+"""Scrape-time collectors: build info, every server process's resources, and GPU memory.
+
+They are read when /metrics is rendered, not counted as requests pass, so they cost nothing
+between scrapes. With worker processes each scrape lists every process (the supervisor and each
+worker, labelled by pid and role), read from /proc by whichever worker answers; the supervisor
+keeps the list of pids in a file beside the merged metrics (`write_processes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from prometheus_client import ProcessCollector
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app import __version__
+
+PROCESSES_FILE = "processes.json"  # in the multiprocess metrics folder; its collector reads only *.db files
+
+
+class BuildInfoCollector(Collector):
+    """`ffn_build_info{version, torch, cuda, python} 1`: what is running, for dashboards and alerts."""
+
+    def collect(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(
+            "ffn_build_info", "The running ffn-serve: its version and those of torch, CUDA and Python.",
+            labels=["version", "torch", "cuda", "python"],
+        )
+        info.add_metric([__version__, torch.__version__, torch.version.cuda or "none", platform.python_version()], 1)
+        return [info]
+
+
+def write_processes(folder: Path, supervisor: int, workers: Iterable[int]) -> None:
+    """Record the supervisor's and the live workers' pids for the process metrics (atomically)."""
+    temporary = folder / f".{PROCESSES_FILE}.{os.getpid()}"
+    temporary.write_text(json.dumps({"supervisor": supervisor, "workers": sorted(workers)}))
+    temporary.replace(folder / PROCESSES_FILE)
+
+
+def read_processes(folder: Path) -> list[tuple[int, str]]:
+    """(pid, role) of every server process named by `write_processes`; this process alone if none."""
+    try:
+        recorded = json.loads((folder / PROCESSES_FILE).read_text())
+    except (OSError, ValueError):
+        return [(os.getpid(), "worker")]
+    return [(recorded["supervisor"], "supervisor"), *((pid, "worker") for pid in recorded["workers"])]
+
+
+class ProcessesCollector(Collector):
+    """prometheus_client's process metrics (RSS, CPU seconds, open fds...) for several processes,
+    each series labelled by `pid` and `role` (server: the one process; supervisor; worker).
+
+    `folder` is the multiprocess metrics folder, where the supervisor lists its processes; None
+    means this process only.
+    """
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self._folder = folder
+
+    def _processes(self) -> list[tuple[int, str]]:
+        return read_processes(self._folder) if self._folder is not None else [(os.getpid(), "server")]
+
+    def collect(self) -> Iterable[Metric]:
+        merged: dict[str, Metric] = {}
+        for pid, role in self._processes():
+            # The library's reader of /proc/<pid>/stat, limits and fd; it yields nothing for a
+            # process that has gone (a worker restarting between the list and the read).
+            for family in ProcessCollector(pid=functools.partial(int, pid), registry=None).collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = merged[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    labels = {**sample.labels, "pid": str(pid), "role": role}
+                    target.add_sample(sample.name, labels, sample.value)
+        return list(merged.values())
+
+
+class GpuMemoryCollector(Collector):
+    """`ffn_gpu_memory_used_bytes` and `_total_bytes` per device this process computes on.
+
+    Device-wide figures (cudaMemGetInfo), so they include every worker's CUDA context and any
+    other process on the GPU: what tells whether one more worker fits. Only devices where this
+    process already holds memory are read, so a scrape never creates a CUDA context.
+    """
+
+    def collect(self) -> Iterable[Metric]:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return []
+        used = GaugeMetricFamily("ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.",
+                                 labels=["device"])
+        total = GaugeMetricFamily("ffn_gpu_memory_total_bytes", "GPU memory of the device.", labels=["device"])
+        for index in range(torch.cuda.device_count()):
+            if torch.cuda.memory_reserved(index) == 0:
+                continue
+            free, capacity = torch.cuda.mem_get_info(index)
+            used.add_metric([f"cuda:{index}"], capacity - free)
+            total.add_metric([f"cuda:{index}"], capacity)
+        return [used, total]

@@ -1,0 +1,248 @@
+"""Worker processes (FFN_WORKERS=2): real servers, real signals, real sockets.
+
+Both workers serve; /metrics counts the whole service on every scrape, whichever worker answers
+it, and without the key on the metrics port; a SIGKILLed worker is replaced while the other
+keeps answering (and readiness never falters: a worker accepts nothing until warm); SIGTERM
+under load loses nothing and exits 0; a worker that cannot load its model stops the start with
+its exit code, and nothing is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ffn_client.testing import ServerProcess, free_port, http_request, metric_value, raw_request, start_server
+from tests.reference import demo_reference
+from tests.slow_model import slow_model_config
+from tests.wire import raw_headers
+
+KEY = "workers-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+D_MODEL = 512
+ACCESS_LINE = re.compile(r"\[worker (\d+)\] uvicorn\.access: .*\"POST /v1/models/demo/transform HTTP/1\.1\" 200")
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[tuple[ServerProcess, int]]:
+    """Two workers behind an API key, with an access log and a metrics port: (server, metrics port)."""
+    metrics_port = free_port()
+    env = {"FFN_WORKERS": "2", "FFN_API_KEY": KEY, "FFN_METRICS_PORT": str(metrics_port), "FFN_ACCESS_LOG": "true"}
+    with start_server(env=env) as server:
+        yield server, metrics_port
+
+
+async def transform(port: int, x: np.ndarray) -> np.ndarray:
+    """One raw float32 request on a connection of its own (each new connection may go to either worker)."""
+    request = http_request("POST", "/v1/models/demo/transform", {**AUTH, **raw_headers(x.shape)}, x.tobytes())
+    response = await raw_request(port, request)
+    assert response.status == 200, response.body
+    return np.frombuffer(response.body, "<f4").reshape(x.shape)
+
+
+async def send_checked(port: int, count: int, seed: int) -> int:
+    """`count` concurrent requests of 1-8 rows, each answer checked against numpy; the rows sent."""
+    rng = np.random.default_rng(seed)
+    inputs = [rng.standard_normal((int(rng.integers(1, 9)), D_MODEL)).astype(np.float32) for _ in range(count)]
+    outputs = await asyncio.gather(*(transform(port, x) for x in inputs))
+    for x, y in zip(inputs, outputs):
+        np.testing.assert_allclose(y, demo_reference(x), rtol=1e-4, atol=1e-4)
+    return sum(x.shape[0] for x in inputs)
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> str:
+    response = httpx.get(url + "/metrics", headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def worker_pids(page: str) -> set[int]:
+    """The worker pids the process metrics list."""
+    return {
+        int(sample.labels["pid"])
+        for family in text_string_to_metric_families(page) if family.name == "process_resident_memory_bytes"
+        for sample in family.samples if sample.labels["role"] == "worker"
+    }
+
+
+def replaced(logs: str, pid: int) -> bool:
+    """Whether the log shows worker `pid` killed, then a worker ready after it."""
+    killed, _, after = logs.partition(f"(pid {pid}) was killed by SIGKILL")
+    return bool(after) and re.search(r"worker \d \(pid \d+\) ready", after) is not None
+
+
+def served_by(logs: str) -> Counter[int]:
+    """Answered transform requests per worker number, from the access log."""
+    return Counter(int(m.group(1)) for m in ACCESS_LINE.finditer(logs))
+
+
+async def test_both_workers_serve(workers: tuple[ServerProcess, int]) -> None:
+    server, _ = workers
+    for round_ in range(30):  # which worker accepts a connection is the kernel's choice: a few rounds
+        await send_checked(server.port, 16, seed=round_)
+        if len(served_by(server.logs())) == 2:
+            break
+    assert set(served_by(server.logs())) == {1, 2}, server.logs()
+    page = scrape(server.url, AUTH)
+    assert len(worker_pids(page)) == 2
+    assert metric_value(page, "process_resident_memory_bytes", pid=str(server.pid), role="supervisor") > 0
+
+
+async def test_metrics_count_every_request_on_every_scrape(workers: tuple[ServerProcess, int]) -> None:
+    server, metrics_port = workers
+    metrics_url = f"http://127.0.0.1:{metrics_port}"
+    before = scrape(server.url, AUTH)
+    sent = 60
+    rows = 0
+    for seed in range(sent // 12):
+        rows += await send_checked(server.port, 12, seed=100 + seed)
+    for i in range(8):  # each scrape is answered by whichever worker accepts it
+        page = scrape(metrics_url) if i % 2 else scrape(server.url, AUTH)
+        for name, expected in (("ffn_requests_total", sent), ("ffn_request_rows_count", sent),
+                               ("ffn_request_rows_sum", rows)):
+            labels = {"model": "demo", **({"outcome": "ok"} if name == "ffn_requests_total" else {})}
+            delta = metric_value(page, name, **labels) - metric_value(before, name, **labels)
+            assert delta == expected, f"scrape {i}: {name} grew by {delta}, {expected} were sent"
+        assert metric_value(page, "ffn_queue_rows", model="demo") == 0  # a live-sum gauge, nothing waiting
+    # The key still guards the main port's /metrics; the metrics port needs none and serves nothing else.
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    other = httpx.get(metrics_url + "/v1/models")
+    assert other.status_code == 404 and other.json()["error_type"] == "not_found"
+
+
+async def test_a_killed_worker_is_replaced_while_the_other_answers(workers: tuple[ServerProcess, int]) -> None:
+    server, _ = workers
+    before = scrape(server.url, AUTH)
+    pids = worker_pids(before)
+    assert len(pids) == 2
+    victim = min(pids)
+    os.kill(victim, signal.SIGKILL)
+    sent = 0
+    readiness: list[int] = []
+    for _ in range(600):  # until the replacement is up: far longer than a worker's start
+        await send_checked(server.port, 4, seed=sent)
+        sent += 4
+        # On a new connection each time: answered by whichever worker accepts it.
+        readiness.append((await raw_request(server.port, http_request("GET", "/v2/health/ready"))).status)
+        if replaced(server.logs(), victim) and len(worker_pids(scrape(server.url, AUTH)) - {victim}) == 2:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"worker {victim} was not replaced; log:\n{server.logs()}")
+    assert set(readiness) == {200}, "readiness answered by a warm worker only"
+    logs = server.logs()
+    assert re.search(rf"worker \d \(pid {victim}\) was killed by SIGKILL; starting another in 0\.5 s", logs), logs
+    page = scrape(server.url, AUTH)
+    assert metric_value(page, "ffn_worker_restarts_total") == 1
+    # The dead worker's counts are kept: the total is everything ever answered.
+    grown = (metric_value(page, "ffn_requests_total", model="demo", outcome="ok")
+             - metric_value(before, "ffn_requests_total", model="demo", outcome="ok"))
+    assert grown == sent
+
+
+@pytest.fixture(scope="module")
+def drain_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("workers-drain")
+    return slow_model_config(folder, "warmup = false\nmax_batch_rows = 4096\ndrain_timeout_s = 30", with_demo=True)
+
+
+async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) -> None:
+    with start_server(config=drain_config, env={"FFN_WORKERS": "2"}) as server:
+        outcomes: list[tuple[float, str]] = []  # (sent at, outcome) of every request
+        stop = asyncio.Event()
+
+        async def load(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                while not stop.is_set():
+                    x = rng.standard_normal((int(rng.integers(1, 9)), D_MODEL)).astype(np.float32)
+                    at = time.monotonic()
+                    try:
+                        r = await client.post("/v1/models/demo/transform", content=x.tobytes(),
+                                              headers=raw_headers(x.shape))
+                    except httpx.TransportError as exc:
+                        outcomes.append((at, type(exc).__name__))
+                        return
+                    outcomes.append((at, str(r.status_code)))
+                    if r.status_code != 200:
+                        return
+                    y = np.frombuffer(r.content, "<f4").reshape(x.shape)
+                    np.testing.assert_allclose(y, demo_reference(x), rtol=1e-4, atol=1e-4)
+
+        clients = [asyncio.create_task(load(seed)) for seed in range(8)]
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as probe:
+            while sum(o == "200" for _, o in outcomes) < 40:
+                await asyncio.sleep(0.02)
+            # A slow request computing when the signal comes: the drain lasts at least its pass.
+            slow_x = np.ones((4096, D_MODEL), dtype=np.float32)
+            slow = asyncio.create_task(probe.post("/v1/models/slow/transform", content=slow_x.tobytes(),
+                                                  headers=raw_headers(slow_x.shape)))
+            while True:
+                page = (await probe.get("/metrics")).text
+                if metric_value(page, "ffn_queue_seconds_count", model="slow") == 1:
+                    break
+                await asyncio.sleep(0.01)
+            sigterm_at = time.monotonic()
+            server.terminate()
+            slow_answer = await slow
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*clients), timeout=90)
+        code = server.wait(90)
+        logs = server.logs()
+
+    assert code == 0, logs
+    assert logs.count("received SIGTERM: draining") == 2, logs  # each worker drained
+    assert slow_answer.status_code == 200 and slow_answer.headers["x-shape"] == f"4096,{D_MODEL}"
+    before = [outcome for at, outcome in outcomes if at < sigterm_at]
+    assert len(before) >= 40
+    assert set(before) <= {"200", "503"}, Counter(before)
+    after = [outcome for at, outcome in outcomes if at >= sigterm_at]
+    assert set(after) <= {"200", "503", "ConnectError", "RemoteProtocolError", "ReadError"}, Counter(after)
+
+
+def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
+    (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "missing.safetensors"\n')
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"TMPDIR": str(scratch)}
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml"), "--port", str(free_port()),
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "missing.safetensors" in result.stderr and "broken" in result.stderr
+    assert "while starting: stopping the service" in result.stderr
+    assert result.stderr.count("started (pid") == 2, "each worker starts once: no restart"
+    assert "starting another" not in result.stderr
+    assert list(scratch.iterdir()) == [], "the metrics folder is removed"
+
+
+def test_a_metrics_port_in_use_exits_3() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "app.cli", "--port", str(free_port()), "--metrics-port", str(port),
+             "--workers", "2"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 3
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "started (pid" not in result.stderr
