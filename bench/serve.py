@@ -2,11 +2,14 @@
 
     python3 -m bench.serve                       # 768/3072 GELU float32, r in {1,16}, C in {1,16,64}
     python3 -m bench.serve --max-wait-ms 0 1 2 --seconds 5 --json out/serve.json --plot docs/img/serve.png
+    python3 -m bench.serve --workers 1 2 --server-cpus 0,1 --client-cpus 0,1    # 1 and 2 worker processes
 
-The server runs pinned to core 0 with one torch thread; the load generator (wrk, closed loop
-with C connections) runs pinned to core 1; the in-process rows/s is measured pinned to core 0
-with one thread at the batch size the batcher actually formed (mean rows per batch, read from
-/metrics), so every ratio compares like with like. Needs `wrk` (Debian package wrk) and Linux.
+The server runs pinned to core 0 with one torch thread per worker; the load generator (wrk,
+closed loop with C connections) runs pinned to core 1; the in-process rows/s is measured pinned
+to core 0 with one thread at the batch size the batcher actually formed (mean rows per batch,
+read from /metrics), so every ratio compares like with like (with several workers on several
+cores, the ratio is against that one core and may pass 100 %). Needs `wrk` (Debian package wrk)
+and Linux.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from ffn_client.testing import metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
 
 LUA = Path(__file__).with_name("wrk") / "post.lua"
-SERVER_CORE, CLIENT_CORE = 0, 1
+SERVER_CORE = 0  # the in-process reference runs here
 
 
 @dataclass
 class Cell:
+    workers: int
     encoding: str
     rows_per_request: int
     concurrency: int
@@ -51,14 +55,15 @@ class Cell:
     ratio: float
 
 
-def pinned(core: int) -> list[str]:
-    return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+def pinned(cpus: int | str) -> list[str]:
+    """A taskset prefix for a core or a list ("0,1"), or nothing where taskset is missing."""
+    return ["taskset", "-c", str(cpus)] if shutil.which("taskset") else []
 
 
-def server_env(max_wait_ms: float, max_batch_rows: int) -> dict[str, str]:
-    """One torch thread (and one OpenMP thread) so that the server stays on its one core."""
+def server_env(max_wait_ms: float, max_batch_rows: int, workers: int = 1) -> dict[str, str]:
+    """One torch thread (and one OpenMP thread) per worker, so that each stays on one core."""
     return {"FFN_TORCH_THREADS": "1", "FFN_MAX_WAIT_MS": str(max_wait_ms), "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
-            "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+            "FFN_WORKERS": str(workers), "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
 
 
 def batch_stats(url: str) -> tuple[float, float]:
@@ -76,9 +81,9 @@ def request_body(encoding: str, rows: int, d_model: int, folder: Path) -> tuple[
     return path, "|".join(f"{name}: {value}" for name, value in request.headers.items())
 
 
-def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float) -> dict:
+def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float, cpus: str = "1") -> dict:
     env = os.environ | {"BENCH_BODY": str(body), "BENCH_HEADERS": headers}
-    command = [*pinned(CLIENT_CORE), "wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
+    command = [*pinned(cpus), "wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
                "-s", str(LUA), url]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -118,6 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--encodings", nargs="+", default=["binary", "json"], choices=["binary", "json"])
     p.add_argument("--max-wait-ms", type=float, nargs="+", default=[0.0])
     p.add_argument("--max-batch-rows", type=int, default=1024)
+    p.add_argument("--workers", type=int, nargs="+", default=[1], help="worker processes (FFN_WORKERS), one server each")
+    p.add_argument("--server-cpus", default=str(SERVER_CORE), help="taskset list for the server, e.g. 0 or 0,1")
+    p.add_argument("--client-cpus", default="1", help="taskset list for wrk")
     p.add_argument("--seconds", type=float, default=5.0, help="wrk duration per cell")
     p.add_argument("--json", type=Path, help="write the cells as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here")
@@ -138,18 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         save_ffn(model, folder / "ffn.safetensors")
         (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
-        for max_wait in args.max_wait_ms:
-            with start_server(server_env(max_wait, args.max_batch_rows), folder / "ffn.toml",
-                                prefix=pinned(SERVER_CORE), ready_timeout=120.0) as server:
+        for workers, max_wait in [(w, m) for w in args.workers for m in args.max_wait_ms]:
+            with start_server(server_env(max_wait, args.max_batch_rows, workers), folder / "ffn.toml",
+                              prefix=pinned(args.server_cpus), ready_timeout=120.0) as server:
                 base = server.url
                 url = f"{base}/v1/models/ffn/transform"
                 for encoding in args.encodings:
                     for rows in args.rows:
                         body, headers = request_body(encoding, rows, args.d_model, folder)
                         for concurrency in args.concurrency:
-                            run_wrk(url, body, headers, concurrency, 1)  # warm-up
+                            run_wrk(url, body, headers, concurrency, 1, args.client_cpus)  # warm-up
                             before = batch_stats(base)
-                            result = run_wrk(url, body, headers, concurrency, args.seconds)
+                            result = run_wrk(url, body, headers, concurrency, args.seconds, args.client_cpus)
                             after = batch_stats(base)
                             batches = after[1] - before[1]
                             mean_batch = (after[0] - before[0]) / batches if batches else float(rows)
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                             ok = result["requests"] - result["status_errors"]
                             base_rps = inprocess.rows_per_s(round(mean_batch))
                             rows_per_s = ok * rows / seconds
-                            cell = Cell(encoding, rows, concurrency, max_wait, ok / seconds, rows_per_s,
+                            cell = Cell(workers, encoding, rows, concurrency, max_wait, ok / seconds, rows_per_s,
                                         result["p50_us"] / 1000, result["p90_us"] / 1000, result["p99_us"] / 1000,
                                         result["status_errors"] + result["socket_errors"], mean_batch, base_rps,
                                         rows_per_s / base_rps)
@@ -175,20 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-HEADER = ("| encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | errors | rows/batch "
-          "| in-process rows/s at that batch | ratio |")
+HEADER = ("| workers | encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | p99/p50 | errors "
+          "| rows/batch | in-process rows/s at that batch | ratio |")
 
 
 def format_row(c: Cell) -> str:
-    return (f"| {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} | {c.requests_per_s:,.0f} "
-            f"| {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} | {c.errors} | {c.mean_batch_rows:.1f} "
+    return (f"| {c.workers} | {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} "
+            f"| {c.requests_per_s:,.0f} | {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
+            f"| {c.p99_ms / c.p50_ms:.1f} | {c.errors} | {c.mean_batch_rows:.1f} "
             f"| {c.inprocess_rows_per_s:,.0f} | {c.ratio:.0%} |")
 
 
 def table(cells: list[Cell], batch1_ms: float, args: argparse.Namespace) -> str:
     lines = [
-        f"FFN d_model {args.d_model}, d_ff {args.d_ff}, {args.activation}, float32; server on core {SERVER_CORE} "
-        f"(1 torch thread), wrk on core {CLIENT_CORE}; {args.seconds:g} s per cell",
+        f"FFN d_model {args.d_model}, d_ff {args.d_ff}, {args.activation}, float32; server on cores {args.server_cpus} "
+        f"(1 torch thread per worker), wrk on cores {args.client_cpus}; {args.seconds:g} s per cell",
         f"in-process batch-1 forward: {batch1_ms:.3f} ms",
         "",
         HEADER,
@@ -205,14 +214,15 @@ def plot(cells: list[Cell], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for encoding in sorted({c.encoding for c in cells}):
-        for rows in sorted({c.rows_per_request for c in cells}):
-            for wait in sorted({c.max_wait_ms for c in cells}):
-                sel = [c for c in cells if (c.encoding, c.rows_per_request, c.max_wait_ms) == (encoding, rows, wait)]
-                label = f"{encoding}, r={rows}" + (f", wait {wait:g} ms" if len({c.max_wait_ms for c in cells}) > 1 else "")
-                xs = [c.concurrency for c in sel]
-                left.plot(xs, [c.ratio * 100 for c in sel], marker="o", label=label)
-                right.plot(xs, [c.p99_ms for c in sel], marker="o", label=label)
+    several_waits, several_workers = len({c.max_wait_ms for c in cells}) > 1, len({c.workers for c in cells}) > 1
+    for key in sorted({(c.workers, c.encoding, c.rows_per_request, c.max_wait_ms) for c in cells}):
+        workers, encoding, rows, wait = key
+        sel = [c for c in cells if (c.workers, c.encoding, c.rows_per_request, c.max_wait_ms) == key]
+        label = (f"{encoding}, r={rows}" + (f", wait {wait:g} ms" if several_waits else "")
+                 + (f", {workers} workers" if several_workers else ""))
+        xs = [c.concurrency for c in sel]
+        left.plot(xs, [c.ratio * 100 for c in sel], marker="o", label=label)
+        right.plot(xs, [c.p99_ms for c in sel], marker="o", label=label)
     left.set(xscale="log", xlabel="concurrency C", ylabel="% of in-process rows/s at the formed batch",
              title="Throughput vs the in-process model")
     right.set(xscale="log", yscale="log", xlabel="concurrency C", ylabel="p99 latency (ms)", title="Tail latency")
