@@ -469,6 +469,10 @@ def test_compose_passes_only_real_settings_and_lets_the_config_file_apply() -> N
     env = SERVER["environment"]
     assert isinstance(env, list), "a list of names: each is passed on only when set"
     for item in env:
+        name, _, value = item.partition("=")
+        if name == "FFN_METRICS_PORT":  # fixed, like the port: what the file exposes to a scraper
+            assert SERVER["expose"] == [value], "the metrics port is exposed on the compose network"
+            continue
         assert "=" not in item, f"{item}: a value here would override the mounted config.toml"
         assert setting_name(item), f"{item} is not an FFN_<setting>"
     passed = {setting_name(item) for item in env}
@@ -650,7 +654,17 @@ def test_kubernetes_probes_hit_health_paths_on_the_served_port() -> None:
     for path, pod in pod_specs + kserve:
         (container,) = pod["containers"]
         port = int(env_of(container).get("FFN_PORT", SERVICE_PORT))
-        assert [p["containerPort"] for p in container["ports"]] == [port], path
+        assert container["ports"][0]["containerPort"] == port, path
+        # The metrics port, where a Deployment names one, is the server's (FFN_METRICS_PORT), and
+        # the one the Prometheus annotations point at: it needs no API key.
+        named = {p.get("name"): p["containerPort"] for p in container["ports"][1:]}
+        assert set(named) <= {"metrics"}, path
+        metrics_port = env_of(container).get("FFN_METRICS_PORT")
+        if "metrics" in named:
+            assert named["metrics"] == int(metrics_port or -1), path
+        if path.parent.name != "kserve":
+            annotations = [d for p, d in deployments() if p == path][0]["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == metrics_port, path
         assert container["readinessProbe"]["httpGet"]["path"] == READY_PATH, path
         assert container["livenessProbe"]["httpGet"]["path"] == LIVE_PATH, path
         # The server loads its weights before it listens: the liveness probe must wait for that.
@@ -686,7 +700,9 @@ def test_kubernetes_env_sets_only_real_settings_with_valid_values(monkeypatch: p
                     monkeypatch.setenv(entry["name"], entry["value"])
         Settings()  # raises when a value does not validate
         limit = container["resources"]["limits"]["cpu"]
-        assert int(env_of(container)["FFN_TORCH_THREADS"]) <= int(limit), f"{path}: more threads than CPUs"
+        workers = int(env_of(container).get("FFN_WORKERS", "1"))
+        threads = int(env_of(container)["FFN_TORCH_THREADS"])
+        assert workers * threads <= int(limit), f"{path}: more threads than CPUs"
 
 
 def test_kubernetes_service_selects_the_pods_and_targets_their_port() -> None:
@@ -725,8 +741,12 @@ def test_kubernetes_gpu_variant_differs_from_cpu_only_in_image_resources_and_tol
     (cpu_container,) = cpu["spec"]["template"]["spec"]["containers"]
     assert cpu_container["image"].endswith(":cpu")
     assert "nvidia.com/gpu" not in cpu_container["resources"].get("limits", {})
+    # More workers feed a GPU than share a CPU pod's cores (docs/deployment.md says why).
+    assert int(env_of(gpu_container)["FFN_WORKERS"]) > int(env_of(cpu_container)["FFN_WORKERS"])
     for key in ("image", "resources"):
         del cpu_container[key], gpu_container[key]
+    for container in (cpu_container, gpu_container):
+        container["env"] = [e for e in container["env"] if e["name"] != "FFN_WORKERS"]
     del gpu_pod["tolerations"]
     assert cpu == gpu
 
