@@ -10,9 +10,12 @@ its exit code, and nothing is restarted.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +28,16 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ffn_client.testing import ServerProcess, free_port, http_request, metric_value, raw_request, start_server
+from app.logs import JsonFormatter, configure_logging
+from ffn_client.testing import (
+    ServerProcess,
+    free_port,
+    http_request,
+    metric_value,
+    raw_request,
+    start_server,
+    wait_for_metrics,
+)
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
@@ -99,6 +111,8 @@ async def test_both_workers_serve(workers: tuple[ServerProcess, int]) -> None:
     page = scrape(server.url, AUTH)
     assert len(worker_pids(page)) == 2
     assert metric_value(page, "process_resident_memory_bytes", pid=str(server.pid), role="supervisor") > 0
+    # torch threads: the cores this process (and so the server) may use, shared out between the workers.
+    assert f"ready: 2 workers, {max(1, len(os.sched_getaffinity(0)) // 2)} torch threads each" in server.logs()
 
 
 async def test_metrics_count_every_request_on_every_scrape(workers: tuple[ServerProcess, int]) -> None:
@@ -184,17 +198,18 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
 
         clients = [asyncio.create_task(load(seed)) for seed in range(8)]
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as probe:
-            while sum(o == "200" for _, o in outcomes) < 40:
+            for _ in range(3000):  # a bound, so that a hang fails instead
+                if sum(o == "200" for _, o in outcomes) >= 40:
+                    break
                 await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"40 requests were never answered; log:\n{server.logs()}")
             # A slow request computing when the signal comes: the drain lasts at least its pass.
             slow_x = np.ones((4096, D_MODEL), dtype=np.float32)
             slow = asyncio.create_task(probe.post("/v1/models/slow/transform", content=slow_x.tobytes(),
                                                   headers=raw_headers(slow_x.shape)))
-            while True:
-                page = (await probe.get("/metrics")).text
-                if metric_value(page, "ffn_queue_seconds_count", model="slow") == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_for_metrics(probe, lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") == 1,
+                                   "the slow request's pass started")
             sigterm_at = time.monotonic()
             server.terminate()
             slow_answer = await slow
@@ -232,8 +247,6 @@ def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
 
 
 def test_a_metrics_port_in_use_exits_3() -> None:
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -246,3 +259,20 @@ def test_a_metrics_port_in_use_exits_3() -> None:
     assert result.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "started (pid" not in result.stderr
+
+
+def test_a_workers_log_records_name_it() -> None:
+    """Text lines carry `[worker N]`, JSON objects `worker` and `pid`: several processes share one stream."""
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "served %s", ("x",), None)
+    entry = json.loads(JsonFormatter(worker=3).format(record))
+    assert entry["worker"] == 3 and entry["pid"] == os.getpid() and entry["message"] == "served x"
+    assert "worker" not in json.loads(JsonFormatter().format(record))
+    root = logging.getLogger()
+    saved = root.handlers, root.level
+    try:
+        configure_logging("info", "text", worker=2)
+        line = root.handlers[0].format(record)
+    finally:
+        root.handlers, root.level = saved[0], saved[1]
+    assert line.endswith(" INFO [worker 2] uvicorn.access: served x"), line
