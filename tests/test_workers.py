@@ -81,6 +81,15 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> str:
     return response.text
 
 
+def successes(url: str) -> int:
+    """The V2 statistics extension's count of the demo model's successful requests."""
+    response = httpx.get(url + "/v2/models/demo/stats", headers=AUTH, timeout=30)
+    assert response.status_code == 200, response.text
+    (stats,) = response.json()["model_stats"]
+    count: int = stats["inference_stats"]["success"]["count"]
+    return count
+
+
 def worker_pids(page: str) -> set[int]:
     """The worker pids the process metrics list."""
     return {
@@ -119,6 +128,7 @@ async def test_metrics_count_every_request_on_every_scrape(workers: tuple[Server
     server, metrics_port = workers
     metrics_url = f"http://127.0.0.1:{metrics_port}"
     before = scrape(server.url, AUTH)
+    stats_before = successes(server.url)
     sent = 60
     rows = 0
     for seed in range(sent // 12):
@@ -131,6 +141,8 @@ async def test_metrics_count_every_request_on_every_scrape(workers: tuple[Server
             delta = metric_value(page, name, **labels) - metric_value(before, name, **labels)
             assert delta == expected, f"scrape {i}: {name} grew by {delta}, {expected} were sent"
         assert metric_value(page, "ffn_queue_rows", model="demo") == 0  # a live-sum gauge, nothing waiting
+        # The V2 statistics extension reads the same merged samples, whichever worker answers.
+        assert successes(server.url) - stats_before == sent
     # The key still guards the main port's /metrics; the metrics port needs none and serves nothing else.
     assert httpx.get(server.url + "/metrics").status_code == 401
     other = httpx.get(metrics_url + "/v1/models")

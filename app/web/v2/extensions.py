@@ -84,7 +84,7 @@ async def version_config(name: str, version: str, state: StateDep) -> dict[str, 
 
 
 def _statistics(state: ServiceState, models: list[ServedModel]) -> dict[str, Any]:
-    return statistics.model_stats(state.metrics.registry, models)
+    return statistics.model_stats(state.metrics.merged, models)  # every worker's samples
 
 
 async def all_stats(state: StateDep) -> dict[str, Any]:
