@@ -152,8 +152,11 @@ class ModelRunner:
             if self.cuda_graphs:
                 self._capture_graphs()
             self.bucketed.check(self.bucketed.forward, bound, generator)
-            for rows in self.bucketed.buckets:
-                self([torch.zeros((rows, self.d_model), dtype=self.dtype)])
+            # In the compute dtype and in float32 (the common wire dtype), so that the pinned
+            # answers of both sizes are in the host allocator's cache before the first request.
+            for dtype in dict.fromkeys((self.dtype, torch.float32)):
+                for rows in self.bucketed.buckets:
+                    self([torch.zeros((rows, self.d_model), dtype=dtype)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # warm-up only: the request path waits on its own events
         log.info("%s on %s: buckets %s; CUDA graphs at %s; padded without graphs at %s; staged %s",
