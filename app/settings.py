@@ -76,14 +76,11 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(default=None, description="If set, every route but health needs Bearer auth.")
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(default=0, ge=0, description="torch intra-op threads; 0 = torch's default.")
-    warmup: bool = Field(
-        default=True,
-        description="Run every batch-size bucket once before reporting ready (and capture CUDA graphs then).",
-    )
+    warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     cuda_graphs: bool = Field(
         default=True,
-        description="CUDA: replay one CUDA graph per batch-size bucket, the batch padded up to it; each bucket "
-        "is checked against eager at warm-up and one that differs stays eager. Off: every batch eager.",
+        description="CUDA: replay one CUDA graph per batch-size bucket, the batch padded up to it; captured and "
+        "checked against eager at warm-up (a bucket that differs stays eager). Off, or no warm-up: every batch eager.",
     )
     tf32: bool = Field(
         default=False,
