@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -37,21 +36,13 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
+from app.engine.staging import Pending
 from app.metrics import Metrics
 
 log = logging.getLogger("ffn_serve.batcher")
 
 # forward(parts) -> the FFN of their concatenation, (sum of rows, d_model), on the host.
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
-
-
-class Pending(Protocol):
-    """A launched forward pass: done() without blocking, wait() blocks until the answer is on the host."""
-
-    def done(self) -> bool: ...
-
-    def wait(self) -> torch.Tensor: ...
-
 
 # launch(parts) -> Pending: enqueue the forward pass and return before it finishes.
 Launch = Callable[[Sequence[torch.Tensor]], Pending]

@@ -25,7 +25,7 @@ WIDEST = 4  # bytes per element of the widest dtype a slot holds (float32)
 
 
 class Pending(Protocol):
-    """An answer on its way: `wait()` returns it, on the host, once it is there."""
+    """A launched forward pass: `done()` without blocking; `wait()` blocks until the answer is on the host."""
 
     def done(self) -> bool: ...
 
