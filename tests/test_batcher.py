@@ -240,9 +240,10 @@ class RecordingLaunch:
         self.answers: list[HeldAnswer] = []
 
     def __call__(self, parts):
+        answer = HeldAnswer(torch.cat(list(parts)) * 2 + 1)
+        self.answers.append(answer)  # before the batch is counted: launched() then sees its answer too
         self.batches.append([p.shape[0] for p in parts])
-        self.answers.append(HeldAnswer(torch.cat(list(parts)) * 2 + 1))
-        return self.answers[-1]
+        return answer
 
     async def launched(self, count: int) -> None:
         for _ in range(500):
