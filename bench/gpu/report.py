@@ -128,6 +128,7 @@ def targets_table(found: list[Target]) -> str:
 
 def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -140,7 +141,8 @@ def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
             if sel:
                 left.plot([c.rows for c in sel], [c.rows_per_s for c in sel], styles[path_name], marker=".",
                           label=f"{mode} {path_name}")
-    left.set(xscale="log", yscale="log", xlabel="batch rows", ylabel="rows/s", title="In-process, by precision and path")
+    left.set_xscale("log", base=2)
+    left.set(yscale="log", xlabel="batch rows", ylabel="rows/s", title="In-process, by precision and path")
     for server, marker in (("ffn", "o"), ("echo", "s")):
         for rows in sorted({c.rows for c in service if c.concurrency > 1}):
             by_workers = sorted((c for c in service if (c.server, c.rows) == (server, rows) and c.concurrency > 1),
@@ -148,9 +150,12 @@ def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
             if by_workers:
                 right.plot([c.workers for c in by_workers], [c.bytes_per_s / 1e6 for c in by_workers], marker=marker,
                            linestyle="-" if server == "ffn" else "--", label=f"{server} r={rows}")
-    right.set(xscale="log", yscale="log", xlabel="workers", ylabel="MB/s, request + answer bodies",
+    right.set_xscale("log", base=2)
+    right.set_xticks(sorted({c.workers for c in service}) or [1])
+    right.set(yscale="log", xlabel="workers", ylabel="MB/s, request + answer bodies",
               title="Service against the echo baseline")
     for ax in (left, right):
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 1024, not 2^10
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
