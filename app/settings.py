@@ -95,6 +95,35 @@ class Settings(BaseSettings):
         default=64, ge=0, le=4096,
         description="Most Monte Carlo dropout passes one request may ask for (mc_passes); 0 turns the mode off.",
     )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="CUDA: replay one CUDA graph per batch-size bucket, the batch padded up to it; captured and "
+        "checked against eager at warm-up (a bucket that differs stays eager). Off, or no warm-up: every batch eager.",
+    )
+    tf32: bool = Field(
+        default=False,
+        description="CUDA, float32 models: TF32 tensor-core matmuls; several times faster, ~1e-3 relative "
+        "error (a 10-bit mantissa) instead of ~1e-7.",
+    )
+    staging: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Double-buffered pinned staging: the copy of batch k+1 overlaps the compute of batch k. "
+        "auto: on CUDA; on: on the CPU too (same answers, no overlap); off: one synchronous copy each way.",
+    )
+    fuse_gate: bool = Field(
+        default=True,
+        description="Gated models: one GEMM over W1‖V, concatenated at load; checked against the unfused form "
+        "at warm-up.",
+    )
+    batch_invariant: bool = Field(
+        default=False,
+        description="Every forward pass at batch_invariant_rows rows, padded, so a row's answer is bit-identical "
+        "whatever it is batched with. Off: batched rows agree to float tolerance only.",
+    )
+    batch_invariant_rows: int = Field(
+        default=64, ge=1,
+        description="The row count of every forward pass in batch-invariant mode; larger batches run as several.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 
     @model_validator(mode="after")

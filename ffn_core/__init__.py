@@ -6,7 +6,15 @@ Plain PyTorch; knows nothing of HTTP.
 from ffn_core.activations import ACTIVATIONS, get_activation
 from ffn_core.config import FFNConfig
 from ffn_core.dropout import mc_dropout
-from ffn_core.model import DEMO_CONFIG, FeedForward, GatedFeedForward, build_ffn, demo_ffn
+from ffn_core.model import (
+    DEMO_CONFIG,
+    FeedForward,
+    FusedGatedFeedForward,
+    GatedFeedForward,
+    build_ffn,
+    demo_ffn,
+    fuse_gate,
+)
 from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
 
 __all__ = [
@@ -15,10 +23,12 @@ __all__ = [
     "FORMATS",
     "FFNConfig",
     "FeedForward",
+    "FusedGatedFeedForward",
     "GatedFeedForward",
     "WeightsError",
     "build_ffn",
     "demo_ffn",
+    "fuse_gate",
     "get_activation",
     "load_ffn",
     "mc_dropout",

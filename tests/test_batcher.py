@@ -212,3 +212,97 @@ async def test_an_already_expired_entry_is_never_computed(executor):
         await asyncio.wait_for(batcher.submit(rows(2), deadline=loop.time() - 0.001), 2)
     assert forward.batches == []
     await batcher.stop()
+
+
+# ----- launched batches in flight (the staged GPU runner's way) ----------------------------------
+
+
+class HeldAnswer:
+    """A launched batch's answer, held until `release` is set (a GPU still computing)."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output = output
+        self.release = threading.Event()
+
+    def done(self) -> bool:
+        return self.release.is_set()
+
+    def wait(self) -> torch.Tensor:
+        assert self.release.wait(5), "the test never released this batch"
+        return self.output
+
+
+class RecordingLaunch:
+    """launch(parts) -> HeldAnswer of 2x + 1; records each batch's part sizes when it is launched."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.answers: list[HeldAnswer] = []
+
+    def __call__(self, parts):
+        answer = HeldAnswer(torch.cat(list(parts)) * 2 + 1)
+        self.answers.append(answer)  # before the batch is counted: launched() then sees its answer too
+        self.batches.append([p.shape[0] for p in parts])
+        return answer
+
+    async def launched(self, count: int) -> None:
+        for _ in range(500):
+            if len(self.batches) >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{count} batches never launched: {self.batches}")
+
+
+async def make_launched(executor, max_in_flight: int) -> tuple[Batcher, RecordingLaunch]:
+    launch = RecordingLaunch()
+    batcher = await make(lambda parts: launch(parts).wait(), executor, max_batch_rows=64, launch=launch,
+                         max_in_flight=max_in_flight)
+    return batcher, launch
+
+
+async def test_the_next_batch_is_launched_while_the_last_one_computes(executor):
+    batcher, launch = await make_launched(executor, max_in_flight=2)
+    first = asyncio.create_task(batcher.submit(rows(2)))
+    await launch.launched(1)
+    second = asyncio.create_task(batcher.submit(rows(3, 100)))
+    await launch.launched(2)  # launched although the first answer is still held
+    assert not first.done() and launch.batches == [[2], [3]]
+    third = asyncio.create_task(batcher.submit(rows(1, 200)))
+    await asyncio.sleep(0.05)
+    assert len(launch.batches) == 2, "two in flight at most"
+    launch.answers[1].release.set()  # answers may land out of order
+    assert torch.equal(await asyncio.wait_for(second, 2), rows(3, 100) * 2 + 1)
+    await launch.launched(3)
+    for answer in launch.answers:
+        answer.release.set()
+    assert torch.equal(await asyncio.wait_for(first, 2), rows(2) * 2 + 1)
+    assert torch.equal(await asyncio.wait_for(third, 2), rows(1, 200) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_one_in_flight_launches_after_the_last_answer(executor):
+    batcher, launch = await make_launched(executor, max_in_flight=1)
+    first = asyncio.create_task(batcher.submit(rows(2)))
+    await launch.launched(1)
+    second = asyncio.create_task(batcher.submit(rows(3, 100)))
+    await asyncio.sleep(0.05)
+    assert launch.batches == [[2]]
+    launch.answers[0].release.set()
+    await launch.launched(2)
+    launch.answers[1].release.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 2)
+    await batcher.stop()
+
+
+async def test_stop_fails_the_batches_in_flight_and_drain_waits_for_them(executor):
+    batcher, launch = await make_launched(executor, max_in_flight=2)
+    held = [asyncio.create_task(batcher.submit(rows(1, i))) for i in range(2)]
+    await launch.launched(1)
+    draining = asyncio.create_task(batcher.drain(0.2))
+    assert not await draining, "drain must wait for the batch in flight"
+    await batcher.stop()
+    for task in held:
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(task, 2)
+    for answer in launch.answers:
+        answer.release.set()  # let the executor threads finish

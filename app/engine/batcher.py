@@ -5,6 +5,9 @@ task cuts a batch when the queued rows reach `max_batch_rows`, or `max_wait_s` a
 entry arrived (0 = greedy: whatever is queued goes at once, and whatever arrives during a
 forward pass forms the next batch). The batch's rows are concatenated (the FFN is
 position-wise, so no padding), run on the model's device thread and split back in order.
+With a `launch` (the staged GPU runner), up to `max_in_flight` batches are in flight at once:
+the next batch is launched on the device thread while the last one's answer is still being
+computed, and each batch's answer is waited for off the device thread.
 
 The queue is bounded in rows: a request that does not fit is refused with `Overloaded` before
 it is queued. An entry whose client left (cancelled future) or whose deadline passed is
@@ -33,12 +36,16 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
+from app.engine.staging import Pending
 from app.metrics import Metrics, ModelInstruments
 
 log = logging.getLogger("ffn_serve.batcher")
 
 # forward(parts) -> the FFN of their concatenation, (sum of rows, d_model), on the host.
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+# launch(parts) -> Pending: enqueue the forward pass and return before it finishes.
+Launch = Callable[[Sequence[torch.Tensor]], Pending]
 
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
 
@@ -77,15 +84,22 @@ class Batcher:
         max_queue_rows: int = 16384,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        launch: Launch | None = None,
+        max_in_flight: int = 1,
     ) -> None:
-        if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0:
-            raise ValueError("max_batch_rows and max_queue_rows must be >= 1, max_wait_s >= 0")
+        """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time."""
+        if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or max_in_flight < 1:
+            raise ValueError("max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s >= 0")
         self.name = name
         self.max_batch_rows = max_batch_rows
         self.max_wait_s = max_wait_s
         self.max_queue_rows = max_queue_rows
         self._forward = forward
+        self._launch = launch
         self._executor = executor
+        # One slot per batch in flight: the collector takes a batch only when it holds one.
+        self._slots = asyncio.Semaphore(max_in_flight if launch is not None else 1)
+        self._in_flight: set[asyncio.Task[None]] = set()
         self._metrics = metrics or Metrics()
         self._ceiling = max_batch_rows  # lowered after out-of-memory
         self._queue: deque[Entry] = deque()
@@ -131,6 +145,10 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
             self._collector = None
+        running = list(self._in_flight)
+        for task in running:
+            task.cancel()  # each fails its own batch's entries as it ends
+        await asyncio.gather(*running, return_exceptions=True)
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper, self._reaper_at = None, math.inf
@@ -282,30 +300,41 @@ class Batcher:
                 continue
             if self.max_wait_s > 0:
                 await self._wait_for_more()
+            await self._slots.acquire()  # what arrives meanwhile joins this batch
             batch = self._take_batch()
             if not batch:
+                self._slots.release()
                 continue
             self._idle.clear()
-            try:
-                await self._run(batch)
-            except asyncio.CancelledError:
-                # Stopped mid-pass (shutdown): nothing else would ever answer these entries.
-                for entry in batch:
-                    self._fail(entry, Unavailable("the server is shutting down"))
-                raise
-            finally:
-                self._idle.set()
+            task = asyncio.create_task(self._run_in_slot(batch), name=f"batch-{self.name}")
+            self._in_flight.add(task)
+            task.add_done_callback(self._landed)
+
+    async def _run_in_slot(self, batch: list[Entry]) -> None:
+        try:
+            await self._run(batch)
+        except asyncio.CancelledError:
+            # Stopped mid-pass (shutdown): nothing else would ever answer these entries.
+            for entry in batch:
+                self._fail(entry, Unavailable("the server is shutting down"))
+            raise
+        finally:
+            self._slots.release()
+
+    def _landed(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        if not self._in_flight:
+            self._idle.set()
 
     # ----- forward ---------------------------------------------------------------------------
 
     async def _run(self, batch: list[Entry]) -> None:
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         for entry in batch:
             self._instruments.queue_seconds.observe(started - entry.arrived)
         rows = sum(entry.n for entry in batch)
         try:
-            output = await loop.run_in_executor(self._executor, self._forward, [entry.rows for entry in batch])
+            output = await self._compute([entry.rows for entry in batch])
         except OUT_OF_MEMORY:
             await self._split_after_oom(batch, rows)
             return
@@ -325,6 +354,17 @@ class Batcher:
             if not entry.future.done():
                 entry.future.set_result(output[offset : offset + entry.n])
             offset += entry.n
+
+    async def _compute(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The forward pass on the device thread; launched there and waited for elsewhere when it can be."""
+        loop = asyncio.get_running_loop()
+        if self._launch is None:
+            return await loop.run_in_executor(self._executor, self._forward, parts)
+        pending = await loop.run_in_executor(self._executor, self._launch, parts)
+        if pending.done():
+            return pending.wait()
+        # Not on the device thread, which is free to launch the next batch meanwhile.
+        return await loop.run_in_executor(None, pending.wait)
 
     async def _split_after_oom(self, batch: list[Entry], rows: int) -> None:
         """Out of memory: lower the ceiling, retry each half; an entry alone that fails gets 507."""

@@ -12,10 +12,10 @@ import torch
 from app.engine.batcher import Batcher
 from app.engine.errors import ModelNotFound
 from app.engine.montecarlo import MonteCarloLane
-from app.engine.runner import ModelRunner, device_executor, resolve_device
+from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.metrics import Metrics
 from app.settings import ModelSpec, Settings
-from ffn_core import FeedForward, WeightsError, demo_ffn, load_ffn
+from ffn_core import FeedForward, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.dtypes import DTYPES, DType
 
 log = logging.getLogger("ffn_serve")
@@ -80,13 +80,26 @@ class ServedModel:
         }
 
 
-def load_weights(spec: ModelSpec, device: torch.device) -> FeedForward:
+def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -> FeedForward:
+    """The model's weights on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
     dtype = DTYPES[spec.dtype].torch
     if spec.weights is None:
-        return demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
-    return load_ffn(
-        spec.weights, format=spec.format, layer=spec.layer, activation=spec.activation,
-        gated=spec.gated, dtype=dtype, device=device,
+        model = demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
+    else:
+        model = load_ffn(
+            spec.weights, format=spec.format, layer=spec.layer, activation=spec.activation,
+            gated=spec.gated, dtype=dtype, device=device,
+        )
+    return fuse_gate(model) if fuse and isinstance(model, GatedFeedForward) else model
+
+
+def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
+    """The model's runner with the GPU path's switches from the settings."""
+    return ModelRunner(
+        model, max_batch_rows=settings.max_batch_rows,
+        staging={"auto": None, "on": True, "off": False}[settings.staging],
+        cuda_graphs=settings.cuda_graphs, tf32=settings.tf32,
+        batch_invariant_rows=settings.batch_invariant_rows if settings.batch_invariant else None,
     )
 
 
@@ -102,20 +115,23 @@ class Registry:
     def load(self) -> None:
         """Load every configured model; the first that fails raises ModelLoadError."""
         s = self.settings
+        set_tf32(s.tf32)
         for spec in s.served_models():
             source = str(spec.weights) if spec.weights else "built-in demo weights"
             try:
                 device = resolve_device(spec.device)
-                model = load_weights(spec, device)
+                model = load_weights(spec, device, fuse=s.fuse_gate)
             except WeightsError as exc:  # its message already names the file
                 raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
             except (ValueError, OSError) as exc:
                 raise ModelLoadError(f"model {spec.name!r}: cannot load {source}: {exc}") from exc
             executor = self.executors.setdefault(str(device), device_executor(device))
-            runner = ModelRunner(model, max_batch_rows=s.max_batch_rows)
+            runner = build_runner(model, s)
             batcher = Batcher(
                 runner, name=spec.name, max_batch_rows=s.max_batch_rows, max_wait_s=s.max_wait_ms / 1000.0,
                 max_queue_rows=s.max_queue_rows, executor=executor, metrics=self.metrics,
+                # Staged: the next batch is launched while the last one computes (double-buffered).
+                launch=runner.launch if runner.staged else None, max_in_flight=2,
             )
             monte_carlo = MonteCarloLane(
                 model, executor=executor, instruments=self.metrics.for_model(spec.name),

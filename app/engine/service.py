@@ -89,7 +89,7 @@ class Engine:
         for served in self.registry.models.values():
             if self.settings.warmup:
                 executor = self.registry.executors[str(served.runner.device)]
-                sizes = await loop.run_in_executor(executor, served.runner.warm_up, self.settings.max_batch_rows)
+                sizes = await loop.run_in_executor(executor, served.runner.warm_up)
                 log.info("model %s warm at batch sizes %s", served.name, sizes)
             served.warm = True
         log.info("ready: %s", ", ".join(self.registry.models))
