@@ -26,6 +26,7 @@ from app.logs import configure_logging
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import ConfigFileError, Settings, command_line, load_settings, misspelt_variables
+from app.web.protocol import uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
@@ -100,8 +101,8 @@ def serve(settings: Settings) -> int:
     app = create_app(settings, registry)
     config = uvicorn.Config(
         app, log_config=None, log_level=settings.log_level, access_log=settings.access_log,
-        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, loop="auto", http="auto",
-        server_header=False, proxy_headers=False,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, loop="auto",
+        server_header=False, proxy_headers=False, **uvicorn_options(settings),
     )
     server = DrainingServer(config, app.state.service.engine)
     server.run(sockets=[sock])

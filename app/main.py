@@ -47,14 +47,17 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
         version=__version__,
         summary="A transformer's position-wise feed-forward network over HTTP, micro-batched.",
         lifespan=lifespan,
+        # A slash redirect would build its Location from the client's Host header; the documented
+        # trailing-slash form (/v2/) is a route of its own instead.
+        redirect_slashes=False,
     )
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
     register(app, ENDPOINTS, fast_path=fast_path)
-    if settings.cors_origins:
+    api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes)
+    if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length"])
-    api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(GuardMiddleware, api_key=api_key)
     return app

@@ -25,13 +25,13 @@ async def transform(name: str, request: Request) -> Response:
         encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
         encoding_out = codec.response_encoding(headers.get("accept"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        body = await read_body(request, state.settings.max_body_bytes)
+        body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
         if encoding_in == "raw":
             decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
         elif encoding_in == "npy":
             decoded = codec.decode_npy(body, served.d_model)
         else:
-            decoded = codec.decode_json(body, served.d_model)
+            decoded = codec.decode_json(body, served.d_model, state.settings.max_queue_rows)
         codec.check_answerable(encoding_out, decoded.dtype)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
         content, answer_headers = codec.encode(name, output, decoded, encoding_out)
