@@ -212,3 +212,73 @@ async def test_an_already_expired_entry_is_never_computed(executor):
         await asyncio.wait_for(batcher.submit(rows(2), deadline=loop.time() - 0.001), 2)
     assert forward.batches == []
     await batcher.stop()
+
+
+# ----- supervision: the collector outlives bugs, and says so when it cannot ---------------------
+
+
+class RowDroppingForward(RecordingForward):
+    """Breaks the batcher's invariant (rows out = rows in) on demand, as a buggy model could."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop_a_row = False
+
+    def __call__(self, parts):
+        out = super().__call__(parts)
+        return out[1:] if self.drop_a_row else out
+
+
+async def test_a_broken_invariant_fails_that_batch_and_the_collector_lives_on(executor, caplog):
+    forward = RowDroppingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.drop_a_row = True
+    with caplog.at_level("ERROR", logger="ffn_serve.batcher"):
+        with pytest.raises(ModelError):
+            await asyncio.wait_for(batcher.submit(rows(3)), 2)
+    assert sum("failed unexpectedly" in r.getMessage() for r in caplog.records) == 1  # logged once
+    forward.drop_a_row = False
+    out = await asyncio.wait_for(batcher.submit(rows(2, 5.0)), 2)
+    assert torch.equal(out, rows(2, 5.0) * 2 + 1)  # 2x + 1, computed here by hand
+    assert batcher.accepting and batcher.failure is None
+    await batcher.stop()
+
+
+async def test_a_bug_while_taking_a_batch_fails_the_taken_entries_not_the_collector(executor, monkeypatch):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    taken: list = []
+    real_take = batcher._take_batch
+
+    def take_then_break(batch):
+        real_take(batch)
+        taken.extend(batch)
+        raise KeyError("a bug after popping")
+
+    monkeypatch.setattr(batcher, "_take_batch", take_then_break)
+    with pytest.raises(ModelError):
+        await asyncio.wait_for(batcher.submit(rows(2)), 2)
+    assert len(taken) == 1 and forward.batches == []
+    monkeypatch.setattr(batcher, "_take_batch", real_take)
+    out = await asyncio.wait_for(batcher.submit(rows(1)), 2)
+    assert torch.equal(out, rows(1) * 2 + 1)
+    await batcher.stop()
+
+
+async def test_a_dead_collector_stops_accepting_fails_the_queue_and_says_why(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=1, max_wait_s=0.0)
+    first = await hold(forward, batcher, rows(1))
+    queued = asyncio.create_task(batcher.submit(rows(1, 9.0)))
+    await asyncio.sleep(0.01)
+    batcher._collector.cancel()  # killed from outside: not a stop()
+    await asyncio.sleep(0.01)
+    forward.release.set()
+    for task in (first, queued):
+        with pytest.raises((ModelError, Unavailable)):
+            await asyncio.wait_for(task, 2)
+    assert not batcher.accepting
+    assert batcher.failure is not None and "stopped unexpectedly" in batcher.failure
+    with pytest.raises(Unavailable, match="stopped unexpectedly"):
+        await batcher.submit(rows(1))
+    await batcher.stop()

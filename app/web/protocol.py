@@ -196,13 +196,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ----- answering an error from the protocol ----------------------------------------------
 
     def _refuse(self, status: int, error_type: str, message: str) -> None:
-        """Answer with the JSON error body and close; mid-answer, only close (the stream is taken)."""
+        """Answer with the JSON error body and close.
+
+        A request whose body turns out malformed is answered here, its task told the client left.
+        With another request's answer pending (a pipelined head went wrong), only close.
+        """
         self._cancel_timers()
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.abort()  # a pipelined head went wrong while an answer is being written
-            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or self._reading_head:
+                self.transport.abort()
+                return
+            cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
+            cycle.message_event.set()
         body = error_body(message, error_type)
         head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
