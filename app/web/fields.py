@@ -62,25 +62,32 @@ def bool_field(container: Mapping[str, Any], key: str, where: str) -> bool | Non
 def int_field(container: Mapping[str, Any], key: str, where: str, *, minimum: int | None = None,
               maximum: int | None = None) -> int | None:
     """The integer member `key` within [minimum, maximum], None when absent or null."""
-    value = container.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _refuse(where, key, "an integer", value)
-    _check_range(where, key, value, minimum, maximum)
-    return value
+    value = _numeric(container, key, where, integral=True, minimum=minimum, maximum=maximum)
+    return None if value is None else int(value)
 
 
 def number_field(container: Mapping[str, Any], key: str, where: str, *, minimum: float | None = None,
                  maximum: float | None = None) -> float | None:
     """The finite number member `key` within [minimum, maximum], None when absent or null."""
+    value = _numeric(container, key, where, integral=False, minimum=minimum, maximum=maximum)
+    return None if value is None else float(value)
+
+
+def _numeric(container: Mapping[str, Any], key: str, where: str, *, integral: bool,
+             minimum: float | None, maximum: float | None) -> int | float | None:
     value = container.get(key)
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise _refuse(where, key, "a finite number", value)
-    _check_range(where, key, value, minimum, maximum)
-    return float(value)
+    expected = "an integer" if integral else "a finite number"
+    # bool is an int to Python, never a number to JSON.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refuse(where, key, expected, value)
+    if isinstance(value, float) and (integral or not math.isfinite(value)):
+        raise _refuse(where, key, expected, value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"in [{minimum if minimum is not None else '-inf'}, {maximum if maximum is not None else 'inf'}]"
+        raise InvalidInput(f"{where} {key!r} must be {bounds}, got {value}")
+    return value
 
 
 def object_field(container: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -99,12 +106,6 @@ def list_field(container: Mapping[str, Any], key: str, where: str) -> list[Any] 
     if value is not None and not isinstance(value, list):
         raise _refuse(where, key, "an array", value)
     return value
-
-
-def _check_range(where: str, key: str, value: float, minimum: float | None, maximum: float | None) -> None:
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f"in [{minimum if minimum is not None else '-inf'}, {maximum if maximum is not None else 'inf'}]"
-        raise InvalidInput(f"{where} {key!r} must be {bounds}, got {value}")
 
 
 def header_int(value: str | None, name: str) -> int | None:

@@ -18,15 +18,7 @@ import torch
 from app.web.errors import InvalidInput, UnsupportedMediaType
 from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
 from app.web.http import media_type, refuse_content_encoding
-from app.web.tensors import (
-    check_json_counts,
-    check_shape,
-    json_numbers_to_array,
-    loads_json,
-    raw_bytes,
-    to_wire_dtype,
-    view_rows,
-)
+from app.web import tensors
 from ffn_core.dtypes import BY_V2, DType
 
 INPUT_NAME = "input"
@@ -61,8 +53,8 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     """
     json_end = _json_length(header_length, len(body))
     json_part = memoryview(body)[:json_end] if json_end < len(body) else body
-    check_json_counts(json_part, max_rows, d_model)
-    document = loads_json(json_part)
+    tensors.check_json_counts(json_part, max_rows, d_model)
+    document = tensors.loads_json(json_part)
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
@@ -80,7 +72,7 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     if dtype is None:
         raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
     shape = _shape(tensor.get("shape"))
-    rows = check_shape(shape, d_model)
+    rows = tensors.check_shape(shape, d_model)
     input_parameters = object_field(tensor, "parameters", "input")
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if binary_size is not None:
@@ -117,14 +109,14 @@ def _binary_tensor(body: bytearray, json_end: int, size: int, shape: tuple[int, 
         raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
     if len(body) - json_end != size:
         raise InvalidInput(f"binary section is {len(body) - json_end} bytes but binary_data_size says {size}")
-    return view_rows(body, dtype, rows, d_model, json_end)
+    return tensors.view_rows(body, dtype, rows, d_model, json_end)
 
 
 def _json_tensor(data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int,
                  dtype: DType) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
-    array = json_numbers_to_array(data, "data", source, dtype)
+    array = tensors.json_numbers_to_array(data, "data", source, dtype)
     if array.size != math.prod(shape) or (array.ndim > 1 and array.shape != shape):
         raise InvalidInput(f"'data' holds {array.size} values in shape {list(array.shape)}; shape says {list(shape)}")
     return torch.from_numpy(array.reshape(rows, d_model))
@@ -153,7 +145,7 @@ def _wants_binary(document: dict[str, Any], parameters: dict[str, Any]) -> bool:
 
 def encode(model: str, request: V2Request, output: torch.Tensor) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary output."""
-    wire = to_wire_dtype(output, request.dtype)
+    wire = tensors.to_wire_dtype(output, request.dtype)
     described: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": request.dtype.v2, "shape": list(request.shape)}
     answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": [described]}
     if request.id is not None:
@@ -161,7 +153,7 @@ def encode(model: str, request: V2Request, output: torch.Tensor) -> tuple[bytes,
     if not request.binary_output:
         described["data"] = wire.to(torch.float32).numpy().reshape(-1)
         return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY), {"content-type": "application/json"}
-    blob = raw_bytes(wire)
+    blob = tensors.raw_bytes(wire)
     described["parameters"] = {"binary_data_size": len(blob)}
     header = orjson.dumps(answer)
     return header + blob, {
