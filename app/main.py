@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 from app import __version__
 from app.engine.registry import Registry
@@ -16,7 +15,7 @@ from app.settings import Settings
 from app.web import ops
 from app.web.endpoints import register
 from app.web.errors import install_error_handlers
-from app.web.guard import GuardMiddleware
+from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.state import ServiceState
@@ -58,6 +57,6 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes)
     if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+        app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length"])
     return app

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.web.errors import HeaderTooLarge, Unauthorized, UnsupportedTransferEncoding, error_response
+from app.web.errors import HeaderTooLarge, InvalidInput, Unauthorized, UnsupportedTransferEncoding, error_response
 from app.web.ops import HEALTH_PREFIX
 
 
@@ -65,3 +68,14 @@ class GuardMiddleware:
                 reason = "missing" if not given else "wrong"
                 return Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
         return None
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the service's JSON error shape."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        reason = bytes(response.body).decode("latin-1")  # "Disallowed CORS origin, method"
+        return error_response(InvalidInput(f"{reason}: this origin, method or header is not allowed"))
