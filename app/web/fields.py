@@ -17,8 +17,8 @@ from typing import Any
 
 from app.web.errors import InvalidInput
 
-# A plain decimal number as a header carries it: ASCII digits, an optional fraction and exponent.
-_DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", re.ASCII)
+# A plain decimal number as a header carries it: ASCII digits, an optional sign, fraction and exponent.
+_DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", re.ASCII)
 _MAX_INT_DIGITS = 18  # below 2**63: a header integer never becomes a big Python int
 
 
@@ -120,7 +120,7 @@ def header_int(value: str | None, name: str) -> int | None:
 
 
 def header_number(value: str | None, name: str) -> float | None:
-    """A header holding a finite non-negative decimal number (ASCII: 250, 2.5, 1e3); None when absent."""
+    """A header holding a finite decimal number in ASCII (250, 2.5, 1e3, -5); None when absent."""
     if value is None:
         return None
     text = value.strip()
