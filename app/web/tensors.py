@@ -75,11 +75,10 @@ def view_rows(buffer: bytearray, dtype: DType, rows: int, d_model: int, offset: 
 def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
     """Refuse (413), before parsing, a JSON body with more arrays or values than `max_rows` rows hold.
 
-    Nesting deeper than a tensor's rank is refused too (400).
-
     Parsing makes a Python object of every value and array (a 3-byte `[],` becomes a 56-byte
     list), so an unchecked body could cost 20x its size and seconds of the event loop. Counting
     brackets and commas is a C-speed pass; a tensor of `max_rows` rows fits within the counts.
+    Nesting deeper than a tensor's rank is refused too (400).
     """
     data = bytes(body) if isinstance(body, memoryview) else body
     if b"[" * (MAX_RANK + 1) in data:  # deeper than any tensor; whitespace-spaced nesting meets orjson's limit
