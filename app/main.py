@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 from app import __version__
 from app.engine.registry import Registry
@@ -16,7 +15,7 @@ from app.settings import Settings
 from app.web import ops
 from app.web.endpoints import register
 from app.web.errors import install_error_handlers
-from app.web.guard import GuardMiddleware
+from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.state import ServiceState
@@ -53,15 +52,19 @@ def create_app(
         version=__version__,
         summary="A transformer's position-wise feed-forward network over HTTP, micro-batched.",
         lifespan=lifespan,
+        # A slash redirect would build its Location from the client's Host header; the documented
+        # trailing-slash form (/v2/) is a route of its own instead.
+        redirect_slashes=False,
     )
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
     register(app, ENDPOINTS, fast_path=fast_path)
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length",
-                                           "X-MC-Passes", "X-MC-Dropout", "X-MC-Seed"])
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(GuardMiddleware, api_key=api_key, metrics_port=settings.metrics_port)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes,
+                       metrics_port=settings.metrics_port)
+    if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
+        app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length",
+                                                                "X-MC-Passes", "X-MC-Dropout", "X-MC-Seed"])
     return app

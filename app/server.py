@@ -21,6 +21,7 @@ from app.engine.service import Engine
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
+from app.web.protocol import uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
@@ -109,8 +110,8 @@ def serve_here(settings: Settings, listeners: Listeners, metrics: Metrics,
     app = create_app(settings, registry, warm_before_serving=on_ready is not None)
     config = uvicorn.Config(
         app, log_config=None, log_level=settings.log_level, access_log=settings.access_log,
-        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, loop="auto", http="auto",
-        server_header=False, proxy_headers=False, backlog=BACKLOG,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, loop="auto",
+        server_header=False, proxy_headers=False, backlog=BACKLOG, **uvicorn_options(settings),
     )
     server = DrainingServer(config, app.state.service.engine, on_started=on_ready)
     # Everything loaded so far (torch, the app, the weights: some 200,000 objects) lives as long

@@ -54,7 +54,8 @@ class ModelSpec(BaseModel):
 class Settings(BaseSettings):
     """The service's settings. Each field is also `FFN_<NAME>` in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    # hide_input_in_errors: a refused API key must not be echoed to the log.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, hide_input_in_errors=True)
 
     config: Path | None = Field(default=None, description="TOML config file with settings and [[models]].")
     host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
@@ -85,7 +86,25 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(default=20.0, ge=0.0, description="On SIGTERM, how long to finish accepted work.")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
-    api_key: SecretStr | None = Field(default=None, description="If set, every route but health needs Bearer auth.")
+    max_header_bytes: int = Field(
+        default=16 * 1024, ge=1024, le=1024 * 1024,
+        description="Largest request head (request line and headers); cut off with 431 as it arrives.",
+    )
+    header_timeout_s: float = Field(
+        default=10.0, gt=0.0, description="A request's head must arrive within this many seconds; else 408 and close.",
+    )
+    read_timeout_s: float = Field(
+        default=30.0, gt=0.0, description="Longest pause while a request's body arrives; else 408.",
+    )
+    send_timeout_s: float = Field(
+        default=30.0, gt=0.0, description="Longest a client may take no part of an answer; then it is dropped.",
+    )
+    max_connections: int = Field(
+        default=1024, ge=1, description="Open connections per process; past it, 503 and close.",
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
+    )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
         default=0, ge=0, description="torch intra-op threads per process; 0 = torch's default, or cores / workers."
@@ -131,6 +150,20 @@ class Settings(BaseSettings):
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
         return self
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
+        # An empty key would turn auth off without a word; a key with spaces or control characters
+        # cannot be sent in an Authorization header intact. Either is a mistake: refuse to start.
+        if key is None:
+            return None
+        value = key.get_secret_value()
+        if not value.strip():
+            raise ValueError("the API key is empty or blank; unset FFN_API_KEY to serve without auth")
+        if not all("!" <= char <= "~" for char in value):
+            raise ValueError("the API key must be visible ASCII characters without spaces (a Bearer token)")
+        return key
 
     @field_validator("models")
     @classmethod

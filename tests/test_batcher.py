@@ -51,6 +51,12 @@ async def make(forward, executor, **kwargs) -> Batcher:
     return batcher
 
 
+async def answers_right(batcher: Batcher, x: torch.Tensor) -> None:
+    """The batcher still answers 2x + 1 for `x` (computed here by hand): its collector is alive."""
+    out = await asyncio.wait_for(batcher.submit(x), 2)
+    assert torch.equal(out, x * 2 + 1)
+
+
 async def hold(forward: RecordingForward, batcher: Batcher, first: torch.Tensor) -> asyncio.Task[torch.Tensor]:
     """Submit `first` and return once its forward pass runs, held there until forward.release is set."""
     forward.release.clear()
@@ -186,8 +192,7 @@ async def test_forward_error_fails_only_that_batch(executor):
     with pytest.raises(ModelError):
         await asyncio.wait_for(batcher.submit(rows(2)), 2)
     forward.fail_with = None
-    out = await asyncio.wait_for(batcher.submit(rows(2)), 2)
-    assert torch.equal(out, rows(2) * 2 + 1)
+    await answers_right(batcher, rows(2))
     await batcher.stop()
 
 
@@ -306,3 +311,72 @@ async def test_stop_fails_the_batches_in_flight_and_drain_waits_for_them(executo
             await asyncio.wait_for(task, 2)
     for answer in launch.answers:
         answer.release.set()  # let the executor threads finish
+
+
+# ----- supervision: the collector outlives bugs, and says so when it cannot ---------------------
+
+
+class RowDroppingForward(RecordingForward):
+    """Breaks the batcher's invariant (rows out = rows in) on demand, as a buggy model could."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop_a_row = False
+
+    def __call__(self, parts):
+        out = super().__call__(parts)
+        return out[1:] if self.drop_a_row else out
+
+
+async def test_a_broken_invariant_fails_that_batch_and_the_collector_lives_on(executor, caplog):
+    forward = RowDroppingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    forward.drop_a_row = True
+    with caplog.at_level("ERROR", logger="ffn_serve.batcher"):
+        with pytest.raises(ModelError):
+            await asyncio.wait_for(batcher.submit(rows(3)), 2)
+    assert sum("failed unexpectedly" in r.getMessage() for r in caplog.records) == 1  # logged once
+    forward.drop_a_row = False
+    await answers_right(batcher, rows(2, 5.0))
+    assert batcher.accepting and batcher.failure is None
+    await batcher.stop()
+
+
+async def test_a_bug_while_taking_a_batch_fails_the_taken_entries_not_the_collector(executor, monkeypatch):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    taken: list = []
+    real_take = batcher._take_batch
+
+    def take_then_break(batch):
+        real_take(batch)
+        taken.extend(batch)
+        raise KeyError("a bug after popping")
+
+    monkeypatch.setattr(batcher, "_take_batch", take_then_break)
+    with pytest.raises(ModelError):
+        await asyncio.wait_for(batcher.submit(rows(2)), 2)
+    assert len(taken) == 1 and forward.batches == []
+    monkeypatch.setattr(batcher, "_take_batch", real_take)
+    await answers_right(batcher, rows(1))
+    await batcher.stop()
+
+
+async def test_a_dead_collector_stops_accepting_fails_the_queue_and_says_why(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=1, max_wait_s=0.0)
+    first = await hold(forward, batcher, rows(1))
+    queued = asyncio.create_task(batcher.submit(rows(1, 9.0)))
+    await asyncio.sleep(0.01)
+    batcher._collector.cancel()  # killed from outside: not a stop()
+    await asyncio.sleep(0.01)
+    forward.release.set()
+    # The batch already in flight runs in its own task: it is answered, and right.
+    assert torch.equal(await asyncio.wait_for(first, 2), rows(1) * 2 + 1)
+    with pytest.raises(ModelError, match="stopped unexpectedly"):  # what waited in the queue fails
+        await asyncio.wait_for(queued, 2)
+    assert not batcher.accepting
+    assert batcher.failure is not None and "stopped unexpectedly" in batcher.failure
+    with pytest.raises(Unavailable, match="stopped unexpectedly"):
+        await batcher.submit(rows(1))
+    await batcher.stop()

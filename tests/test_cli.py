@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -87,3 +88,13 @@ def test_json_logs_are_one_object_per_line_and_say_what_started() -> None:
     assert any(m == f"listening on http://127.0.0.1:{server.port}" for m in messages)
     access = [r for r in records if r["logger"] == "uvicorn.access" and r.get("path") == "/v1/models"]
     assert access and access[0]["status"] == 200 and access[0]["method"] == "GET"
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t\n", "two words", "key\x7f"])
+def test_a_blank_or_unsendable_api_key_refuses_to_start(key: str) -> None:
+    # Issue 11, class 9: an empty FFN_API_KEY used to turn auth off without a word.
+    result = run_cli(env={**os.environ, "FFN_API_KEY": key})
+    assert result.returncode == 2, result.stderr
+    assert "invalid settings" in result.stderr and "api_key" in result.stderr
+    if key.strip():
+        assert key not in result.stderr  # a refused key is not echoed to the log

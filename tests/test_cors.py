@@ -46,6 +46,7 @@ async def test_preflight_from_another_origin_is_refused(client: httpx.AsyncClien
     r = await client.options(V1, headers=preflight(OTHER))
     assert r.status_code == 400
     assert "access-control-allow-origin" not in r.headers
+    assert r.json()["error_type"] == "invalid_input" and "Disallowed CORS origin" in r.json()["error"]
 
 
 async def test_a_post_from_an_allowed_origin_may_read_the_answer_and_its_shape_headers(client: httpx.AsyncClient) -> None:

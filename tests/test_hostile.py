@@ -2,7 +2,9 @@
 body {"error", "error_type"}, nothing internal leaks, and the server serves the next request.
 
 Requests go out as raw bytes (asyncio streams) so that nothing normalises them on the way:
-dot segments stay in paths, headers keep their size, chunked framing is ours.
+dot segments stay in paths, headers keep their size, chunked framing is ours. Slow, greedy and
+flooding clients are in test_hostile_connections.py; every decoder meets generated input in
+test_hostile_properties.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from ffn_client.http1 import Response
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
-from tests.reference import demo_reference
+from tests.reference import assert_close, demo_reference, demo_weights
 from tests.wire import npy_bytes, raw_headers
 
 D_MODEL = 512
@@ -377,3 +379,215 @@ def test_binds_loopback_by_default() -> None:
     from app.settings import load_settings
 
     assert load_settings().host == "127.0.0.1"  # conftest cleared FFN_HOST and FFN_CONFIG
+
+
+# ----- issue 11, classes 3 and 4: every field type-checked, tensors hold numbers only ----------
+
+STRICT_JSON_CASES = {
+    "boolean-among-numbers": row_json("true"),
+    "false-among-numbers": row_json("false"),
+    "integer-beyond-2^64": row_json("18446744073709551616"),
+    "integer-below--2^63": row_json("-9223372036854775809"),
+    "30-digit-integer": row_json("1" + "0" * 29),
+    "nested-4-deep": b'{"inputs": [[[[0.5]]]]}',
+    "rows-and-numbers-mixed": f'{{"inputs": [[1.0, {ZEROS}], 1.0]}}'.encode(),
+}
+
+
+@pytest.mark.parametrize("body", STRICT_JSON_CASES.values(), ids=STRICT_JSON_CASES.keys())
+async def test_loosely_typed_tensor_json_is_400(server: ServerProcess, body: bytes) -> None:
+    assert_error(await send(server, "POST", V1, JSON, body), 400, "invalid_input")
+
+
+async def test_large_floats_written_as_floats_are_numbers(server: ServerProcess) -> None:
+    # Not everything big is refused: 1e20 is a float literal that float32 holds.
+    x = np.zeros((1, D_MODEL), dtype=np.float32)
+    x[0, 0] = 1e20
+    r = await send(server, "POST", V1, JSON, row_json("1e20"))
+    assert r.status == 200, r.body[:200]
+    assert_close(np.asarray(r.json()["outputs"]), demo_reference(x), rtol=1e-5)
+
+
+def with_non_ascii(headers: dict[str, str], body: bytes, digits: str) -> bytes:
+    """A request whose header value DIGITS is replaced by `digits` as UTF-8 bytes."""
+    return http_request("POST", V1, {**AUTH, **headers}, body, close=False).replace(b"DIGITS", digits.encode())
+
+
+@pytest.mark.parametrize("digits", ["\u00b2", "\u0661\u0662", "\uff11\uff12", "1_000", "0x10"])
+async def test_numeric_headers_take_ascii_digits_only(server: ServerProcess, digits: str) -> None:
+    r = await raw_request(server.port, with_non_ascii({**JSON, "X-Timeout-Ms": "DIGITS"}, row_json("1.0"), digits))
+    assert_error(r, 400, "invalid_input")
+    headers, body = v2_binary(len(ONE_ROW), ONE_ROW)
+    data = http_request("POST", V2, {**AUTH, **headers, "Inference-Header-Content-Length": "DIGITS"}, body,
+                        close=False).replace(b"DIGITS", digits.encode())
+    assert_error(await raw_request(server.port, data), 400, "invalid_input")
+    r = await raw_request(server.port, with_non_ascii(raw_headers("DIGITS,512"), ONE_ROW, digits))
+    assert_error(r, 400, "invalid_input")
+
+
+def npy_with_header(header: str, data: bytes = ONE_ROW, version: bytes = b"\x01\x00") -> bytes:
+    """An .npy file with `header` as its header text, written by hand (np.save would refuse these)."""
+    text = header.encode("latin-1")
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    return b"\x93NUMPY" + version + len(text).to_bytes(2, "little") + text + data
+
+
+NPY_HEADER_CASES = {
+    "unhashable-key": "{[1]: 2, 'descr': '<f4', 'fortran_order': False, 'shape': (1, 512)}",
+    "set-as-descr": "{'descr': {'<f4'}, 'fortran_order': False, 'shape': (1, 512)}",
+    "dict-as-descr": "{'descr': {'a': 1}, 'fortran_order': False, 'shape': (1, 512)}",
+    "integer-keys": "{1: '<f4', 2: False, 3: (1, 512)}",
+    "huge-integer-literal": "{'descr': '<f4', 'fortran_order': False, 'shape': (" + "9" * 5000 + ", 512)}",
+    "30-digit-dimension": "{'descr': '<f4', 'fortran_order': False, 'shape': (" + "9" * 30 + ", 512)}",
+    "boolean-dimension": "{'descr': '<f4', 'fortran_order': False, 'shape': (True, 512)}",
+    "float-dimension": "{'descr': '<f4', 'fortran_order': False, 'shape': (1.0, 512)}",
+    "shape-as-list": "{'descr': '<f4', 'fortran_order': False, 'shape': [1, 512]}",
+    "fortran-order-string": "{'descr': '<f4', 'fortran_order': 'False', 'shape': (1, 512)}",
+    "fortran-order-zero": "{'descr': '<f4', 'fortran_order': 0, 'shape': (1, 512)}",
+    "header-a-list": "['<f4', False, (1, 512)]",
+    "header-nested-deep": "(" * 5000 + ")" * 5000,
+    "header-a-call": "{'descr': '<f4', 'fortran_order': False, 'shape': tuple([1, 512])}",
+}
+
+
+@pytest.mark.parametrize("header", NPY_HEADER_CASES.values(), ids=NPY_HEADER_CASES.keys())
+async def test_npy_headers_are_type_checked(server: ServerProcess, header: str) -> None:
+    assert_error(await send(server, "POST", V1, NPY, npy_with_header(header)), 400, "invalid_input")
+
+
+async def test_npy_of_an_unknown_version_is_400(server: ServerProcess) -> None:
+    body = npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 512)}", version=b"\x09\x00")
+    assert_error(await send(server, "POST", V1, NPY, body), 400, "invalid_input")
+
+
+def v2_with(**fields: object) -> bytes:
+    """A valid V2 JSON infer request with top-level `fields` replaced (or added)."""
+    return orjson.dumps({**orjson.loads(v2_json()), **fields})
+
+
+V2_TYPE_CASES = {
+    "datatype-list": v2_json(datatype=["FP32"]),
+    "datatype-object": v2_json(datatype={"FP32": 1}),
+    "datatype-number": v2_json(datatype=32),
+    "name-list": v2_json(name=["input"]),
+    "name-object": v2_json(name={"input": 1}),
+    "shape-object": v2_json(shape={"0": 1}),
+    "shape-string": v2_json(shape="1,512"),
+    "input-parameters-list": v2_json(parameters=[1]),
+    "binary-data-size-string": v2_json(data=None, parameters={"binary_data_size": "2048"}),
+    "binary-data-size-float": v2_json(data=None, parameters={"binary_data_size": 2048.0}),
+    "binary-data-size-bool": v2_json(data=None, parameters={"binary_data_size": True}),
+    "data-booleans": v2_json(data=[True] + [0.5] * (D_MODEL - 1)),
+    "data-integer-beyond-2^64": v2_json(data=None).replace(b'"datatype"', b'"data": [18446744073709551616'
+                                                           + b", 0" * (D_MODEL - 1) + b'], "datatype"'),
+    "data-object": v2_json(data={"a": 1}),
+    "fp16-data-beyond-65504": v2_json(datatype="FP16", data=[70000.0] + [0.0] * (D_MODEL - 1)),
+    "input-a-list": orjson.dumps({"inputs": [[1, 2]]}),
+    "inputs-object": orjson.dumps({"inputs": {"0": orjson.loads(v2_json())["inputs"][0]}}),
+    "id-object": v2_with(id={"a": 1}),
+    "id-list": v2_with(id=["a"]),
+    "parameters-string": v2_with(parameters="timeout=5"),
+    "binary-data-output-string-false": v2_with(parameters={"binary_data_output": "false"}),
+    "binary-data-output-string-true": v2_with(parameters={"binary_data_output": "true"}),
+    "binary-data-output-zero": v2_with(parameters={"binary_data_output": 0}),
+    "timeout-string-number": v2_with(parameters={"timeout": "1000"}),
+    "timeout-boolean": v2_with(parameters={"timeout": True}),
+    "timeout-list": v2_with(parameters={"timeout": [1000]}),
+    "outputs-object": v2_with(outputs={"name": "output"}),
+    "outputs-strings": v2_with(outputs=["output"]),
+    "output-name-list": v2_with(outputs=[{"name": ["output"]}]),
+    "output-parameters-list": v2_with(outputs=[{"name": "output", "parameters": [1]}]),
+    "output-binary-data-string": v2_with(outputs=[{"name": "output", "parameters": {"binary_data": "false"}}]),
+}
+
+
+@pytest.mark.parametrize("body", V2_TYPE_CASES.values(), ids=V2_TYPE_CASES.keys())
+async def test_v2_fields_of_the_wrong_type_are_400(server: ServerProcess, body: bytes) -> None:
+    assert_error(await send(server, "POST", V2, JSON, body), 400, "invalid_input")
+
+
+@pytest.mark.parametrize(("parameters", "binary"), [({"binary_data_output": False}, False),
+                                                    ({"binary_data_output": True}, True), ({}, False)])
+async def test_v2_binary_data_output_is_a_real_boolean(server: ServerProcess, parameters: dict, binary: bool) -> None:
+    r = await send(server, "POST", V2, JSON, v2_with(parameters=parameters))
+    assert r.status == 200, r.body[:200]
+    assert (r.headers["content-type"] == "application/octet-stream") is binary
+
+
+# ----- issue 11, class 5: an output that overflows is refused, never sent as inf or null ---------
+
+
+def overflowing_row(scale: float, dtype: type) -> np.ndarray:
+    """A finite row of +-`scale` aligned with the demo weights so that output 0 grows past `dtype`'s range."""
+    weights = demo_weights()
+    direction = weights["layer1.weight"].T @ weights["layer2.weight"][0]
+    x = (scale * np.sign(direction)).astype(dtype).reshape(1, D_MODEL)
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert np.isfinite(x).all() and not np.isfinite(demo_reference(x.astype(np.float64)).astype(dtype)).all()
+    return x
+
+
+async def test_an_overflowing_output_is_422(server: ServerProcess) -> None:
+    x = overflowing_row(3e38, np.float32)
+    r = await send(server, "POST", V1, JSON, orjson.dumps({"inputs": x.tolist()}))
+    assert_error(r, 422, "non_finite_output")
+    r = await send(server, "POST", V2, JSON, v2_json(data=x.ravel().tolist()))
+    assert_error(r, 422, "non_finite_output")
+
+
+async def test_an_output_that_overflows_float16_on_the_wire_is_422(server: ServerProcess) -> None:
+    x = overflowing_row(65504, np.float16)
+    r = await send(server, "POST", V1, raw_headers("1,512", "float16"), x.tobytes())
+    assert_error(r, 422, "non_finite_output")
+    headers, body = v2_binary(x.nbytes, x.tobytes(), datatype="FP16")
+    assert_error(await send(server, "POST", V2, headers, body), 422, "non_finite_output")
+
+
+# ----- issue 11, class 10: edges of the HTTP layer ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v2/health/live/", "/v2/health/ready/", "/v1/models/", "/v2/models/demo/",
+                                  "/metrics/"])
+async def test_trailing_slashes_are_not_redirected_with_the_clients_host(server: ServerProcess, path: str) -> None:
+    r = await send(server, "GET", path, {"Host": "evil.example"})
+    assert_error(r, 404)
+    assert "location" not in r.headers
+    assert not any("evil" in value for value in r.headers.values())
+
+
+async def test_the_documented_v2_slash_form_answers_directly(server: ServerProcess) -> None:
+    plain, slash = await send(server, "GET", "/v2"), await send(server, "GET", "/v2/")
+    assert plain.status == slash.status == 200
+    assert slash.json() == plain.json() and slash.json()["name"] == "ffn-serve"
+
+
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked", "x-custom, chunked", "GZIP ,chunked"])
+async def test_transfer_codings_other_than_chunked_are_refused(server: ServerProcess, coding: str) -> None:
+    body = row_json("1.0")
+    framed = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    r = await send(server, "POST", V1, {**JSON, "Transfer-Encoding": coding}, framed)
+    assert_error(r, 501, "unsupported_transfer_encoding")
+    assert r.headers.get("connection") == "close"
+
+
+PARSER_REFUSALS = {
+    "space-in-header-name": b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+    "bad-method": b"G(T /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n",
+    "nul-in-header-value": b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    "bad-chunk-size": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "content-length-and-chunked": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "content-length-superscript": "POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n"
+                                  "\r\nab".encode("latin-1"),
+    "two-content-lengths": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
+                           b"Content-Length: 2\r\n\r\nab",
+    "chunked-twice": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n"
+                     b"\r\n0\r\n\r\n",
+    "gzip-last": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+    "http-2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("data", PARSER_REFUSALS.values(), ids=PARSER_REFUSALS.keys())
+async def test_requests_the_http_parser_refuses_get_the_json_error_body(server: ServerProcess, data: bytes) -> None:
+    assert_error(await raw_request(server.port, data), 400, "invalid_input")

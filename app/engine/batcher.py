@@ -113,6 +113,8 @@ class Batcher:
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at = math.inf
         self._accepting = False
+        self._stopping = False
+        self.failure: str | None = None  # why the collector died, if it did (readiness reports it)
         self._instruments = self._metrics.for_model(name)
         self._instruments.batch_ceiling.set(self._ceiling)
 
@@ -122,6 +124,7 @@ class Batcher:
         assert self._collector is None, "Batcher.start() called twice; this is a bug."
         self._accepting = True
         self._collector = asyncio.create_task(self._collect(), name=f"batcher-{self.name}")
+        self._collector.add_done_callback(self._collector_done)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new work, then wait up to `timeout_s` for accepted work to finish. True if it did."""
@@ -138,6 +141,7 @@ class Batcher:
     async def stop(self) -> None:
         """Stop the collector and answer every entry still pending with `Unavailable`."""
         self._accepting = False
+        self._stopping = True
         if self._collector is not None:
             self._collector.cancel()
             try:
@@ -176,7 +180,7 @@ class Batcher:
         arrived = time.perf_counter()
         if not self._accepting:
             count_failure(self._instruments, arrived)
-            raise Unavailable("the server is not accepting work (starting up or draining)")
+            raise Unavailable(self.failure or "the server is not accepting work (starting up or draining)")
         n = rows.shape[0]
         assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
         if n > self.max_queue_rows:
@@ -253,9 +257,11 @@ class Batcher:
         if not entry.future.done():
             entry.future.set_exception(error)
 
-    def _take_batch(self) -> list[Entry]:
-        """Pop entries up to the row ceiling, skipping the ones nobody waits for any more."""
-        batch: list[Entry] = []
+    def _take_batch(self, batch: list[Entry]) -> None:
+        """Pop entries into `batch` up to the row ceiling, skipping the ones nobody waits for any more.
+
+        Filled in place, so that if anything goes wrong the caller still holds every popped entry.
+        """
         rows = 0
         now = asyncio.get_running_loop().time()
         while self._queue:
@@ -275,7 +281,6 @@ class Batcher:
             self._release(entry)
             batch.append(entry)
             rows += entry.n
-        return batch
 
     async def _wait_for_more(self) -> None:
         """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
@@ -301,7 +306,13 @@ class Batcher:
             if self.max_wait_s > 0:
                 await self._wait_for_more()
             await self._slots.acquire()  # what arrives meanwhile joins this batch
-            batch = self._take_batch()
+            batch: list[Entry] = []
+            try:
+                self._take_batch(batch)
+            except Exception as exc:  # a bug: the entries taken so far fail, the collector lives on
+                self._slots.release()
+                self._fail_after_bug(batch, exc)
+                continue
             if not batch:
                 self._slots.release()
                 continue
@@ -318,13 +329,35 @@ class Batcher:
             for entry in batch:
                 self._fail(entry, Unavailable("the server is shutting down"))
             raise
+        except Exception as exc:  # a bug (a broken invariant included): that batch fails, nothing else
+            self._fail_after_bug(batch, exc)
         finally:
             self._slots.release()
+
+    def _fail_after_bug(self, batch: list[Entry], exc: Exception) -> None:
+        log.error("model %s: batch of %d entries failed unexpectedly; this is a bug", self.name, len(batch),
+                  exc_info=exc)
+        for entry in batch:
+            self._fail(entry, ModelError(f"the batch failed: {type(exc).__name__}"))
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
         if not self._in_flight:
             self._idle.set()
+
+    def _collector_done(self, task: asyncio.Task[None]) -> None:
+        """The collector ended. Unless stop() ended it, it died: stop accepting and fail what waits."""
+        if self._stopping:
+            return
+        error = None if task.cancelled() else task.exception()
+        self.failure = f"the batcher stopped unexpectedly: {type(error).__name__ if error else 'cancelled'}"
+        log.error("model %s: %s; this model refuses work until the server restarts", self.name, self.failure,
+                  exc_info=error)
+        self._accepting = False
+        while self._queue:
+            entry = self._queue.popleft()
+            self._release(entry)
+            self._fail(entry, ModelError(self.failure))
 
     # ----- forward ---------------------------------------------------------------------------
 

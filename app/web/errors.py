@@ -16,6 +16,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app.engine import errors as engine
@@ -44,6 +45,10 @@ class Unauthorized(EdgeError):
     """Missing or wrong API key."""
 
 
+class NotFound(EdgeError):
+    """No such route here (the metrics port serves /metrics only)."""
+
+
 class NotAcceptable(EdgeError):
     """The answer cannot be given in any encoding the Accept header allows."""
 
@@ -64,6 +69,27 @@ class ClientDisconnected(EdgeError):
     """The client hung up before its answer was ready (nginx's 499); nobody reads this answer."""
 
 
+class RequestTimeout(EdgeError):
+    """The client stopped sending its request (head or body) for longer than the read timeout."""
+
+
+class NonFiniteOutput(EdgeError):
+    """A finite input whose output overflowed the answer's dtype (inf or NaN): nothing to answer with."""
+
+
+class UnsupportedTransferEncoding(EdgeError):
+    """A Transfer-Encoding other than chunked (RFC 9112: 501); the connection is closed after the answer."""
+
+
+class TooManyConnections(EdgeError):
+    """The server holds its maximum of open connections; this one is answered and closed."""
+
+
+def _close_connection(exc: Exception) -> dict[str, str]:
+    """Answers after which the connection cannot be trusted (framing, a half-read head): close it."""
+    return {"Connection": "close"}
+
+
 def _retry_after(seconds: Callable[[Exception], int]) -> Callable[[Exception], dict[str, str]]:
     return lambda exc: {"Retry-After": str(seconds(exc))}
 
@@ -82,17 +108,24 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     UnsupportedExtension: ErrorKind(400, "unsupported_extension"),
     Unauthorized: ErrorKind(401, "unauthorized", lambda exc: {"WWW-Authenticate": "Bearer"}),
     engine.ModelNotFound: ErrorKind(404, "model_not_found"),
+    NotFound: ErrorKind(404, "not_found"),
     NotAcceptable: ErrorKind(406, "not_acceptable"),
+    RequestTimeout: ErrorKind(408, "request_timeout", _close_connection),
     PayloadTooLarge: ErrorKind(413, "payload_too_large"),
     engine.RequestTooLarge: ErrorKind(413, "payload_too_large"),
     UnsupportedMediaType: ErrorKind(415, "unsupported_media_type"),
     engine.Overloaded: ErrorKind(
         429, "overloaded", _retry_after(lambda exc: exc.retry_after_s if isinstance(exc, engine.Overloaded) else 1)
     ),
-    HeaderTooLarge: ErrorKind(431, "header_too_large"),
+    NonFiniteOutput: ErrorKind(422, "non_finite_output"),
+    HeaderTooLarge: ErrorKind(431, "header_too_large", _close_connection),
     ClientDisconnected: ErrorKind(499, "client_closed_request"),
+    # Starlette's own: the client left while its body was being read.
+    ClientDisconnect: ErrorKind(499, "client_closed_request"),
     engine.ModelError: ErrorKind(500, "model_error"),
+    UnsupportedTransferEncoding: ErrorKind(501, "unsupported_transfer_encoding", _close_connection),
     engine.Unavailable: ErrorKind(503, "unavailable", _retry_after(lambda exc: 1)),
+    TooManyConnections: ErrorKind(503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded"),
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory"),
 }
@@ -107,7 +140,6 @@ FRAMEWORK_ERROR_TYPES = {
     413: "payload_too_large",
     415: "unsupported_media_type",
 }
-
 
 
 def kind_of(exc: Exception) -> ErrorKind:

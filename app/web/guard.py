@@ -1,54 +1,98 @@
 """GuardMiddleware: checks that need no route, done before any route runs (pure ASGI, cheap).
 
-- Oversized header blocks are refused with 431.
+- A request head over `max_header_bytes` is refused with 431 (the protocol layer cuts off one
+  still arriving; this catches a whole head that arrived at once).
+- A Transfer-Encoding other than plain `chunked` (`gzip, chunked`, ...) is refused with 501:
+  the body would otherwise be read with the coding silently ignored.
 - With an API key configured, every path but the health probes needs
   `Authorization: Bearer <key>`, compared in constant time.
 - On the metrics port (`metrics_port`), only `/metrics` is served, and without the key: what a
   Prometheus scrape needs and nothing else (Triton's metrics port, TEI's Prometheus port).
+
+CORS, when configured, sits outside the guard: browsers' preflights carry no key and are
+answered before it, and the guard's 401 carries the CORS headers a browser needs to read it.
 """
 
 from __future__ import annotations
 
 import hmac
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.web.errors import HeaderTooLarge, Unauthorized, error_response, raw_error_response
+from app.web.errors import (
+    HeaderTooLarge,
+    InvalidInput,
+    NotFound,
+    Unauthorized,
+    UnsupportedTransferEncoding,
+    error_response,
+)
 from app.web.ops import HEALTH_PREFIX, METRICS_PATH
 
-MAX_HEADER_BYTES = 16 * 1024
+
+def head_size(scope: Scope) -> int:
+    """Bytes of a request's head as sent: request line and header lines (close to the wire size)."""
+    line = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
+    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+
+
+def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    """Every Transfer-Encoding coding of the request, lower-case, in order."""
+    return [coding.strip().lower() for name, value in headers if name == b"transfer-encoding"
+            for coding in value.split(b",")]
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics_port: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_header_bytes: int,
+                 metrics_port: int | None = None) -> None:
         """`metrics_port`: the port number the metrics socket is bound to (not 0), or None."""
         self.app = app
         self._key = api_key.encode() if api_key else None
+        self._max_header_bytes = max_header_bytes
         self._metrics_port = metrics_port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = scope["headers"]
-        if sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
-            await error_response(HeaderTooLarge(f"request headers exceed {MAX_HEADER_BYTES} bytes"))(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> Exception | None:
+        headers = scope["headers"]
+        if head_size(scope) > self._max_header_bytes:
+            return HeaderTooLarge(f"request head exceeds {self._max_header_bytes} bytes")
+        codings = transfer_codings(headers)
+        if codings and codings != [b"chunked"]:
+            shown = b", ".join(codings).decode("latin-1")[:64]
+            return UnsupportedTransferEncoding(f"Transfer-Encoding {shown!r} is not supported; send chunked or Content-Length")
         server = scope.get("server")
         if self._metrics_port is not None and server is not None and server[1] == self._metrics_port:
             if scope["path"] == METRICS_PATH:
-                await self.app(scope, receive, send)
-            else:
-                not_here = raw_error_response(404, "not_found", f"only {METRICS_PATH} is served on the metrics port")
-                await not_here(scope, receive, send)
-            return
+                return None
+            return NotFound(f"only {METRICS_PATH} is served on the metrics port")
         if self._key is not None and not scope["path"].startswith(HEALTH_PREFIX):
             given = next((v for k, v in headers if k == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             # The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
             if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
                 reason = "missing" if not given else "wrong"
-                refusal = Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
-                await error_response(refusal)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                return Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
+        return None
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the service's JSON error shape."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        reason = bytes(response.body).decode("latin-1")  # "Disallowed CORS origin, method"
+        return error_response(InvalidInput(f"{reason}: this origin, method or header is not allowed"))

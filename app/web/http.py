@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from app.web.fields import header_int, header_number
 
 T = TypeVar("T")
 
@@ -30,37 +31,42 @@ def refuse_content_encoding(content_encoding: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, idle_timeout_s: float) -> bytearray:
     """The whole body into one writable buffer, refused with 413 as soon as it passes `limit`.
 
-    Content-Length is checked before reading; a chunked body is counted as it streams in.
-    The buffer is a bytearray so binary tensors can be viewed without a copy.
+    Content-Length is checked before reading; a chunked body is counted as it streams in. A
+    client that sends nothing for `idle_timeout_s` gets 408; one that hangs up is a 499, not a
+    failure of ours. The buffer is a bytearray so binary tensors can be viewed without a copy.
     """
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise InvalidInput(f"Content-Length must be a non-negative integer, got {declared[:32]!r}")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    declared = header_int(request.headers.get("content-length"), "Content-Length")
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(idle_timeout_s) as idle:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+                idle.reschedule(loop.time() + idle_timeout_s)
+    except TimeoutError:
+        raise RequestTimeout(f"no part of the body arrived for {idle_timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection while sending its body") from None
     return body
 
 
 def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:
-    """Absolute loop-time deadline from a per-request timeout in ms (header or V2 parameter)."""
+    """Absolute loop-time deadline from a per-request timeout in ms (the X-Timeout-Ms header, or a number)."""
     if timeout_ms is None:
         ms = default_ms
     else:
-        try:
-            ms = float(timeout_ms)
-        except (TypeError, ValueError):
-            raise InvalidInput(f"timeout must be a positive number of milliseconds, got {str(timeout_ms)[:32]!r}") from None
+        parsed = header_number(timeout_ms, "X-Timeout-Ms") if isinstance(timeout_ms, str) else timeout_ms
+        assert parsed is not None, "header_number returns a number for a string; this is a bug."
+        ms = parsed
         if not 0 < ms <= 3_600_000:
-            raise InvalidInput(f"timeout must be in (0, 3600000] milliseconds, got {ms}")
+            raise InvalidInput(f"timeout must be in (0, 3600000] milliseconds, got {ms:g}")
     return asyncio.get_running_loop().time() + ms / 1000.0
 
 

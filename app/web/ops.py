@@ -21,7 +21,13 @@ async def live() -> Response:
 async def ready(state: StateDep) -> Response:
     if state.engine.ready:
         return Response(status_code=200)
-    reason = "draining before shutdown" if state.engine.draining else "models are still loading or warming up"
+    failed = [f"model {m.name!r}: {m.batcher.failure}" for m in state.engine.registry.models.values() if m.batcher.failure]
+    if failed:
+        reason = "; ".join(failed)
+    elif state.engine.draining:
+        reason = "draining before shutdown"
+    else:
+        reason = "models are still loading or warming up"
     return error_response(Unavailable(f"not ready: {reason}"))
 
 

@@ -2,21 +2,29 @@
 
 Everything a client can get wrong is refused here with InvalidInput, before the batcher.
 Raw tensors are little-endian and C order; they are viewed in the request's own buffer,
-never copied.
+never copied. JSON bodies are counted before they are parsed, so that a body cannot ask for
+more Python objects than the largest tensor the model would accept.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 
 import numpy as np
 import orjson
 import torch
 
-from app.web.errors import InvalidInput
+from app.web.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
+from app.web.fields import json_type
 from ffn_core.dtypes import DType
 
 MAX_RANK = 3
+# Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
+_JSON_SLACK = 1024
+# An integer literal orjson would turn into a float because it does not fit in 64 bits.
+_WIDE_INTEGER = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{19,}(?![0-9.eE])")
 
 
 def check_shape(shape: tuple[int, ...], d_model: int) -> int:
@@ -32,11 +40,26 @@ def check_shape(shape: tuple[int, ...], d_model: int) -> int:
     return math.prod(shape[:-1])
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a host tensor holds no NaN or infinity."""
+    if tensor.dtype == torch.bfloat16:  # no numpy dtype; torch's isfinite is 30x slower than min/max here
+        low, high = torch.aminmax(tensor)  # NaN propagates into both
+        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+    return bool(np.isfinite(tensor.numpy()).all())  # far cheaper per call than torch's dispatch
+
+
 def check_finite(rows: torch.Tensor) -> None:
-    # numpy where it can (far cheaper per call than torch's dispatch); bfloat16 has no numpy dtype.
-    finite = np.isfinite(rows.numpy()).all() if rows.dtype != torch.bfloat16 else torch.isfinite(rows).all()
-    if not finite:
+    if not all_finite(rows):
         raise InvalidInput("inputs must be finite numbers: found NaN or Infinity")
+
+
+def check_finite_output(output: torch.Tensor) -> None:
+    """An answer holding inf or NaN (a finite input that overflowed) is refused, never sent as null or inf."""
+    if not all_finite(output):
+        raise NonFiniteOutput(
+            "the output overflowed its dtype (inf or NaN) for these finite inputs; "
+            "scale the inputs down or ask for a wider dtype"
+        )
 
 
 def view_rows(buffer: bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
@@ -49,29 +72,79 @@ def view_rows(buffer: bytearray, dtype: DType, rows: int, d_model: int, offset: 
     return tensor
 
 
+def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
+    """Refuse (413), before parsing, a JSON body with more arrays or values than `max_rows` rows hold.
+
+    Parsing makes a Python object of every value and array (a 3-byte `[],` becomes a 56-byte
+    list), so an unchecked body could cost 20x its size and seconds of the event loop. Counting
+    brackets and commas is a C-speed pass; a tensor of `max_rows` rows fits within the counts.
+    Nesting deeper than a tensor's rank is refused too (400).
+    """
+    data = bytes(body) if isinstance(body, memoryview) else body
+    if b"[" * (MAX_RANK + 1) in data:  # deeper than any tensor; whitespace-spaced nesting meets orjson's limit
+        raise InvalidInput(f"JSON arrays are nested deeper than a rank-{MAX_RANK} tensor")
+    max_arrays = 2 * max_rows + _JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
+    max_values = max_rows * d_model + max_arrays + _JSON_SLACK
+    if data.count(b"[") > max_arrays or data.count(b",") > max_values:
+        raise PayloadTooLarge(
+            f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
+            f"send fewer rows per request, or a binary body"
+        )
+
+
 def loads_json(body: bytes | bytearray | memoryview) -> object:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        # orjson refuses NaN/Infinity literals, integers beyond 64 bits and nesting deeper than 1024.
+        # orjson refuses NaN/Infinity literals and nesting deeper than 1024.
         raise InvalidInput(f"malformed JSON: {exc}") from None
 
 
-def json_numbers_to_array(value: object, field: str) -> np.ndarray:
-    """Nested lists of numbers -> a C-contiguous float32 array; ragged, non-numbers, NaN or overflow refused."""
+def json_numbers_to_array(value: object, field: str, source: bytes | bytearray | memoryview,
+                          dtype: DType) -> np.ndarray:
+    """Nested lists of JSON numbers -> a C-contiguous float32 array.
+
+    Ragged lists, booleans, strings, null, integers beyond 64 bits and values that do not fit
+    `dtype` are refused. `source` is the JSON text `value` was parsed from: it lets the common
+    case skip the per-value type walk (no `true`/`false` anywhere means no booleans).
+    """
     if not isinstance(value, list):
-        raise InvalidInput(f"{field!r} must be a nested list of numbers")
+        raise InvalidInput(f"{field!r} must be a nested list of numbers, got {json_type(value)}")
+    text = bytes(source) if isinstance(source, memoryview) else source
+    if b"true" in text or b"false" in text:
+        _check_numbers_only(value, field)
     try:
-        array = np.array(value)  # dtype inferred: float64/int64 for numbers, anything else is refused below
-    except (ValueError, OverflowError, RecursionError) as exc:
-        raise InvalidInput(f"{field!r} must be a rectangular nested list of numbers: {exc}") from None
+        array = np.array(value)  # dtype inferred, never float: numpy would parse the string "1.0" as a float
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise InvalidInput(f"{field!r} must be a rectangular nested list of numbers: {str(exc)[:200]}") from None
     if array.dtype.kind not in "fiu":
         raise InvalidInput(f"{field!r} must contain only numbers (found {_kind_name(array.dtype)})")
-    with np.errstate(over="ignore", invalid="ignore"):
-        array32 = array.astype(np.float32)
-    if not np.isfinite(array32).all():
-        raise InvalidInput(f"{field!r} must be finite float32 numbers: a value is out of float32 range")
-    return np.ascontiguousarray(array32)
+    if array.size:
+        peak = max(float(array.max()), -float(array.min()))
+        if peak >= 2.0**63 and _WIDE_INTEGER.search(text) is not None:
+            raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
+        largest = float(torch.finfo(dtype.torch).max)
+        if peak > largest:
+            raise InvalidInput(f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
+                               f"(largest {largest:g})")
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _check_numbers_only(value: list[object], field: str) -> None:
+    """Walk the nested lists level by level (C-speed `map(type, ...)`): lists down to numbers only."""
+    level: list[object] = value
+    for _ in range(MAX_RANK + 1):
+        kinds = set(map(type, level))
+        if not level or kinds <= {int, float}:
+            return  # numpy refuses what is left: empty or ragged
+        if kinds <= {list}:
+            level = list(itertools.chain.from_iterable(level))  # type: ignore[arg-type]
+            continue
+        odd = next((item for item in level if type(item) not in (int, float, list)), None)
+        if odd is None:
+            raise InvalidInput(f"{field!r} must be a rectangular nested list: arrays and numbers at one level")
+        raise InvalidInput(f"{field!r} must contain only numbers, found {json_type(odd)}")
+    raise InvalidInput(f"{field!r} is nested deeper than a rank-{MAX_RANK} tensor")
 
 
 def _kind_name(dtype: np.dtype) -> str:
@@ -81,7 +154,10 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def to_wire_dtype(output: torch.Tensor, dtype: DType) -> torch.Tensor:
-    return output.to(dtype.torch).contiguous()
+    """The output in the answer's dtype, refused (422) if it holds inf or NaN there."""
+    wire = output.to(dtype.torch).contiguous()
+    check_finite_output(wire)
+    return wire
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:

@@ -20,6 +20,7 @@ from app.web.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
 from app.web.http import media_type, refuse_content_encoding
 from app.web.tensors import (
     MAX_RANK,
+    check_json_counts,
     check_shape,
     json_numbers_to_array,
     loads_json,
@@ -38,6 +39,7 @@ MEDIA_TYPES: dict[str, Encoding] = {
 }
 MEDIA_TYPE_OF: dict[Encoding, str] = {encoding: media for media, encoding in MEDIA_TYPES.items()}
 FLOAT32 = DTYPES["float32"]
+NPY_MAX_HEADER = 65536  # numpy's own default limit on a header's length
 
 
 @dataclass(frozen=True)
@@ -129,14 +131,7 @@ def decode_raw(body: bytearray, shape_header: str | None, dtype_header: str | No
 def decode_npy(body: bytearray, d_model: int) -> DecodedInput:
     """application/x-npy: a version 1-3 .npy file, float32 or float16, little-endian, C order. No copy."""
     header, offset = _read_npy_header(body)
-    descr, fortran_order, shape = header["descr"], header["fortran_order"], header["shape"]
-    if not isinstance(descr, str) or descr not in BY_NUMPY:
-        raise InvalidInput(f".npy dtype must be one of {sorted(BY_NUMPY)} (little-endian float), got {descr!r}")
-    if fortran_order is not False:
-        raise InvalidInput(".npy array must be in C order (fortran_order False)")
-    if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
-        raise InvalidInput(f".npy shape must be a tuple of integers, got {shape!r}")
-    dtype = BY_NUMPY[descr]
+    dtype, shape = _npy_fields(header)
     rows = check_shape(shape, d_model)
     expected = rows * d_model * dtype.itemsize
     if len(body) - offset != expected:
@@ -146,26 +141,46 @@ def decode_npy(body: bytearray, d_model: int) -> DecodedInput:
     return DecodedInput(view_rows(body, dtype, rows, d_model, offset), shape, dtype)
 
 
-def _read_npy_header(body: bytearray) -> tuple[dict[str, object], int]:
+def _read_npy_header(body: bytearray) -> tuple[object, int]:
     """Parse the .npy header ourselves with ast.literal_eval: never np.load, so never pickle."""
-    stream = io.BytesIO(memoryview(body)[:65536 + 12].tobytes())
+    stream = io.BytesIO(memoryview(body)[:NPY_MAX_HEADER + 12].tobytes())
     try:
         major, _ = np.lib.format.read_magic(stream)
+        if major not in (1, 2, 3):
+            raise ValueError(f"unknown format version {major}")
         length_bytes = 2 if major == 1 else 4
         header_len = int.from_bytes(stream.read(length_bytes), "little")
         raw = stream.read(header_len)
         if len(raw) != header_len:
             raise ValueError("truncated header")
+        # TypeError: an unhashable key or set member ({[1]: 2}); the literal is built before we see it.
         header = ast.literal_eval(raw.decode("latin1" if major < 3 else "utf8"))
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
-        raise InvalidInput(f"body is not a valid .npy file: {exc}") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise InvalidInput("body is not a valid .npy file: bad header dictionary")
+    except (ValueError, TypeError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
+        raise InvalidInput(f"body is not a valid .npy file: {str(exc)[:200]}") from None
     return header, stream.tell()
 
 
-def decode_json(body: bytearray, d_model: int) -> DecodedInput:
-    """{"inputs": [[...], ...]} (or [batch, seq, d_model]), numbers only, finite in float32."""
+def _npy_fields(header: object) -> tuple[DType, tuple[int, ...]]:
+    """The dtype and shape of a .npy header dict, every field type-checked."""
+    if not isinstance(header, dict) or not all(isinstance(key, str) for key in header) \
+            or set(header) != {"descr", "fortran_order", "shape"}:
+        raise InvalidInput("body is not a valid .npy file: the header must be a dict of descr, fortran_order, shape")
+    descr, fortran_order, shape = header["descr"], header["fortran_order"], header["shape"]
+    if not isinstance(descr, str) or descr not in BY_NUMPY:
+        raise InvalidInput(f".npy dtype must be one of {sorted(BY_NUMPY)} (little-endian float), got {str(descr)[:32]!r}")
+    if fortran_order is not False:
+        raise InvalidInput(".npy array must be in C order (fortran_order False)")
+    if not isinstance(shape, tuple) or not all(type(dim) is int for dim in shape):  # bool is not a dimension
+        raise InvalidInput(f".npy shape must be a tuple of integers, got {str(shape)[:64]}")
+    return BY_NUMPY[descr], shape
+
+
+def decode_json(body: bytearray, d_model: int, max_rows: int) -> DecodedInput:
+    """{"inputs": [[...], ...]} (or [batch, seq, d_model]), numbers only, finite in float32.
+
+    A body with more arrays or values than `max_rows` rows is refused before it is parsed.
+    """
+    check_json_counts(body, max_rows, d_model)
     document = loads_json(body)
     if not isinstance(document, dict) or "inputs" not in document:
         raise InvalidInput('JSON body must be an object {"inputs": [[...], ...]}')
@@ -174,7 +189,7 @@ def decode_json(body: bytearray, d_model: int) -> DecodedInput:
         raise InvalidInput(f"unknown fields {sorted(unknown)}; the body is {{\"inputs\": [[...], ...]}}")
     if body.count(b'"inputs"') > 1:
         raise InvalidInput('duplicate key "inputs" in the JSON body')
-    array = json_numbers_to_array(document["inputs"], "inputs")
+    array = json_numbers_to_array(document["inputs"], "inputs", body, FLOAT32)
     rows = check_shape(array.shape, d_model)
     tensor = torch.from_numpy(array).view(rows, d_model)
     return DecodedInput(tensor, array.shape, FLOAT32)
@@ -194,7 +209,7 @@ def check_answerable(encoding: Encoding, dtype: DType) -> None:
 def encode(model: str, output: torch.Tensor, decoded: DecodedInput, encoding: Encoding) -> tuple[bytes | memoryview, dict[str, str]]:
     """The answer's body and headers (Content-Type included) in `encoding`."""
     if encoding == "json":
-        array = output.to(torch.float32).numpy().reshape(decoded.shape)
+        array = to_wire_dtype(output, FLOAT32).numpy().reshape(decoded.shape)
         body = orjson.dumps(
             {"model": model, "shape": list(decoded.shape), "dtype": "float32", "outputs": array},
             option=orjson.OPT_SERIALIZE_NUMPY,

@@ -30,8 +30,8 @@ async def transform(name: str, request: Request) -> Response:
             return await _transform_monte_carlo(request, state, served)
         headers = request.headers
         encoding_in, encoding_out, deadline = _negotiate(headers, state)
-        body = await read_body(request, state.settings.max_body_bytes)
-        decoded = _decode(body, headers, encoding_in, encoding_out, served)
+        body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+        decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
         content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
@@ -48,14 +48,14 @@ def _negotiate(headers: Headers, state: ServiceState) -> tuple[codec.Encoding, c
 
 
 def _decode(body: bytearray, headers: Headers, encoding_in: codec.Encoding, encoding_out: codec.Encoding,
-            served: ServedModel) -> codec.DecodedInput:
+            served: ServedModel, max_rows: int) -> codec.DecodedInput:
     """The request's rows, refused here if anything is wrong, and checked answerable in `encoding_out`."""
     if encoding_in == "raw":
         decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
     elif encoding_in == "npy":
         decoded = codec.decode_npy(body, served.d_model)
     else:
-        decoded = codec.decode_json(body, served.d_model)
+        decoded = codec.decode_json(body, served.d_model, max_rows)
     codec.check_answerable(encoding_out, decoded.dtype)
     return decoded
 
@@ -68,8 +68,8 @@ async def _transform_monte_carlo(request: Request, state: ServiceState, served: 
         raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {montecarlo.PASSES}")
     headers = request.headers
     encoding_in, encoding_out, deadline = _negotiate(headers, state)
-    body = await read_body(request, state.settings.max_body_bytes)
-    decoded = _decode(body, headers, encoding_in, encoding_out, served)
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+    decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
     result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
     content, answer_headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)
     return Response(content, headers=answer_headers)

@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import torch
 
-from app.web import montecarlo
+from app.web import montecarlo, tensors
 from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
+from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
 from app.web.http import media_type, refuse_content_encoding
-from app.web.tensors import check_shape, json_numbers_to_array, loads_json, raw_bytes, to_wire_dtype, view_rows
 from ffn_core.dtypes import BY_V2, DType
 
 INPUT_NAME = "input"
@@ -40,6 +40,7 @@ class V2Request:
     outputs: dict[str, bool] | None  # output name -> binary, as asked; None: every output the answer has
     binary_output: bool  # binary_data_output: the default for outputs that do not say
     parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
+    timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
 
 
 def check_content(content_type: str | None, content_encoding: str | None) -> None:
@@ -50,32 +51,38 @@ def check_content(content_type: str | None, content_encoding: str | None) -> Non
         raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
 
 
-def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Request:
+def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: int) -> V2Request:
+    """An infer request's one input tensor and its options; every field type-checked (400).
+
+    A JSON part with more arrays or values than `max_rows` rows is refused before it is parsed.
+    """
     json_end = _json_length(header_length, len(body))
-    document = loads_json(memoryview(body)[:json_end] if json_end < len(body) else body)
+    json_part = memoryview(body)[:json_end] if json_end < len(body) else body
+    tensors.check_json_counts(json_part, max_rows, d_model)
+    document = tensors.loads_json(json_part)
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
-    request_id = document.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInput("'id' must be a string")
-    parameters = _parameters(document.get("parameters"), "request")
-    inputs = document.get("inputs")
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+    request_id = str_field(document, "id", "request")
+    parameters = object_field(document, "parameters", "request")
+    timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
+    inputs = list_field(document, "inputs", "request")
+    if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
     tensor = inputs[0]
-    if tensor.get("name") != INPUT_NAME:
-        raise InvalidInput(f"unexpected input {str(tensor.get('name'))[:64]!r}; this model's input is {INPUT_NAME!r}")
-    datatype = tensor.get("datatype")
-    dtype = BY_V2.get(datatype) if isinstance(datatype, str) else None
+    name = str_field(tensor, "name", "input")
+    if name != INPUT_NAME:
+        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
+    datatype = str_field(tensor, "datatype", "input")
+    dtype = BY_V2.get(datatype) if datatype is not None else None
     if dtype is None:
         raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
     shape = _shape(tensor.get("shape"))
-    rows = check_shape(shape, d_model)
-    input_parameters = _parameters(tensor.get("parameters"), "input")
+    rows = tensors.check_shape(shape, d_model)
+    input_parameters = object_field(tensor, "parameters", "input")
     _refuse_extensions(parameters, input_parameters)
     if montecarlo.PASSES not in parameters and (montecarlo.SEED in parameters or montecarlo.DROPOUT in parameters):
         montecarlo.refuse_without_passes(parameters)
-    binary_size = input_parameters.get("binary_data_size")
+    binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if binary_size is not None:
         if "data" in tensor:
             raise InvalidInput("an input with binary_data_size must not also carry 'data'")
@@ -83,10 +90,10 @@ def decode(body: bytearray, header_length: str | None, d_model: int) -> V2Reques
     else:
         if json_end != len(body):
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
-        values = _json_tensor(tensor.get("data"), shape, rows, d_model)
-    binary_output = bool(parameters.get("binary_data_output", False))
-    outputs = _requested_outputs(document.get("outputs"), binary_output, montecarlo.PASSES in parameters)
-    return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters)
+        values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
+    binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
+    outputs = _requested_outputs(document, binary_output, montecarlo.PASSES in parameters)
+    return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us)
 
 
 SHARED_MEMORY_REGION = "shared_memory_region"
@@ -113,22 +120,12 @@ def _shared_memory_unsupported() -> UnsupportedExtension:
 
 
 def _json_length(header_length: str | None, body_length: int) -> int:
-    if header_length is None:
+    length = header_int(header_length, "Inference-Header-Content-Length")
+    if length is None:
         return body_length
-    if not header_length.isdigit():
-        raise InvalidInput(f"Inference-Header-Content-Length must be an integer, got {header_length[:32]!r}")
-    length = int(header_length)
     if length > body_length:
         raise InvalidInput(f"Inference-Header-Content-Length {length} exceeds the body's {body_length} bytes")
     return length
-
-
-def _parameters(value: object, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{where} 'parameters' must be an object")
-    return value
 
 
 def _shape(value: object) -> tuple[int, ...]:
@@ -137,58 +134,59 @@ def _shape(value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _binary_tensor(body: bytearray, json_end: int, size: object, shape: tuple[int, ...], rows: int,
+def _binary_tensor(body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int,
                    d_model: int, dtype: DType) -> torch.Tensor:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise InvalidInput("binary_data_size must be a non-negative integer")
     expected = rows * d_model * dtype.itemsize
     if size != expected:
         raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
     if len(body) - json_end != size:
         raise InvalidInput(f"binary section is {len(body) - json_end} bytes but binary_data_size says {size}")
-    return view_rows(body, dtype, rows, d_model, json_end)
+    return tensors.view_rows(body, dtype, rows, d_model, json_end)
 
 
-def _json_tensor(data: object, shape: tuple[int, ...], rows: int, d_model: int) -> torch.Tensor:
+def _json_tensor(data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int,
+                 dtype: DType) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
-    array = json_numbers_to_array(data, "data")
+    array = tensors.json_numbers_to_array(data, "data", source, dtype)
     if array.size != math.prod(shape) or (array.ndim > 1 and array.shape != shape):
         raise InvalidInput(f"'data' holds {array.size} values in shape {list(array.shape)}; shape says {list(shape)}")
     return torch.from_numpy(array.reshape(rows, d_model))
 
 
-def _requested_outputs(outputs: object, binary_output: bool, monte_carlo: bool) -> dict[str, bool] | None:
+def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carlo: bool) -> dict[str, bool] | None:
     """Output name -> binary for each output asked for: its binary_data, else binary_data_output."""
-    if outputs is None or outputs == []:  # none named: every output, as in Triton
+    outputs = list_field(document, "outputs", "request")
+    if not outputs:  # none named: every output, as in Triton
         return None
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) for o in outputs):
+    if not all(isinstance(o, dict) for o in outputs):
         raise InvalidInput("'outputs' must be a list of objects")
     wanted: dict[str, bool] = {}
     for output in outputs:
-        name = output.get("name")
+        name = str_field(output, "name", "output")
         if name not in OUTPUT_NAMES:
             raise InvalidInput(f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
                                f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)")
         if name == STD_OUTPUT_NAME and not monte_carlo:
             raise InvalidInput(f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
                                f"add parameters.{montecarlo.PASSES}")
-        output_parameters = _parameters(output.get("parameters"), "output")
+        output_parameters = object_field(output, "parameters", "output")
         if "classification" in output_parameters:
             raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
         if SHARED_MEMORY_REGION in output_parameters:
             raise _shared_memory_unsupported()
-        wanted[name] = bool(output_parameters.get("binary_data", binary_output))
+        chosen = bool_field(output_parameters, "binary_data", "output parameter")
+        wanted[name] = binary_output if chosen is None else chosen
     return wanted
 
 
-def encode(model: str, request: V2Request, tensors: dict[str, torch.Tensor],
+def encode(model: str, request: V2Request, answers: dict[str, torch.Tensor],
            parameters: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary outputs.
 
-    `tensors` holds every output the answer has, by name; the request's `outputs` pick among them.
+    `answers` holds every output the answer has, by name; the request's `outputs` pick among them.
     """
-    wanted = request.outputs if request.outputs is not None else dict.fromkeys(tensors, request.binary_output)
+    wanted = request.outputs if request.outputs is not None else dict.fromkeys(answers, request.binary_output)
     described_outputs: list[dict[str, Any]] = []
     answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described_outputs}
     if request.id is not None:
@@ -197,10 +195,10 @@ def encode(model: str, request: V2Request, tensors: dict[str, torch.Tensor],
         answer["parameters"] = parameters
     blobs: list[memoryview] = []
     for name, binary in wanted.items():
-        wire = to_wire_dtype(tensors[name], request.dtype)
+        wire = tensors.to_wire_dtype(answers[name], request.dtype)
         described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
         if binary:
-            blob = raw_bytes(wire)
+            blob = tensors.raw_bytes(wire)
             described["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:

@@ -37,7 +37,7 @@ def _model_metadata(state: ServiceState, name: str, version: str | None) -> Mode
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
     served = served_model(state, name, version)
-    if served.warm and not state.engine.draining:
+    if served.warm and served.batcher.accepting and not state.engine.draining:
         return Response(status_code=200)
     return error_response(Unavailable(f"model {name!r} is not ready"))
 
@@ -52,10 +52,9 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
-        body = await read_body(request, state.settings.max_body_bytes)
-        decoded = codec.decode(body, header_length, served.d_model)
-        timeout_us = decoded.parameters.get("timeout")
-        timeout_ms = None if timeout_us is None else _us_to_ms(timeout_us)
+        body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+        decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
+        timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
         if montecarlo.PASSES in decoded.parameters:
             return await _infer_monte_carlo(request, state, served, decoded, deadline)
@@ -104,12 +103,6 @@ async def infer_version(name: str, version: str, request: Request) -> Response:
     return await _infer(request, name, version)
 
 
-def _us_to_ms(timeout_us: object) -> float | str:
-    if isinstance(timeout_us, (int, float)) and not isinstance(timeout_us, bool):
-        return timeout_us / 1000.0
-    return str(timeout_us)  # deadline_from refuses it with a clear message
-
-
 _V2_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507)
 _METADATA = {"summary": "Model metadata", "response_model": ModelMetadata,
              "responses": error_responses(401, 404), "tags": ["v2"]}
@@ -154,6 +147,8 @@ ENDPOINTS = [
         "summary": "Server metadata", "response_model": ServerMetadata, "responses": error_responses(401),
         "tags": ["v2"],
     }),
+    # KServe's V2 REST spec writes this path as `/v2/`: answered as such, never by a redirect.
+    Endpoint("GET", "/v2/", server_metadata, openapi={"response_model": ServerMetadata, "include_in_schema": False}),
     Endpoint("GET", "/v2/models/{name}", model_metadata, openapi=_METADATA),
     Endpoint("GET", "/v2/models/{name}/versions/{version}", model_version_metadata, openapi=_METADATA),
     Endpoint("GET", "/v2/models/{name}/ready", model_ready, openapi=_READY),

@@ -1,0 +1,231 @@
+"""uvicorn's httptools HTTP/1.1 protocol, with the limits it lacks against hostile clients.
+
+uvicorn buffers a request's whole head before the app sees it, waits forever for a head that
+never ends, keeps an answer nobody reads in memory forever, and accepts any number of
+connections. Each connection here:
+
+- counts the bytes of a head as they arrive and answers 431 once they pass `max_header_bytes`
+  (the app's guard checks a head that arrived whole), so a header flood costs one read buffer;
+- must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
+  head had begun, a quiet close if nothing came (as a keep-alive timeout does);
+- is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
+- past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
+
+Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
+the service's JSON error body instead of uvicorn's text/plain. After an error answer the
+connection lingers briefly, reading and discarding, so that a client still sending reads the
+answer instead of a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from app.settings import Settings
+from app.web.errors import TooManyConnections, error_body, error_response
+
+log = logging.getLogger("ffn_serve")
+
+LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
+CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one connection may cost: head size and time, answer send time, and how many are open."""
+
+    max_header_bytes: int
+    header_timeout_s: float
+    send_timeout_s: float
+    max_connections: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectionLimits:
+        return cls(settings.max_header_bytes, settings.header_timeout_s, settings.send_timeout_s,
+                   settings.max_connections)
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The uvicorn.Config arguments that put this protocol, with the settings' limits, under the app."""
+    limits = ConnectionLimits.from_settings(settings)
+    protocol = type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    return {"http": protocol}
+
+
+_too_many_connections = error_response(
+    TooManyConnections("the server holds its maximum of open connections; retry shortly")
+)
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol with a bounded head, head and send timeouts, and a connection cap."""
+
+    limits: ClassVar[ConnectionLimits]
+    _last_cap_warning: ClassVar[float] = 0.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading_head = True  # between one message's end and the next one's headers
+        self._head_begun = False
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent_at_check = 0
+        self._lingering = False
+
+    # ----- connection ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.app = _too_many_connections  # answered once its head arrives, then closed
+            now = time.monotonic()
+            if now - LimitedHttpToolsProtocol._last_cap_warning > CAP_WARNING_EVERY_S:
+                LimitedHttpToolsProtocol._last_cap_warning = now
+                log.warning("%d connections open: refusing new ones with 503 (max_connections)",
+                            len(self.connections) - 1)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # an error was answered; what the client still sends is dropped
+        if self._reading_head:
+            self._head_bytes += len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._refuse(400, "invalid_input", f"malformed HTTP request: {exc}")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        if self._reading_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(431, "header_too_large", f"request head exceeds {self.limits.max_header_bytes} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, "invalid_input", f"malformed HTTP request: {msg}")
+
+    # ----- parser callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading_head, self._head_begun, self._head_bytes = True, False, 0
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
+        super().on_response_complete()
+        if idle and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    # ----- flow control: the send timeout ----------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+        self._unsent_at_check = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_stalled(self) -> None:
+        """The answer's unsent bytes stayed above the high-water mark: drop them unless the client read some."""
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent_at_check:  # slow, but reading: give it another period
+            self._unsent_at_check = unsent
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_s, self._send_stalled)
+            return
+        self._send_timer = None
+        log.info("dropping a connection that read none of %d answer bytes in %g s", unsent, self.limits.send_timeout_s)
+        self.transport.abort()  # frees the unsent bytes; the request's task sees a disconnect
+
+    # ----- the head timeout ------------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._head_begun or self._head_bytes:
+            self._refuse(408, "request_timeout", f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+        else:
+            self.transport.close()  # an idle connection: closed quietly, as a keep-alive timeout does
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_head_timer()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    # ----- answering an error from the protocol ----------------------------------------------
+
+    def _refuse(self, status: int, error_type: str, message: str) -> None:
+        """Answer with the JSON error body and close.
+
+        A request whose body turns out malformed is answered here, its task told the client left.
+        With another request's answer pending (a pipelined head went wrong), only close.
+        """
+        self._cancel_timers()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or self._reading_head:
+                self.transport.abort()
+                return
+            cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
+            cycle.message_event.set()
+        body = error_body(message, error_type)
+        head = [STATUS_LINE[status]]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close after the answer, drop what still arrives, and close after LINGER_S at most."""
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self._close_after_linger)
+
+    def _close_after_linger(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
