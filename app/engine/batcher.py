@@ -21,21 +21,19 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 import torch
 
 from app.engine.errors import (
-    DeadlineExceeded,
     InsufficientMemory,
     ModelError,
     Overloaded,
     RequestTooLarge,
     Unavailable,
 )
+from app.engine.queue import Entry, RowQueue, fail
 from app.engine.staging import Pending
 from app.metrics import Metrics, ModelInstruments
 
@@ -53,22 +51,6 @@ OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
 def count_failure(instruments: ModelInstruments, arrived: float) -> None:
     """Count a request that arrived at `arrived` (perf_counter) and failed now: the statistics' `fail`."""
     instruments.failed_request_seconds.observe(time.perf_counter() - arrived)
-
-
-@dataclass(eq=False)
-class Entry:
-    """A queued slice of one request: its rows and the future its answer goes to."""
-
-    rows: torch.Tensor  # (n, d_model), on the host
-    future: asyncio.Future[torch.Tensor]
-    enqueued_at: float  # loop.time(), for max_wait
-    arrived: float  # time.perf_counter(), for metrics (uvloop's loop.time() counts whole milliseconds)
-    deadline: float | None
-    queued: bool = True  # still counted in the queue's rows
-
-    @property
-    def n(self) -> int:
-        return self.rows.shape[0]
 
 
 class Batcher:
@@ -102,21 +84,16 @@ class Batcher:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._metrics = metrics or Metrics()
         self._ceiling = max_batch_rows  # lowered after out-of-memory
-        self._queue: deque[Entry] = deque()
-        self._queued_rows = 0
+        self._instruments = self._metrics.for_model(name)
+        self._instruments.batch_ceiling.set(self._ceiling)
+        self._queue = RowQueue(on_rows=self._instruments.queue_rows.set)
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._collector: asyncio.Task[None] | None = None
-        # One timer for the earliest deadline in the queue, not one per entry (a timer per
-        # request costs more than the rest of the queueing).
-        self._reaper: asyncio.TimerHandle | None = None
-        self._reaper_at = math.inf
         self._accepting = False
         self._stopping = False
         self.failure: str | None = None  # why the collector died, if it did (readiness reports it)
-        self._instruments = self._metrics.for_model(name)
-        self._instruments.batch_ceiling.set(self._ceiling)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -131,7 +108,7 @@ class Batcher:
         self._accepting = False
         try:
             async with asyncio.timeout(timeout_s):
-                while self._queued_rows or not self._idle.is_set():
+                while self._queue.rows or not self._idle.is_set():
                     await self._idle.wait()
                     await asyncio.sleep(0.002)  # let the collector take what is queued
         except TimeoutError:
@@ -153,19 +130,13 @@ class Batcher:
         for task in running:
             task.cancel()  # each fails its own batch's entries as it ends
         await asyncio.gather(*running, return_exceptions=True)
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper, self._reaper_at = None, math.inf
-        while self._queue:
-            entry = self._queue.popleft()
-            self._release(entry)
-            self._fail(entry, Unavailable("the server is shutting down"))
+        self._queue.fail_all(Unavailable("the server is shutting down"))
 
     # ----- public API ------------------------------------------------------------------------
 
     @property
     def queued_rows(self) -> int:
-        return self._queued_rows
+        return self._queue.rows
 
     @property
     def batch_ceiling(self) -> int:
@@ -186,10 +157,10 @@ class Batcher:
         if n > self.max_queue_rows:
             count_failure(self._instruments, arrived)
             raise RequestTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
-        if self._queued_rows + n > self.max_queue_rows:
+        if self._queue.rows + n > self.max_queue_rows:
             count_failure(self._instruments, arrived)
             raise Overloaded(
-                f"queue full for model {self.name!r}: {self._queued_rows} of {self.max_queue_rows} rows waiting",
+                f"queue full for model {self.name!r}: {self._queue.rows} of {self.max_queue_rows} rows waiting",
                 retry_after_s=1,
             )
         self._instruments.request_rows.observe(n)
@@ -198,11 +169,7 @@ class Batcher:
         chunk_rows = self._ceiling
         chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
         entries = [Entry(chunk, loop.create_future(), now, arrived, deadline) for chunk in chunks]
-        self._queue.extend(entries)
-        if deadline is not None and deadline < self._reaper_at:
-            self._schedule_reaper(deadline)
-        self._queued_rows += n
-        self._instruments.queue_rows.set(self._queued_rows)
+        self._queue.push(entries, deadline)
         self._arrived.set()
         try:
             if len(entries) == 1:
@@ -215,78 +182,22 @@ class Batcher:
             count_failure(self._instruments, arrived)
             # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
             for entry in entries:
-                self._release(entry)
+                self._queue.release(entry)
                 if entry.future.done() and not entry.future.cancelled():
                     entry.future.exception()  # retrieved: no "never retrieved" warning
                 entry.future.cancel()
             raise
 
-    # ----- queue -----------------------------------------------------------------------------
-
-    def _release(self, entry: Entry) -> None:
-        """Stop counting an entry's rows in the queue (once)."""
-        if entry.queued:
-            entry.queued = False
-            self._queued_rows -= entry.n
-            self._instruments.queue_rows.set(self._queued_rows)
-
-    def _schedule_reaper(self, at: float) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-        self._reaper_at = at
-        self._reaper = asyncio.get_running_loop().call_at(at, self._reap)
-
-    def _reap(self) -> None:
-        """Answer 504 to every queued entry whose deadline has passed; they will never be computed."""
-        self._reaper, self._reaper_at = None, math.inf
-        now = asyncio.get_running_loop().time()
-        earliest = math.inf
-        for entry in self._queue:
-            if entry.deadline is None or entry.future.done():
-                continue
-            if entry.deadline <= now:
-                self._release(entry)
-                entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
-            else:
-                earliest = min(earliest, entry.deadline)
-        if earliest < math.inf:
-            self._schedule_reaper(earliest)
-
-    @staticmethod
-    def _fail(entry: Entry, error: Exception) -> None:
-        if not entry.future.done():
-            entry.future.set_exception(error)
+    # ----- batches ---------------------------------------------------------------------------
 
     def _take_batch(self, batch: list[Entry]) -> None:
-        """Pop entries into `batch` up to the row ceiling, skipping the ones nobody waits for any more.
-
-        Filled in place, so that if anything goes wrong the caller still holds every popped entry.
-        """
-        rows = 0
-        now = asyncio.get_running_loop().time()
-        while self._queue:
-            entry = self._queue[0]
-            if entry.future.done():  # cancelled, or expired by the reaper
-                self._queue.popleft()
-                self._release(entry)
-                continue
-            if entry.deadline is not None and entry.deadline <= now:  # expired before the reaper ran
-                self._queue.popleft()
-                self._release(entry)
-                entry.future.set_exception(DeadlineExceeded("deadline passed while the request was queued"))
-                continue
-            if batch and rows + entry.n > self._ceiling:
-                break
-            self._queue.popleft()
-            self._release(entry)
-            batch.append(entry)
-            rows += entry.n
+        self._queue.take(batch, self._ceiling)
 
     async def _wait_for_more(self) -> None:
         """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
         loop = asyncio.get_running_loop()
-        cut_at = self._queue[0].enqueued_at + self.max_wait_s
-        while self._queued_rows < self._ceiling:
+        cut_at = self._queue.first_enqueued_at() + self.max_wait_s
+        while self._queue.rows < self._ceiling:
             remaining = cut_at - loop.time()
             if remaining <= 0:
                 return
@@ -327,7 +238,7 @@ class Batcher:
         except asyncio.CancelledError:
             # Stopped mid-pass (shutdown): nothing else would ever answer these entries.
             for entry in batch:
-                self._fail(entry, Unavailable("the server is shutting down"))
+                fail(entry, Unavailable("the server is shutting down"))
             raise
         except Exception as exc:  # a bug (a broken invariant included): that batch fails, nothing else
             self._fail_after_bug(batch, exc)
@@ -338,7 +249,7 @@ class Batcher:
         log.error("model %s: batch of %d entries failed unexpectedly; this is a bug", self.name, len(batch),
                   exc_info=exc)
         for entry in batch:
-            self._fail(entry, ModelError(f"the batch failed: {type(exc).__name__}"))
+            fail(entry, ModelError(f"the batch failed: {type(exc).__name__}"))
 
     def _landed(self, task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
@@ -354,10 +265,7 @@ class Batcher:
         log.error("model %s: %s; this model refuses work until the server restarts", self.name, self.failure,
                   exc_info=error)
         self._accepting = False
-        while self._queue:
-            entry = self._queue.popleft()
-            self._release(entry)
-            self._fail(entry, ModelError(self.failure))
+        self._queue.fail_all(ModelError(self.failure))
 
     # ----- forward ---------------------------------------------------------------------------
 
@@ -374,7 +282,7 @@ class Batcher:
         except Exception as exc:
             log.exception("forward pass failed for model %s (%d rows)", self.name, rows)
             for entry in batch:
-                self._fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
+                fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
             return
         elapsed = time.perf_counter() - started
         self._instruments.compute_seconds.observe(elapsed)
@@ -405,7 +313,7 @@ class Batcher:
         self._instruments.batch_ceiling.set(self._ceiling)
         if len(batch) == 1:
             log.warning("model %s: out of memory on a single request of %d rows", self.name, rows)
-            self._fail(batch[0], InsufficientMemory(f"a request of {rows} rows does not fit in the device's memory"))
+            fail(batch[0], InsufficientMemory(f"a request of {rows} rows does not fit in the device's memory"))
             return
         self._instruments.oom_splits.inc()
         log.warning("model %s: out of memory at %d rows; splitting the batch, ceiling now %d",
