@@ -14,6 +14,7 @@ from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from app.web import ops
+from app.web.docs_assets import serve_docs_offline
 from app.web.endpoints import register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware
@@ -47,11 +48,14 @@ def create_app(settings: Settings, registry: Registry | None = None, *, fast_pat
         version=__version__,
         summary="A transformer's position-wise feed-forward network over HTTP, micro-batched.",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's pages load from a CDN; serve_docs_offline serves packaged copies
+        redoc_url=None,
     )
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
     register(app, ENDPOINTS, fast_path=fast_path)
+    serve_docs_offline(app)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length"])
