@@ -43,6 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 NGINX_CONF = ROOT / "deploy" / "nginx" / "ffn.conf"
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
+LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
 REFUSED = {"503", "connect"}  # not lost: the server never took these requests
 
 
@@ -59,8 +60,9 @@ def docker_cli() -> list[str]:
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
     """Run a docker command; its stdout, or CheckFailed with its stderr."""
+    env = {**os.environ, "DOCKER_BUILDKIT": "1"}  # the Dockerfile's COPY --chmod; a 20.10 client defaults to the old builder
     try:
-        result = subprocess.run([*docker_cli(), *args], capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run([*docker_cli(), *args], capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CheckFailed(f"docker {' '.join(args[:3])}: {type(exc).__name__}: {exc}") from exc
     if check and result.returncode != 0:
@@ -77,6 +79,24 @@ def engine_reachable(timeout: float = 5.0) -> str | None:
         return f"no Docker client or engine: {type(exc).__name__}: {exc}"
     if result.returncode != 0:
         return f"no Docker engine answered (DOCKER_HOST={os.environ.get('DOCKER_HOST', 'default')}): {result.stderr.strip()[:300]}"
+    return None
+
+
+def torch_index() -> str:
+    """The CPU torch wheel index the build uses: $DOCKER_CHECK_TORCH_INDEX, else the Dockerfile's default."""
+    default = re.search(r"ARG CPU_TORCH_INDEX=(\S+)", (ROOT / "Dockerfile").read_text())
+    assert default, "the Dockerfile declares no CPU_TORCH_INDEX default. This is a bug."
+    return os.environ.get("DOCKER_CHECK_TORCH_INDEX") or default[1]
+
+
+def index_unreachable(url: str) -> str | None:
+    """None when `url`/torch/ answers; otherwise why not (the build would fail at its first step)."""
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/torch/", timeout=10, trust_env=False).raise_for_status()
+    except httpx.HTTPError as exc:
+        return f"the torch index {url} does not answer ({type(exc).__name__}: {exc}): set DOCKER_CHECK_TORCH_INDEX"
     return None
 
 
@@ -161,14 +181,17 @@ class Checker:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def build(self) -> None:
+        """The server image, then the load tester's (the `loadtest` stage, which compose's loadtest runs)."""
         dockerfile = self.folder / "Dockerfile"  # beside the models, outside the build context
         dockerfile.write_text(re.sub(r"\A# syntax=.*\n", "", (ROOT / "Dockerfile").read_text()))
-        args = ["build", "--network", "host", "-f", str(dockerfile), "-t", self.image]
-        if os.environ.get("FFN_DOCKER_TORCH_INDEX"):  # a local index of CPU torch wheels
-            args += ["--build-arg", f"CPU_TORCH_INDEX={os.environ['FFN_DOCKER_TORCH_INDEX']}"]
+        args = ["build", "--network", "host", "-f", str(dockerfile)]
+        if os.environ.get("DOCKER_CHECK_TORCH_INDEX"):  # a local index of CPU torch wheels
+            args += ["--build-arg", f"CPU_TORCH_INDEX={os.environ['DOCKER_CHECK_TORCH_INDEX']}"]
         started = time.perf_counter()
-        docker(*args, str(ROOT), timeout=3600)
+        docker(*args, "-t", self.image, str(ROOT), timeout=3600)
         self.results["build_s"] = round(time.perf_counter() - started, 1)
+        docker(*args, "--target", "loadtest", "-t", LOADTEST_IMAGE, str(ROOT), timeout=1800)
+        self.results["loadtest_image_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", LOADTEST_IMAGE)) / 2**20)
 
     def run_replica(self, name: str, *options: str) -> str:
         self.containers.append(name)
@@ -254,6 +277,9 @@ class Checker:
         def compose(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=600)
 
+        if not docker("images", "-q", LOADTEST_IMAGE):
+            raise CheckFailed(f"no {LOADTEST_IMAGE} image: run without --no-build once")
+
         try:
             started = time.perf_counter()
             up = compose("up", "-d", "--no-build", "--wait")
@@ -265,12 +291,17 @@ class Checker:
             x = np.ones((2, D_MODEL), np.float32)
             with Client(f"http://127.0.0.1:{port}") as client:
                 np.testing.assert_allclose(client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5)
+            load = compose("--profile", "loadtest", "run", "--rm", "--no-deps", "loadtest", "ffn-loadtest", "--url",
+                           "http://ffn:8000", "--model", CHECK_MODEL, "-n", "200", "-q", "--json", "-")
+            if load.returncode != 0:
+                raise CheckFailed(f"compose's loadtest exited {load.returncode}: {load.stdout[-1000:]} {load.stderr[-1000:]}")
+            counts = json.loads(load.stdout)["counts"]
             containers = compose("ps", "-q", "ffn").stdout.split()
-            down = compose("down")
-            codes = [int(docker("inspect", "-f", "{{.State.ExitCode}}", c, check=False) or -1) for c in containers]
-            self.results["compose"] = {"version": why, "healthy_after_s": healthy_s, "down_rc": down.returncode}
-            if down.returncode != 0:
-                raise CheckFailed(f"docker compose down exited {down.returncode}: {down.stderr[-2000:]} (exit codes {codes})")
+            stop = compose("stop")
+            codes = [int(docker("inspect", "-f", "{{.State.ExitCode}}", c)) for c in containers]
+            self.results["compose"] = {"version": why, "healthy_after_s": healthy_s, "loadtest": counts, "exit_codes": codes}
+            if stop.returncode != 0 or codes != [0] * len(containers) or counts["ok"] != 200:
+                raise CheckFailed(f"compose stop exited {stop.returncode}: {stop.stderr[-2000:]}; {self.results['compose']}")
         finally:
             compose("down", "--remove-orphans")
 

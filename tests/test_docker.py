@@ -1,6 +1,6 @@
 """The image built and run on a real Docker engine: deploy/docker_check.py, when one is there.
 
-The engine run is opt-in, FFN_DOCKER_TESTS=1 (.ci/run sets it when an engine answers): it
+The engine run is opt-in, DOCKER_CHECK=1 (.ci/run sets it when an engine answers): it
 builds the image (about 2-3 minutes on a cold cache here) and starts five containers. Without
 it, or without an engine, the test skips at once. The load balancer check runs nginx from the
 engine's nginx:1.28-alpine image; where that is an older nginx (Debian's 1.22 stand-in on the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.docker_check import compose_v2, engine_reachable, nginx_conf_for
+from deploy.docker_check import compose_v2, engine_reachable, index_unreachable, nginx_conf_for, torch_index
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,9 +47,9 @@ def test_compose_v1_is_reported_not_used():
     assert (command is None) == ("Compose v2" in why and "needs" in why)
 
 
-@pytest.mark.skipif(os.environ.get("FFN_DOCKER_TESTS") != "1", reason="opt-in: FFN_DOCKER_TESTS=1 (.ci/run sets it where an engine answers)")
+@pytest.mark.skipif(os.environ.get("DOCKER_CHECK") != "1", reason="opt-in: DOCKER_CHECK=1 (.ci/run sets it where an engine answers)")
 def test_image_builds_serves_drains_and_scales_down_without_a_failed_request(tmp_path):
-    why = engine_reachable()
+    why = engine_reachable() or index_unreachable(torch_index())
     if why:
         pytest.skip(why)
     report_path = tmp_path / "docker.json"
@@ -63,4 +63,5 @@ def test_image_builds_serves_drains_and_scales_down_without_a_failed_request(tmp
     assert set(stop["errors"]) <= {"503", "connect"}  # refused after SIGTERM, never lost
     lb = seen["balancer"]
     assert (lb["sent"], lb["ok"], lb["errors"], lb["replica_exit_code"]) == (3000, 3000, {}, 0)
-    assert "skipped" in seen["compose"] or seen["compose"]["down_rc"] == 0
+    compose = seen["compose"]  # Compose v2 only; v1 (Debian's, here) is a skip with its reason
+    assert "skipped" in compose or (compose["exit_codes"] == [0] and compose["loadtest"]["ok"] == 200)
