@@ -273,13 +273,12 @@ async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | No
         d_model = config.d_model if config.d_model is not None else await discover_d_model(http, config.model)
         sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
         payloads = [(sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)]
-        run = _Run(config, sender, payloads)
         metrics = MetricsWindow(http, config.metrics_page, config.model)
-        if config.warmup:  # the first snapshot when the measured window opens
-            first_scrape: asyncio.Task[None] | None = asyncio.create_task(metrics.open(at=run.measure_start))
-        else:
-            await metrics.open(at=run.measure_start)
-            first_scrape = None
+        if not config.warmup:  # the first snapshot before the measured window opens, at once
+            await metrics.open(at=0.0)
+        run = _Run(config, sender, payloads)
+        # With a warmup, the first snapshot is taken when the window opens, during the load.
+        first_scrape = asyncio.create_task(metrics.open(at=run.measure_start)) if config.warmup else None
         ticker = asyncio.create_task(run.report_progress(progress)) if progress else None
         try:
             await (run.open_loop() if config.rate is not None else run.closed_loop())

@@ -105,7 +105,7 @@ def plot_sweep(reports: list[Report], path: str, max_p99_ms: float | None = None
         curve.yaxis.set_minor_formatter(NullFormatter())
     else:
         curve.set_ylim(bottom=0)
-    curve.set_xlim(left=0)
+    curve.set_xlim(0, 1.1 * float(np.nanmax(rps)) if np.nanmax(rps) > 0 else 1)  # room for the labels
     curve.set_xlabel("throughput: requests/s answered 200")
     curve.set_ylabel("client-side latency (ms)")
     curve.set_title("throughput against latency, one point per step (labels: the step)", fontsize="medium")

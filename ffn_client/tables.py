@@ -88,7 +88,8 @@ def sweep_table(reports: list[Report]) -> Any:
         ]
         style = "red" if r.breaches else "yellow" if r.offered is not None and not r.offered.reached else None
         table.add_row(*cells, style=style)
-    table.caption = ("rate, offered: req/s. p50 ... max: client-side latency of the ok requests, ms. "
+    table.caption = (("rate, offered: req/s. " if open_loop else "")
+                     + "p50 ... max: client-side latency of the ok requests, ms. "
                      "queue, compute (per batch), total, rows/batch: the server's means from /metrics, ms")
     return table
 
