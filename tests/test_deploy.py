@@ -560,7 +560,7 @@ def test_compose_load_balancer_profile_fronts_the_replicas() -> None:
 
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]])
 def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> None:
-    from deploy.docker_check import compose_v2
+    from deploy.docker_tools import compose_v2
 
     command, why = compose_v2()
     if command is None:  # v1 refuses the file's top-level `name:` and has no `config --format json`

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.docker_check import compose_v2, engine_reachable, index_unreachable, nginx_conf_for, torch_index
+from deploy.docker_tools import compose_v2, engine_reachable, index_unreachable, nginx_conf_for, torch_index
 
 ROOT = Path(__file__).resolve().parent.parent
 
