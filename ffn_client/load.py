@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import numpy as np
@@ -63,6 +63,9 @@ class LoadConfig:
         if self.duration is None and self.requests is None:
             self.duration = DEFAULT_DURATION_S
         problems = []
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"url must be http(s)://host[:port][/prefix], got {self.url!r}")
         if self.encoding not in ENCODINGS:
             problems.append(f"encoding must be one of {', '.join(ENCODINGS)}")
         elif self.dtype not in SUPPORTED_DTYPES[self.encoding]:

@@ -162,6 +162,12 @@ def test_an_output_file_that_cannot_be_written_is_exit_2_with_the_reason(demo_se
     assert f"cannot write the report: FileNotFoundError: [Errno 2] No such file or directory: '{target}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["localhost:8000", "ftp://host", "http://"])
+def test_a_url_that_is_no_http_url_is_exit_2_with_the_reason(url, capsys):
+    assert main(["--url", url, "--d-model", "4", "-n", "1", "-q"]) == 2
+    assert f"url must be http(s)://host[:port][/prefix], got {url!r}" in capsys.readouterr().err
+
+
 def test_sweep_flags_that_contradict_each_other_are_refused(capsys):
     for argv in (["--concurrency-range", "1:4", "--rate", "5"], ["--rate", "5", "--rate-range", "1:2"],
                  ["--concurrency", "2", "--concurrency-range", "1:4"], ["--max-error-rate", "150%"]):
