@@ -7,6 +7,7 @@
 # host needs only the NVIDIA driver and container toolkit. CUDA_BASE can name another base with
 # Python 3.11 (its `python` and `pip` are used as they are).
 # Weights and config.toml go in a volume mounted at /models; with none there, the built-in `demo`.
+# The load tester has a small image of its own, without torch: docker build --target loadtest.
 
 ARG VARIANT=cpu
 ARG CPU_BASE=python:3.11-slim-bookworm
@@ -21,6 +22,18 @@ ARG CUDA_TORCH_INDEX=https://download.pytorch.org/whl/cu128
 ENV TORCH_INDEX_URL=${CUDA_TORCH_INDEX} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
+# ffn-loadtest alone: the ffn-client distribution and its loadtest extra (rich, matplotlib,
+# prometheus-client), no torch and no server. docker-compose.yml's `loadtest` service runs it.
+FROM ${CPU_BASE} AS loadtest
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp MPLCONFIGDIR=/tmp/matplotlib
+WORKDIR /opt/ffn-client
+COPY client/pyproject.toml client/
+COPY ffn_client ffn_client
+RUN pip install "./client[loadtest]" && rm -rf client/build ./*.egg-info client/*.egg-info
+USER 10001:10001
+
+# The server (the last stage: what `docker build` builds without --target).
 # hadolint ignore=DL3006
 FROM base-${VARIANT}
 

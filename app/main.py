@@ -13,6 +13,7 @@ from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from app.web import ops
+from app.web.docs_assets import serve_docs_offline
 from app.web.endpoints import register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
@@ -55,11 +56,14 @@ def create_app(
         # A slash redirect would build its Location from the client's Host header; the documented
         # trailing-slash form (/v2/) is a route of its own instead.
         redirect_slashes=False,
+        docs_url=None,  # FastAPI's pages load from a CDN; serve_docs_offline serves packaged copies
+        redoc_url=None,
     )
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
     register(app, ENDPOINTS, fast_path=fast_path)
+    serve_docs_offline(app)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes,
                        metrics_port=settings.metrics_port)

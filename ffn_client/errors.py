@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import re
 import time
 from collections.abc import Mapping
 
@@ -152,6 +153,10 @@ def error_from_response(status: int, headers: Mapping[str, str], body: bytes) ->
         error_type = str(payload.get("error_type", ""))
     elif body:
         message = body.decode("utf-8", "replace").strip()
+        # A proxy's HTML error page (nginx: "<title>504 Gateway Time-out</title>"): its title says it.
+        title = re.search(r"<title>\s*(.*?)\s*</title>", message, re.I | re.S)
+        if title:
+            message = f"{title[1]} (an HTML page, from a proxy?)"
     if status >= 500:
         cls = ERRORS_BY_STATUS.get(status, ServerError)
     else:

@@ -3,8 +3,10 @@
 Closed loop (`concurrency` workers): each sends its next request when the last answer arrives.
 Open loop (`rate`): requests start at Poisson arrival times whatever the server does, and latency
 counts from the scheduled start, so a slow server cannot hide its queueing (no coordinated
-omission). Request bodies are encoded once up front; per request the generator only sends
-prebuilt bytes, reads the answer, and appends (start, latency, status, rows) to a list.
+omission); the report says whether the rate really went on the wire. Request bodies are encoded
+once up front; per request the generator only sends prebuilt bytes, reads the answer, and
+appends (start, latency, status, rows, sent) to a list. /metrics is read before and after the
+measured window for the server's own breakdown (server_metrics.py).
 
     report = await run_load(LoadConfig(url="http://127.0.0.1:8000", requests=1000, concurrency=16))
 """
@@ -16,17 +18,19 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 
-from ffn_client.encodings import ENCODINGS, SUPPORTED_DTYPES, encode_request
-from ffn_client.report import Report, Samples, build_report, latency_stats
-from ffn_client.senders import ENGINES
+from ffn_client.encodings import ENCODINGS, SUPPORTED_DTYPES
+from ffn_client.payloads import discover_d_model, make_payloads
+from ffn_client.report import OFFERED_GRACE_S, TIMEOUT, OfferedLoad, Report, Samples, build_report, latency_stats, status_name
+from ffn_client.senders import ENGINES, Sender, note_failure
+from ffn_client.server_metrics import MetricsWindow
 
 DEFAULT_DURATION_S = 10.0
 DEFAULT_OPEN_LOOP_CONNECTIONS = 64
@@ -53,11 +57,15 @@ class LoadConfig:
     payloads: int = 16  # distinct prebuilt request bodies, reused in turn
     seed: int = 0
     engine: str = "raw"  # "raw": lean HTTP/1.1 pool; "httpx": httpx.AsyncClient (see senders.py)
+    metrics_url: str | None = None  # the server's Prometheus page; None: url + "/metrics"; "": not read
 
     def __post_init__(self) -> None:
         if self.duration is None and self.requests is None:
             self.duration = DEFAULT_DURATION_S
         problems = []
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.append(f"url must be http(s)://host[:port][/prefix], got {self.url!r}")
         if self.encoding not in ENCODINGS:
             problems.append(f"encoding must be one of {', '.join(ENCODINGS)}")
         elif self.dtype not in SUPPORTED_DTYPES[self.encoding]:
@@ -79,10 +87,18 @@ class LoadConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
+    @property
+    def metrics_page(self) -> str | None:
+        """The /metrics URL to read, or None when the server breakdown is off."""
+        if self.metrics_url is None:
+            return self.url.rstrip("/") + "/metrics"
+        return self.metrics_url or None
+
     def describe(self) -> dict[str, object]:
         """The settings for the report: everything but the API key."""
         out = asdict(self)
         out.pop("api_key")
+        out["metrics_url"] = self.metrics_page
         lo, hi = self.rows
         out["rows"] = str(lo) if lo == hi else f"{lo}-{hi}"
         return out
@@ -105,16 +121,19 @@ class Progress:
 class _Run:
     """The state of one run: the prebuilt requests, the bounds, and the per-request log."""
 
-    def __init__(self, config: LoadConfig, send: Callable[[Any], Awaitable[int]], payloads: list[tuple[Any, int]]) -> None:
+    def __init__(self, config: LoadConfig, sender: Sender[Any], payloads: list[tuple[Any, int]]) -> None:
         self.config = config
-        self.send = send
+        self.sender = sender
         self.payloads = payloads
-        self.log: list[tuple[float, float, int, int]] = []  # (start, latency, status, rows)
+        self.log: list[tuple[float, float, int, int, float]] = []  # (start, latency, status, rows, sent)
         self.budget = float(config.requests) if config.requests is not None else math.inf
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()  # the tester's own CPU, to show when it is the bottleneck
         self.measure_start = self.started + config.warmup
         self.end = self.measure_start + config.duration if config.duration is not None else math.inf
+        self.last_claimed = self.measure_start  # the start of the last measured request
+        self.connections = asyncio.Semaphore(config.concurrency)  # open loop: requests on the wire at once
+        self.waited_for_connection = 0
         self.done = False
 
     def _claim(self, start: float) -> bool:
@@ -125,6 +144,7 @@ class _Run:
             if self.budget <= 0:
                 return False
             self.budget -= 1
+            self.last_claimed = start
         return True
 
     async def closed_loop(self) -> None:
@@ -134,8 +154,8 @@ class _Run:
             while self._claim(start := time.perf_counter()):
                 request, rows = self.payloads[i % count]
                 i += step
-                status = await self.send(request)
-                self.log.append((start, time.perf_counter() - start, status, rows))
+                status = await self.sender.send(request)
+                self.log.append((start, time.perf_counter() - start, status, rows, start))
 
         await asyncio.gather(*(worker(k) for k in range(self.config.concurrency)))
 
@@ -160,9 +180,18 @@ class _Run:
             await asyncio.wait(pending)
 
     async def _one(self, payload: tuple[Any, int], scheduled: float) -> None:
+        """One open-loop request: wait for a free connection (the wait counts, and is counted), send."""
         request, rows = payload
-        status = await self.send(request)
-        self.log.append((scheduled, time.perf_counter() - scheduled, status, rows))
+        sent = math.nan
+        if self.connections.locked():
+            self.waited_for_connection += 1
+        try:
+            async with asyncio.timeout(self.config.timeout), self.connections:
+                sent = time.perf_counter()
+                status = await self.sender.send(request)
+        except TimeoutError:  # still waiting for a connection after --timeout
+            status = note_failure(self.sender.causes, TIMEOUT, f"no whole answer within --timeout {self.config.timeout:g} s")
+        self.log.append((scheduled, time.perf_counter() - scheduled, status, rows, sent))
 
     async def report_progress(self, progress: Callable[[Progress], None], interval: float = 0.5) -> None:
         seen, ok, errors = 0, 0, 0
@@ -182,8 +211,8 @@ class _Run:
             ))
 
     def samples(self) -> tuple[Samples, int]:
-        """The measured requests' samples (send time relative to the measurement start), and the warmup count."""
-        log = np.array(self.log, dtype=np.float64).reshape(-1, 4)
+        """The measured requests' samples (times relative to the measurement start), and the warmup count."""
+        log = np.array(self.log, dtype=np.float64).reshape(-1, 5)
         measured = log[:, 0] >= self.measure_start
         kept = log[measured]
         samples = Samples(
@@ -191,65 +220,55 @@ class _Run:
             latency_s=kept[:, 1],
             status=kept[:, 2].astype(np.int64),
             rows=kept[:, 3].astype(np.int64),
+            sent_s=kept[:, 4] - self.measure_start,
         )
         return samples, int((~measured).sum())
 
-
-def make_payloads(config: LoadConfig, d_model: int) -> list[tuple[str, bytes, dict[str, str], int]]:
-    """`config.payloads` encoded requests of random rows in the configured range: (path, body, headers, rows)."""
-    rng = np.random.default_rng(config.seed)
-    lo, hi = config.rows
-    out = []
-    for _ in range(config.payloads):
-        rows = int(rng.integers(lo, hi + 1))
-        array = rng.standard_normal((rows, d_model), dtype=np.float32)
-        request = encode_request(config.model, array, config.encoding, config.dtype, config.deadline_ms)
-        out.append((request.path, request.body, request.headers, rows))
-    return out
-
-
-async def discover_d_model(http: httpx.AsyncClient, model: str) -> int:
-    """The model's d_model from GET /v1/models, or else from its V2 metadata."""
-    try:
-        response = await http.get("/v1/models")
-        if response.status_code == 200:
-            for entry in response.json().get("models", []):
-                if entry.get("name") == model and "d_model" in entry:
-                    return int(entry["d_model"])
-        response = await http.get(f"/v2/models/{quote(model, safe='')}")
-        if response.status_code == 200:
-            return int(response.json()["inputs"][0]["shape"][-1])
-    except httpx.TransportError as exc:
-        raise ConnectionError(f"cannot reach {http.base_url}: {exc or type(exc).__name__}") from exc
-    except (ValueError, KeyError, IndexError, TypeError):
-        pass
-    raise LookupError(f"cannot find d_model of model {model!r} at {http.base_url} (HTTP {response.status_code}); pass --d-model")
+    def offered_load(self, samples: Samples) -> OfferedLoad:
+        """How much of the open loop's schedule went on the wire before the measured window closed."""
+        assert self.config.rate is not None, "offered load of a closed loop. This is a bug."
+        window = max(min(self.end, self.last_claimed) - self.measure_start, 1e-9)
+        lag_ms = (samples.sent_s - samples.start_s) * 1000.0
+        return OfferedLoad(
+            asked_rps=self.config.rate, window_s=window, scheduled=int(samples.start_s.size),
+            sent_in_window=int((samples.sent_s <= window + OFFERED_GRACE_S).sum()),  # NaN (never sent) is False
+            waited_for_connection=self.waited_for_connection,
+            lag_p99_ms=float(np.nanpercentile(lag_ms, 99)) if np.isfinite(lag_ms).any() else math.nan,
+        )
 
 
 async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | None = None) -> Report:
     """Run the load `config` describes and return its report (samples included, for plots)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    d_model = config.d_model
-    if d_model is None:
-        async with httpx.AsyncClient(base_url=config.url, timeout=config.timeout, headers=headers) as http:
-            d_model = await discover_d_model(http, config.model)
-    sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
-    payloads = [(sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)]
-    run = _Run(config, sender.send, payloads)
-    ticker = asyncio.create_task(run.report_progress(progress)) if progress else None
-    try:
-        await (run.open_loop() if config.rate is not None else run.closed_loop())
-    finally:
-        finished, cpu = time.perf_counter(), time.process_time() - run.cpu_started
-        run.done = True
-        await sender.aclose()
-        if ticker is not None:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-    samples, warmup_requests = run.samples()
-    described = {**config.describe(), "d_model": d_model}
-    report = build_report(described, samples, finished - run.measure_start, warmup_requests)
-    report.client_cpu_s = cpu
-    report.client_cpu_share = cpu / max(finished - run.started, 1e-9)
+    async with httpx.AsyncClient(base_url=config.url, timeout=config.timeout, headers=headers, trust_env=False) as http:
+        d_model = config.d_model if config.d_model is not None else await discover_d_model(http, config.model)
+        sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
+        payloads = [(sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)]
+        metrics = MetricsWindow(http, config.metrics_page, config.model)
+        if not config.warmup:  # the first snapshot before the measured window opens, at once
+            await metrics.open(at=0.0)
+        run = _Run(config, sender, payloads)
+        # With a warmup, the first snapshot is taken when the window opens, during the load.
+        first_scrape = asyncio.create_task(metrics.open(at=run.measure_start)) if config.warmup else None
+        ticker = asyncio.create_task(run.report_progress(progress)) if progress else None
+        try:
+            await (run.open_loop() if config.rate is not None else run.closed_loop())
+        finally:
+            finished, cpu = time.perf_counter(), time.process_time() - run.cpu_started
+            run.done = True
+            await sender.aclose()
+            for task in (ticker, first_scrape):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        samples, warmup_requests = run.samples()
+        described = {**config.describe(), "d_model": d_model}
+        report = build_report(described, samples, finished - run.measure_start, warmup_requests)
+        report.client_cpu_s = cpu
+        report.client_cpu_share = cpu / max(finished - run.started, 1e-9)
+        report.error_causes = {status_name(code): cause for code, cause in sender.causes.items()}
+        if config.rate is not None:
+            report.offered = run.offered_load(samples)
+        report.server, report.server_note = await metrics.close()
     return report

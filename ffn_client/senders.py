@@ -1,7 +1,8 @@
 """How the load tester puts prebuilt requests on the wire: a lean HTTP/1.1 pool, or httpx.
 
 Both answer `send(prepared) -> status`, a negative status for no answer (see `report.NO_ANSWER`),
-and read the whole answer body. The raw sender is the default: it costs about 45 µs of CPU per
+and read the whole answer body. Each keeps, in `causes`, the first reason seen for every failing
+status (the server's error message, or the exception of a failed connect), for the report. The raw sender is the default: it costs about 45 µs of CPU per
 request, httpx 1-2 ms, and more as connections grow (its pool rescans every connection on each
 request; ~9 ms at 64), which would make the tester, not the server, the bottleneck on a small
 machine. `--engine httpx` keeps httpx available as a cross-check. docs/load-testing.md has the
@@ -19,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ffn_client.errors import error_from_response
 from ffn_client.http1 import build_request, read_response
 from ffn_client.report import CONNECT_ERROR, TIMEOUT, TRANSPORT_ERROR
 
@@ -28,6 +30,8 @@ RequestT = TypeVar("RequestT")
 
 class Sender(Protocol[RequestT]):
     """What the load generator needs of an engine; the prepared request's type is the engine's own."""
+
+    causes: dict[int, str]  # status (negative: no answer) -> the first reason seen for it
 
     def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> RequestT: ...
 
@@ -42,19 +46,25 @@ class HttpxSender:
     def __init__(self, url: str, connections: int, timeout: float, headers: dict[str, str]) -> None:
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=headers)
+        self._timeout = timeout
+        self.causes: dict[int, str] = {}
 
     def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Request:
         return self._http.build_request("POST", path, content=body, headers=headers)
 
     async def send(self, request: httpx.Request) -> int:
         try:
-            return (await self._http.send(request)).status_code
+            response = await self._http.send(request)
         except httpx.TimeoutException:
-            return TIMEOUT
-        except httpx.ConnectError:
-            return CONNECT_ERROR
-        except httpx.TransportError:
-            return TRANSPORT_ERROR
+            return note_failure(self.causes, TIMEOUT, f"no whole answer within --timeout {self._timeout:g} s")
+        except httpx.ConnectError as exc:
+            return note_failure(self.causes, CONNECT_ERROR, exc)
+        except httpx.TransportError as exc:
+            return note_failure(self.causes, TRANSPORT_ERROR, exc)
+        if response.status_code != 200 and response.status_code not in self.causes:
+            note_failure(self.causes, response.status_code,
+                         str(error_from_response(response.status_code, response.headers, response.content)))
+        return response.status_code
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -76,6 +86,7 @@ class RawSender:
         self._timeout = timeout
         self._slots = asyncio.Semaphore(connections)
         self._idle: deque[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = deque()
+        self.causes: dict[int, str] = {}
 
     def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         return build_request("POST", self._prefix + path, {**self._headers, **headers}, body, host=self._authority)
@@ -85,7 +96,7 @@ class RawSender:
             async with asyncio.timeout(self._timeout), self._slots:  # waiting for a slot counts too
                 return await self._send(request)
         except TimeoutError:
-            return TIMEOUT
+            return note_failure(self.causes, TIMEOUT, f"no whole answer within --timeout {self._timeout:g} s")
 
     def _idle_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """The most recently used open connection; ones the server has closed meanwhile are dropped."""
@@ -103,20 +114,20 @@ class RawSender:
             if connection is None:
                 try:
                     connection = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
-                except OSError:
-                    return CONNECT_ERROR
+                except OSError as exc:
+                    return note_failure(self.causes, CONNECT_ERROR, exc)
             reader, writer = connection
             try:
                 writer.write(request)
                 response = await read_response(reader)
-            except ConnectionError:  # ConnectionClosed included
+            except ConnectionError as exc:  # ConnectionClosed included
                 writer.close()
                 if reused:  # the server closed this kept-alive connection (its idle timeout): retry on a fresh one
                     continue
-                return TRANSPORT_ERROR
-            except (OSError, EOFError, ValueError, asyncio.LimitOverrunError):
+                return note_failure(self.causes, TRANSPORT_ERROR, exc)
+            except (OSError, EOFError, ValueError, asyncio.LimitOverrunError) as exc:
                 writer.close()
-                return TRANSPORT_ERROR
+                return note_failure(self.causes, TRANSPORT_ERROR, exc)
             except BaseException:  # cancelled mid-answer (timeout): its state is unknown
                 writer.close()
                 raise
@@ -124,13 +135,22 @@ class RawSender:
                 self._idle.append((reader, writer))
             else:
                 writer.close()
+            if response.status != 200 and response.status not in self.causes:
+                note_failure(self.causes, response.status, str(error_from_response(response.status, response.headers, response.body)))
             return response.status
-        return TRANSPORT_ERROR
+        raise AssertionError("both attempts returned or continued. This is a bug.")
 
     async def aclose(self) -> None:
         while self._idle:
             _, writer = self._idle.pop()
             writer.close()
+
+
+def note_failure(causes: dict[int, str], status: int, cause: BaseException | str) -> int:
+    """Keep the first cause seen for `status` (an exception is named with its type); return `status`."""
+    if status not in causes:
+        causes[status] = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}".rstrip(": ")
+    return status
 
 
 # Each engine is built as engine(url, connections, timeout, headers).

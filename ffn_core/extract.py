@@ -3,12 +3,14 @@
     ffn-extract --format bert --layer 0 model.safetensors layer0.safetensors
 
 The output describes itself (sizes, activation, gating in its metadata), so the service loads it
-with `format = "native"` and nothing else.
+with `format = "native"` and nothing else. It is written with mode 0644 whatever the umask: it is
+meant to be mounted into the container, whose user (UID 10001) is not the file's owner.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +18,10 @@ from ffn_core.activations import ACTIVATIONS
 from ffn_core.checkpoints import FAMILIES
 from ffn_core.dtypes import DTYPE_NAMES
 from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
+
+
+# Readable by everyone: weights are mounted read-only into a container that runs as another user.
+OUTPUT_MODE = 0o644
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         save_ffn(model, args.output)
+        os.chmod(args.output, OUTPUT_MODE)
     except OSError as exc:
         print(f"ffn-extract: error: cannot write {args.output}: {exc}", file=sys.stderr)
         return 2

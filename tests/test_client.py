@@ -351,3 +351,9 @@ def test_importing_ffn_client_does_not_import_the_server_stack():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_a_proxys_html_error_page_is_reduced_to_its_title():
+    page = b"<html>\r\n<head><title>504 Gateway Time-out</title></head>\r\n<body><center><h1>504</h1></center></body></html>"
+    error = error_from_response(504, {}, page)
+    assert str(error) == "HTTP 504 DeadlineExceeded: 504 Gateway Time-out (an HTML page, from a proxy?)"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +112,17 @@ def test_bad_arguments_are_argparse_errors(tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["--format", "onnx", "--layer", "0", "a", "b"])
     assert info.value.code == 2
+
+
+def test_output_is_readable_by_other_users_whatever_the_umask(tmp_path):
+    """The container runs as UID 10001, not the file's owner: a 0600 file would not load there."""
+    source = tmp_path / "in.safetensors"
+    save_file({"layer1.weight": np.ones((4, 2), np.float32), "layer2.weight": np.ones((2, 4), np.float32)}, str(source))
+    out = tmp_path / "out.safetensors"
+    previous = os.umask(0o077)
+    try:
+        assert main(["--format", "native", str(source), str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert not list(tmp_path.glob("*.partial"))

@@ -117,6 +117,7 @@ def test_report_statistics():
         latency_s=np.array([0.010, 0.020, 0.030, 0.040, 0.5]),
         status=np.array([200, 200, 200, 429, -1]),
         rows=np.array([1, 2, 3, 4, 5]),
+        sent_s=np.array([0.1, 0.5, 1.2, 1.9, 2.5]),
     )
     report = build_report({"rate": None}, samples, duration_s=3.0)
     assert (report.sent, report.ok, report.rows_ok) == (5, 3, 6)
