@@ -228,6 +228,12 @@ class Batcher:
                 self._slots.release()
                 continue
             self._idle.clear()
+            if self._launch is None:  # one batch at a time: run it here, with no task to schedule
+                try:
+                    await self._run_in_slot(batch)
+                finally:
+                    self._idle.set()
+                continue
             task = asyncio.create_task(self._run_in_slot(batch), name=f"batch-{self.name}")
             self._in_flight.add(task)
             task.add_done_callback(self._landed)

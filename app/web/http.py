@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
-from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
+from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from app.web.fields import header_int, header_number
 
 T = TypeVar("T")
@@ -31,27 +31,23 @@ def refuse_content_encoding(content_encoding: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int, idle_timeout_s: float) -> bytearray:
+async def read_body(request: Request, limit: int) -> bytearray:
     """The whole body into one writable buffer, refused with 413 as soon as it passes `limit`.
 
     Content-Length is checked before reading; a chunked body is counted as it streams in. A
-    client that sends nothing for `idle_timeout_s` gets 408; one that hangs up is a 499, not a
-    failure of ours. The buffer is a bytearray so binary tensors can be viewed without a copy.
+    client that hangs up is a 499, not a failure of ours; one that stalls mid-body is answered
+    408 by the protocol (app/web/protocol.py), which this read then sees as a hang-up. The
+    buffer is a bytearray so binary tensors can be viewed without a copy.
     """
     declared = header_int(request.headers.get("content-length"), "Content-Length")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(idle_timeout_s) as idle:
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
-                idle.reschedule(loop.time() + idle_timeout_s)
-    except TimeoutError:
-        raise RequestTimeout(f"no part of the body arrived for {idle_timeout_s:g} s") from None
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection while sending its body") from None
     return body

@@ -8,6 +8,8 @@ connections. Each connection here:
   (the app's guard checks a head that arrived whole), so a header flood costs one read buffer;
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
+- must not pause for `read_timeout_s` inside a body: 408 (the timer runs only while a body is
+  incomplete, so a request that arrives in one piece, the common case, never arms it);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
 
@@ -43,13 +45,14 @@ class ConnectionLimits:
 
     max_header_bytes: int
     header_timeout_s: float
+    read_timeout_s: float
     send_timeout_s: float
     max_connections: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
-        return cls(settings.max_header_bytes, settings.header_timeout_s, settings.send_timeout_s,
-                   settings.max_connections)
+        return cls(settings.max_header_bytes, settings.header_timeout_s, settings.read_timeout_s,
+                   settings.send_timeout_s, settings.max_connections)
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -76,6 +79,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_begun = False
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._awaiting_body = False  # a request's head is in, its body is not yet complete
+        self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent_at_check = 0
         self._lingering = False
@@ -116,6 +121,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._reading_head and self._head_bytes > self.limits.max_header_bytes:
             self._refuse(431, "header_too_large", f"request head exceeds {self.limits.max_header_bytes} bytes")
+        elif self._awaiting_body:  # part of a body came, the rest must follow in time
+            self._arm_body_timer()
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(400, "invalid_input", f"malformed HTTP request: {msg}")
@@ -128,12 +135,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._reading_head = False
+        self._awaiting_body = True
         self._cancel_head_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._reading_head, self._head_begun, self._head_bytes = True, False, 0
+        self._awaiting_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     def on_response_complete(self) -> None:
         idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
@@ -187,8 +199,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    # ----- the body timeout ------------------------------------------------------------------
+
+    def _arm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_timer = self.loop.call_later(self.limits.read_timeout_s, self._body_timed_out)
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self.transport.is_closing():
+            # The app, still reading the body, sees the client gone; the client gets this answer.
+            self._refuse(408, "request_timeout", f"no part of the body arrived for {self.limits.read_timeout_s:g} s")
+
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None

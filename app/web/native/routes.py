@@ -30,7 +30,7 @@ async def transform(name: str, request: Request) -> Response:
             return await _transform_monte_carlo(request, state, served)
         headers = request.headers
         encoding_in, encoding_out, deadline = _negotiate(headers, state)
-        body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+        body = await read_body(request, state.settings.max_body_bytes)
         decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
         output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
         content, answer_headers = codec.encode(name, output, decoded, encoding_out)
@@ -68,7 +68,7 @@ async def _transform_monte_carlo(request: Request, state: ServiceState, served: 
         raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {montecarlo.PASSES}")
     headers = request.headers
     encoding_in, encoding_out, deadline = _negotiate(headers, state)
-    body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+    body = await read_body(request, state.settings.max_body_bytes)
     decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
     result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
     content, answer_headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)

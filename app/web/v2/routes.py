@@ -52,7 +52,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
-        body = await read_body(request, state.settings.max_body_bytes, state.settings.read_timeout_s)
+        body = await read_body(request, state.settings.max_body_bytes)
         decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
         timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
