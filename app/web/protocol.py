@@ -31,7 +31,16 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from app.settings import Settings
-from app.web.errors import TooManyConnections, error_body, error_response
+from app.errors import ServiceError
+from app.web.errors import (
+    HeaderTooLarge,
+    InvalidInput,
+    RequestTimeout,
+    TooManyConnections,
+    error_body,
+    error_response,
+    kind_of,
+)
 
 log = logging.getLogger("ffn_serve")
 
@@ -111,7 +120,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._refuse(400, "invalid_input", f"malformed HTTP request: {exc}")
+            self._refuse(InvalidInput(f"malformed HTTP request: {exc}"))
             return
         except httptools.HttpParserUpgrade:
             if self._should_upgrade():
@@ -120,12 +129,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         if self._reading_head and self._head_bytes > self.limits.max_header_bytes:
-            self._refuse(431, "header_too_large", f"request head exceeds {self.limits.max_header_bytes} bytes")
+            self._refuse(HeaderTooLarge(f"request head exceeds {self.limits.max_header_bytes} bytes"))
         elif self._awaiting_body:  # part of a body came, the rest must follow in time
             self._arm_body_timer()
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(400, "invalid_input", f"malformed HTTP request: {msg}")
+        self._refuse(InvalidInput(f"malformed HTTP request: {msg}"))
 
     # ----- parser callbacks ------------------------------------------------------------------
 
@@ -190,7 +199,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._head_begun or self._head_bytes:
-            self._refuse(408, "request_timeout", f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+            self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.header_timeout_s:g} s"))
         else:
             self.transport.close()  # an idle connection: closed quietly, as a keep-alive timeout does
 
@@ -210,7 +219,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer = None
         if not self.transport.is_closing():
             # The app, still reading the body, sees the client gone; the client gets this answer.
-            self._refuse(408, "request_timeout", f"no part of the body arrived for {self.limits.read_timeout_s:g} s")
+            self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
@@ -223,8 +232,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # ----- answering an error from the protocol ----------------------------------------------
 
-    def _refuse(self, status: int, error_type: str, message: str) -> None:
-        """Answer with the JSON error body and close.
+    def _refuse(self, error: ServiceError) -> None:
+        """Answer `error` as the error table says, with the JSON error body, and close.
 
         A request whose body turns out malformed is answered here, its task told the client left.
         With another request's answer pending (a pipelined head went wrong), only close.
@@ -239,8 +248,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
-        body = error_body(message, error_type)
-        head = [STATUS_LINE[status]]
+        kind = kind_of(error)
+        body = error_body(error.message, kind.error_type)
+        head = [STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
                  b"connection: close\r\n\r\n"]
