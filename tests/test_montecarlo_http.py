@@ -174,6 +174,19 @@ async def test_a_model_without_a_rate_needs_one_in_the_request(service: InProces
     assert r.status_code == 200 and r.json()["mc_dropout"] == 0.1
 
 
+@pytest.mark.parametrize("accept", ["application/json", "application/octet-stream"])
+async def test_an_output_that_overflows_is_422_in_every_encoding(service: InProcessApp, files, accept: str) -> None:
+    from ffn_core import load_ffn
+
+    w = numpy_weights(load_ffn(files["unrated"]))
+    x = np.full((1, D_MODEL), 3e38, dtype=np.float32)  # finite inputs
+    # At rate 0.9 the kept hidden values are scaled by 10: dozens of them pass float32's range.
+    assert (np.abs(numpy_hidden(x, w)) / 0.1 > np.finfo(np.float32).max).sum() >= 16
+    r = await service.client.post("/v1/models/unrated/transform?mc_passes=2&mc_dropout=0.9&mc_seed=1",
+                                  json={"inputs": x.tolist()}, headers={"accept": accept})
+    assert r.status_code == 422 and r.json()["error_type"] == "non_finite_output", r.text
+
+
 async def test_more_rows_than_one_forward_pass_is_413(service: InProcessApp) -> None:
     r = await service.client.post(f"{URL}?mc_passes=2", json={"inputs": inputs(33, D_MODEL).tolist()})
     assert r.status_code == 413 and "at most 32 rows" in r.json()["error"], r.text

@@ -18,7 +18,7 @@ import torch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.web import montecarlo
 from app.web.errors import InvalidInput
-from app.web.native.codec import MEDIA_TYPE_OF, DecodedInput, Encoding
+from app.web.native.codec import FLOAT32, MEDIA_TYPE_OF, DecodedInput, Encoding
 from app.web.tensors import raw_bytes, to_wire_dtype
 
 HEADERS = {montecarlo.PASSES: "x-mc-passes", montecarlo.DROPOUT: "x-mc-dropout", montecarlo.SEED: "x-mc-seed"}
@@ -46,7 +46,8 @@ def encode(model: str, result: MonteCarloResult, request: MonteCarloRequest, dec
     parameters = montecarlo.echoed(request)
     headers = {HEADERS[name]: str(value) for name, value in parameters.items()}
     if encoding == "json":
-        mean, std = (t.to(torch.float32).numpy().reshape(decoded.shape) for t in (result.mean, result.std))
+        # Through to_wire_dtype like the plain answer: inf or NaN is a 422, never written as null.
+        mean, std = (to_wire_dtype(t, FLOAT32).numpy().reshape(decoded.shape) for t in (result.mean, result.std))
         body = orjson.dumps({"model": model, "shape": list(decoded.shape), "dtype": "float32", **parameters,
                              "mean": mean, "std": std}, option=orjson.OPT_SERIALIZE_NUMPY)
         return body, {"content-type": MEDIA_TYPE_OF["json"], **headers}
