@@ -52,12 +52,16 @@ class ServedModel:
         """The compute dtype: the wire dtype of answers that ask for none."""
         return DTYPES[self.spec.dtype]
 
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' size on their device (the start-up log and V2 statistics' memory_usage)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def summary(self) -> str:
         """One line for the start-up log: sizes, variant, dtype, device, memory and source."""
         config = self.model.config
-        parameters = list(self.model.parameters())
-        count = sum(p.numel() for p in parameters)
-        size = sum(p.numel() * p.element_size() for p in parameters)
+        count = sum(p.numel() for p in self.model.parameters())
+        size = self.weight_bytes
         source = str(self.spec.weights) if self.spec.weights else "built-in demo weights"
         return (f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
                 f"on {self.runner.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}")
