@@ -34,7 +34,6 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
-import torch
 from prometheus_client import multiprocess
 
 from app.collectors import write_processes
@@ -260,7 +259,6 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
     configure_logging(settings.log_level, settings.log_format, worker=index)
     threading.Thread(target=_stop_with_parent, args=(conn,), name="parent-watch", daemon=True).start()
-    torch.set_num_threads(settings.torch_threads)
     metrics = Metrics()
     if replacement:
         metrics.worker_restarts.inc()
