@@ -534,10 +534,6 @@ def test_compose_loadtest_runs_the_console_script_once_the_service_is_healthy() 
 
 
 def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
-    try:
-        import ffn_client.loadtest  # noqa: F401
-    except ImportError:
-        pytest.skip("ffn_client.loadtest is not there yet")
     code = "import sys; sys.argv[0] = 'ffn-loadtest'; from ffn_client.loadtest import main; sys.exit(main())"
     result = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
