@@ -43,8 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: deploy.docker_tools and ffn_client from this checkout
 
 from deploy.docker_tools import (  # noqa: E402
-    CheckFailed, compose_v2, docker, docker_cli, engine_reachable, free_port, nginx_conf_for,
+    CheckFailed, compose_v2, docker, docker_cli, engine_reachable, nginx_conf_for,
 )
+from ffn_client import Client, TransportError  # noqa: E402
+from ffn_client.testing import free_port  # noqa: E402
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
 LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
 REFUSED = {"503", "connect"}  # not lost: the server never took these requests
@@ -135,8 +137,6 @@ class Checker:
         return int(docker("inspect", "-f", "{{.State.ExitCode}}", name)), round(time.perf_counter() - started, 1)
 
     def check_container(self) -> None:
-        from ffn_client import Client
-
         port = free_port()
         name = self.run_replica(f"{self.prefix}-one", "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}")
         self.results["image_size_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", self.image)) / 2**20)
@@ -203,8 +203,6 @@ class Checker:
             if up.returncode != 0:
                 raise CheckFailed(f"{why}: docker compose up --wait exited {up.returncode}: {up.stderr[-2000:]}")
             healthy_s = round(time.perf_counter() - started, 1)
-            from ffn_client import Client
-
             x = np.ones((2, D_MODEL), np.float32)
             with Client(f"http://127.0.0.1:{port}") as client:
                 np.testing.assert_allclose(client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5)
@@ -224,17 +222,12 @@ class Checker:
 
 
 def wait_ready(url: str, limit_s: float = 60) -> None:
-    import httpx
-
-    started = time.perf_counter()
-    while time.perf_counter() - started < limit_s:
+    """The client's own readiness wait, its failure a CheckFailed."""
+    with Client(url, timeout=2.0, max_retries=0) as client:
         try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise CheckFailed(f"{url}/v2/health/ready did not answer 200 within {limit_s:g} s")
+            client.wait_ready(limit_s, interval=0.5)
+        except TransportError as exc:
+            raise CheckFailed(f"{url}/v2/health/ready did not answer 200 within {limit_s:g} s") from exc
 
 
 def load_while(url: str, when: Callable[[int], bool], action: Callable[[], Any], **bounds: Any) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -95,9 +94,3 @@ def nginx_conf_for(version: tuple[int, ...]) -> str:
     if version >= (1, 27, 3):
         return text
     return re.sub(r"(server\s+\S+)\s+resolve\b", r"\1", text)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
