@@ -5,7 +5,7 @@
     python3 -m bench.cpu --against /tmp/before --repeat 2  # alternating runs, old and new
 
 Latency on a shared virtual machine moves with its neighbours; the server's own CPU time per
-request (utime + stime from /proc/<pid>/stat over a fixed wrk run) moves much less, and the two
+request (utime + stime of the server and its children from /proc over a fixed wrk run) moves much less, and the two
 checkouts are measured alternately so that drifts hit both. The server is pinned to core 0
 with one torch thread, wrk to core 1; binary requests of r rows to the built-in demo model.
 The other checkout runs with this interpreter (`python -m app.cli` in its folder).
@@ -14,23 +14,16 @@ The other checkout runs with this interpreter (`python -m app.cli` in its folder
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.gpu.service import tree_cpu_seconds
 from bench.serve import pinned, request_body, run_wrk, server_env
 from ffn_client.testing import start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELLS = ((1, 1), (1, 64), (16, 16))  # (rows per request, connections)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(checkout: Path, rows: int, connections: int, seconds: float, folder: Path) -> dict[str, float]:
@@ -40,9 +33,9 @@ def measure(checkout: Path, rows: int, connections: int, seconds: float, folder:
     with start_server(env=env, prefix=pinned(0), cwd=checkout) as server:
         url = f"{server.url}/v1/models/demo/transform"
         run_wrk(url, body, headers, connections, 2)  # warm-up
-        before = cpu_seconds(server.pid)
+        before = tree_cpu_seconds(server.pid)
         result = run_wrk(url, body, headers, connections, seconds)
-        used = cpu_seconds(server.pid) - before
+        used = tree_cpu_seconds(server.pid) - before
     requests = result["requests"]
     return {
         "requests_per_s": requests / (result["duration_us"] / 1e6),

@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench import serve
 from ffn_client.encodings import encode_request
 from ffn_client.testing import ServerProcess, metric_value, start_server
 
@@ -71,7 +71,7 @@ def split_cores(count: int | None = None, available: list[int] | None = None) ->
 
 
 def pinned(cores: list[int]) -> list[str]:
-    return ["taskset", "-c", ",".join(map(str, cores))] if shutil.which("taskset") else []
+    return serve.pinned(",".join(map(str, cores)))
 
 
 def tree_cpu_seconds(root: int) -> float:
