@@ -225,17 +225,11 @@ async def wait_for_metrics(client: httpx.AsyncClient, ready: Callable[[str], boo
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """The value of one sample in Prometheus text (0.0 when the series does not exist yet)."""
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        head, _, value = line.rpartition(" ")
-        series, _, label_text = head.partition("{")
-        if series != name:
-            continue
-        found = dict(
-            (part.split("=", 1)[0], part.split("=", 1)[1].strip('"'))
-            for part in label_text.rstrip("}").split(",") if "=" in part
-        )
-        if all(found.get(k) == v for k, v in labels.items()):
-            return float(value)
+    # prometheus_client comes with the loadtest and test extras, not with the client library.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
     return 0.0
