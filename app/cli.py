@@ -41,8 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    log.info("ffn-serve %s, torch %s, CUDA %s, %s", __version__, torch.__version__,
-             torch.version.cuda or "none", _devices(settings.workers))
+    log.info(
+        "ffn-serve %s, torch %s, CUDA %s, %s",
+        __version__,
+        torch.__version__,
+        torch.version.cuda or "none",
+        _devices(settings.workers),
+    )
     # Bound before the models load: a port in use is reported at once, not after a long load.
     main_socket = _bind_or_none(settings.host, settings.port)
     if main_socket is None:

@@ -30,7 +30,8 @@ class BuildInfoCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         info = GaugeMetricFamily(
-            "ffn_build_info", "The running ffn-serve: its version and those of torch, CUDA and Python.",
+            "ffn_build_info",
+            "The running ffn-serve: its version and those of torch, CUDA and Python.",
             labels=["version", "torch", "cuda", "python"],
         )
         info.add_metric([__version__, torch.__version__, torch.version.cuda or "none", platform.python_version()], 1)
@@ -93,8 +94,9 @@ class GpuMemoryCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return []
-        used = GaugeMetricFamily("ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.",
-                                 labels=["device"])
+        used = GaugeMetricFamily(
+            "ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.", labels=["device"]
+        )
         total = GaugeMetricFamily("ffn_gpu_memory_total_bytes", "GPU memory of the device.", labels=["device"])
         for index in range(torch.cuda.device_count()):
             if torch.cuda.memory_reserved(index) == 0:

@@ -38,7 +38,7 @@ class JsonFormatter(logging.Formatter):
         if self._worker is not None:
             entry.update(worker=self._worker, pid=record.process)
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
-            entry.update(zip(_ACCESS_FIELDS, record.args))
+            entry.update(zip(_ACCESS_FIELDS, record.args, strict=False))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry, default=str).decode()

@@ -65,10 +65,22 @@ def create_app(
     register(app, ENDPOINTS, fast_path=fast_path)
     serve_docs_offline(app)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes,
-                       metrics_port=settings.metrics_port)
+    app.add_middleware(
+        GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes, metrics_port=settings.metrics_port
+    )
     if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
-        app.add_middleware(JsonCORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["*"], expose_headers=["X-Shape", "X-Dtype", "Inference-Header-Content-Length",
-                                                                "X-MC-Passes", "X-MC-Dropout", "X-MC-Seed"])
+        app.add_middleware(
+            JsonCORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=[
+                "X-Shape",
+                "X-Dtype",
+                "Inference-Header-Content-Length",
+                "X-MC-Passes",
+                "X-MC-Dropout",
+                "X-MC-Seed",
+            ],
+        )
     return app

@@ -24,7 +24,22 @@ disable_created_metrics()
 
 # Latency buckets from 100 µs to 10 s: a single-row CPU pass is ~0.1 ms, a deadline is seconds.
 LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -61,38 +76,58 @@ class Metrics:
             "ffn_requests", "Requests answered, by model and outcome.", ["model", "outcome"], registry=r
         )
         self.queue_seconds = Histogram(
-            "ffn_queue_seconds", "Time an entry waited in the queue before its batch started.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            "ffn_queue_seconds",
+            "Time an entry waited in the queue before its batch started.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.compute_seconds = Histogram(
-            "ffn_compute_seconds", "Time of one batch's forward pass, host copies included.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            "ffn_compute_seconds",
+            "Time of one batch's forward pass, host copies included.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.request_seconds = Histogram(
-            "ffn_request_seconds", "Time from a request's arrival at the batcher to its answer.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            "ffn_request_seconds",
+            "Time from a request's arrival at the batcher to its answer.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         # For the V2 statistics extension (Triton's shape): what the instruments above cannot give.
         # Triton counts compute time per request (each request its batch's whole pass), failed
         # requests with their durations, and the time of the last inference.
         self.request_compute_seconds = Counter(
-            "ffn_request_compute_seconds", "Forward-pass time summed over requests: each request in a batch "
-            "counts the batch's whole pass.", ["model"], registry=r,
+            "ffn_request_compute_seconds",
+            "Forward-pass time summed over requests: each request in a batch counts the batch's whole pass.",
+            ["model"],
+            registry=r,
         )
         self.failed_request_seconds = Histogram(
-            "ffn_failed_request_seconds", "Time from a request's arrival at the batcher to its failure "
+            "ffn_failed_request_seconds",
+            "Time from a request's arrival at the batcher to its failure "
             "(queue full, deadline passed, client gone, model error, shutdown).",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.last_inference = Gauge(
-            "ffn_last_inference_timestamp_seconds", "When the model last finished a forward pass (Unix time).",
-            ["model"], registry=r, multiprocess_mode="max",
+            "ffn_last_inference_timestamp_seconds",
+            "When the model last finished a forward pass (Unix time).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="max",
         )
         self.batch_rows = Histogram(
             "ffn_batch_rows", "Rows in each forward pass.", ["model"], buckets=ROW_BUCKETS, registry=r
         )
         self.request_rows = Histogram(
-            "ffn_request_rows", "Rows in each request the batcher accepted.", ["model"], buckets=ROW_BUCKETS,
+            "ffn_request_rows",
+            "Rows in each request the batcher accepted.",
+            ["model"],
+            buckets=ROW_BUCKETS,
             registry=r,
         )
         # With workers: the rows waiting in all of them, and the lowest ceiling any of them has.
@@ -100,8 +135,11 @@ class Metrics:
             "ffn_queue_rows", "Rows waiting in the queue.", ["model"], registry=r, multiprocess_mode="livesum"
         )
         self.batch_ceiling = Gauge(
-            "ffn_max_batch_rows", "Current batch size ceiling (lowered after out-of-memory).", ["model"],
-            registry=r, multiprocess_mode="livemin",
+            "ffn_max_batch_rows",
+            "Current batch size ceiling (lowered after out-of-memory).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemin",
         )
         self.oom_splits = Counter(
             "ffn_oom_splits", "Batches split in halves after running out of memory.", ["model"], registry=r

@@ -73,7 +73,9 @@ class DrainingServer(uvicorn.Server):
         if self._drain_task is not None or not self.started:
             super().handle_exit(sig, frame)  # second signal, or still starting: uvicorn's own way
             return
-        log.info("received %s: draining (up to %.1f s)", signal.Signals(sig).name, self._engine.settings.drain_timeout_s)
+        log.info(
+            "received %s: draining (up to %.1f s)", signal.Signals(sig).name, self._engine.settings.drain_timeout_s
+        )
         self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
@@ -84,8 +86,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve_here(settings: Settings, listeners: Listeners, metrics: Metrics,
-               on_ready: Callable[[], None] | None = None) -> int:
+def serve_here(
+    settings: Settings, listeners: Listeners, metrics: Metrics, on_ready: Callable[[], None] | None = None
+) -> int:
     """Load the models and serve on `listeners` until drained; the process's exit code.
 
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
@@ -109,9 +112,16 @@ def serve_here(settings: Settings, listeners: Listeners, metrics: Metrics,
     settings = settings.model_copy(update={"metrics_port": listeners.metrics_port()})
     app = create_app(settings, registry, warm_before_serving=on_ready is not None)
     config = uvicorn.Config(
-        app, log_config=None, log_level=settings.log_level, access_log=settings.access_log,
-        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S, loop="auto",
-        server_header=False, proxy_headers=False, backlog=BACKLOG, **uvicorn_options(settings),
+        app,
+        log_config=None,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_GRACE_S,
+        loop="auto",
+        server_header=False,
+        proxy_headers=False,
+        backlog=BACKLOG,
+        **uvicorn_options(settings),
     )
     server = DrainingServer(config, app.state.service.engine, on_started=on_ready)
     # Everything loaded so far (torch, the app, the weights: some 200,000 objects) lives as long
@@ -132,7 +142,8 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
     changed = {
         name: ("***" if name == "api_key" else value)
         for name, value in settings.model_dump(exclude={"models"}).items()
-        if name in settings.model_fields_set and value != Settings.model_fields[name].get_default(call_default_factory=True)
+        if name in settings.model_fields_set
+        and value != Settings.model_fields[name].get_default(call_default_factory=True)
     }
     log.info("settings changed from defaults: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) or "none")
     log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")

@@ -44,9 +44,13 @@ class ModelSpec(BaseModel):
     )
     gated: bool | None = Field(default=None, description="Gated (GLU) FFN, where the file does not say.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="float32", description="Compute dtype.")
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="auto = cuda when available.")
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="auto = cuda when available."
+    )
     dropout: float | None = Field(
-        default=None, ge=0.0, lt=1.0,
+        default=None,
+        ge=0.0,
+        lt=1.0,
         description="Dropout rate of Monte Carlo dropout requests; unset: the file's (native files store it).",
     )
 
@@ -61,11 +65,15 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address to bind; the container sets 0.0.0.0.")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port.")
     metrics_port: int | None = Field(
-        default=None, ge=0, le=65535,
+        default=None,
+        ge=0,
+        le=65535,
         description="Also serve /metrics here, without the API key (like Triton's 8002); unset = main port only.",
     )
     workers: int = Field(
-        default=1, ge=1, le=64,
+        default=1,
+        ge=1,
+        le=64,
         description="Server processes sharing the port, each with its own models; 1 = one process, no supervisor.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
@@ -77,7 +85,9 @@ class Settings(BaseSettings):
     access_log: bool = Field(default=False, description="Log one line per HTTP request (uvicorn's access log).")
     max_batch_rows: int = Field(default=1024, ge=1, description="Most rows in one forward pass.")
     max_wait_ms: float = Field(
-        default=0.0, ge=0.0, le=1000.0,
+        default=0.0,
+        ge=0.0,
+        le=1000.0,
         description="How long a batch may wait for more rows after its first entry; 0 = greedy.",
     )
     max_queue_rows: int = Field(default=16384, ge=1, description="Rows that may wait per model before 429.")
@@ -87,20 +97,30 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(default=20.0, ge=0.0, description="On SIGTERM, how long to finish accepted work.")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
     max_header_bytes: int = Field(
-        default=16 * 1024, ge=1024, le=1024 * 1024,
+        default=16 * 1024,
+        ge=1024,
+        le=1024 * 1024,
         description="Largest request head (request line and headers); cut off with 431 as it arrives.",
     )
     header_timeout_s: float = Field(
-        default=10.0, gt=0.0, description="A request's head must arrive within this many seconds; else 408 and close.",
+        default=10.0,
+        gt=0.0,
+        description="A request's head must arrive within this many seconds; else 408 and close.",
     )
     read_timeout_s: float = Field(
-        default=30.0, gt=0.0, description="Longest pause while a request's body arrives; else 408.",
+        default=30.0,
+        gt=0.0,
+        description="Longest pause while a request's body arrives; else 408.",
     )
     send_timeout_s: float = Field(
-        default=30.0, gt=0.0, description="Longest a client may take no part of an answer; then it is dropped.",
+        default=30.0,
+        gt=0.0,
+        description="Longest a client may take no part of an answer; then it is dropped.",
     )
     max_connections: int = Field(
-        default=1024, ge=1, description="Open connections per process; past it, 503 and close.",
+        default=1024,
+        ge=1,
+        description="Open connections per process; past it, 503 and close.",
     )
     api_key: SecretStr | None = Field(
         default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
@@ -111,7 +131,9 @@ class Settings(BaseSettings):
     )
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     max_mc_passes: int = Field(
-        default=64, ge=0, le=4096,
+        default=64,
+        ge=0,
+        le=4096,
         description="Most Monte Carlo dropout passes one request may ask for (mc_passes); 0 turns the mode off.",
     )
     cuda_graphs: bool = Field(
@@ -140,7 +162,8 @@ class Settings(BaseSettings):
         "whatever it is batched with. Off: batched rows agree to float tolerance only.",
     )
     batch_invariant_rows: int = Field(
-        default=64, ge=1,
+        default=64,
+        ge=1,
         description="The row count of every forward pass in batch-invariant mode; larger batches run as several.",
     )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
@@ -229,8 +252,14 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
     )
     parser.add_argument("--version", action="version", version=f"ffn-serve {__version__}")
     source: CliSettingsSource[Settings] = CliSettingsSource(
-        Settings, root_parser=parser, cli_parse_args=list(argv or []), cli_kebab_case=True,
-        cli_implicit_flags=True, cli_hide_none_type=True, cli_show_env_vars=True, cli_avoid_json=True,
+        Settings,
+        root_parser=parser,
+        cli_parse_args=list(argv or []),
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        cli_show_env_vars=True,
+        cli_avoid_json=True,
         cli_exit_on_error=True,
     )
     return source()

@@ -164,7 +164,8 @@ class Supervisor:
         ours, theirs = self._context.Pipe(duplex=True)
         replacement = slot.failures > 0 or slot.ready
         process = self._context.Process(
-            target=worker_main, name=f"ffn-worker-{slot.index}",
+            target=worker_main,
+            name=f"ffn-worker-{slot.index}",
             args=(self._worker_settings, self.listeners, theirs, slot.index, replacement),
         )
         process.start()
@@ -224,8 +225,9 @@ class Supervisor:
         if self._stop_deadline is None:
             if sig is not None:
                 log.info("received %s: stopping %d workers", signal.Signals(sig).name, len(self._slots))
-            self._stop_deadline = (time.monotonic() + self.settings.drain_timeout_s + CONNECTION_CLOSE_GRACE_S
-                                   + STOP_MARGIN_S)
+            self._stop_deadline = (
+                time.monotonic() + self.settings.drain_timeout_s + CONNECTION_CLOSE_GRACE_S + STOP_MARGIN_S
+            )
             self.listeners.close()  # the workers hold their own copies until they have drained
             for slot in self._slots:
                 slot.restart_at = None
@@ -242,7 +244,9 @@ class Supervisor:
         self._stop_deadline = time.monotonic() + STOP_MARGIN_S
 
     def _record_processes(self) -> None:
-        write_processes(self._folder, os.getpid(), [pid for pid in (slot.pid for slot in self._slots) if pid is not None])
+        write_processes(
+            self._folder, os.getpid(), [pid for pid in (slot.pid for slot in self._slots) if pid is not None]
+        )
 
 
 def _describe_exit(code: int | None) -> str:

@@ -59,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             for rows, connections in CELLS:
                 for name, checkout in checkouts.items():
                     m = measure(checkout, rows, connections, args.seconds, Path(tmp))
-                    print(f"| {name} | {rows} | {connections} | {m['requests_per_s']:,.0f} | "
-                          f"{m['cpu_ms_per_request']:.3f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
-                          f"{m['p99_ms'] / m['p50_ms']:.1f} |", flush=True)
+                    print(
+                        f"| {name} | {rows} | {connections} | {m['requests_per_s']:,.0f} | "
+                        f"{m['cpu_ms_per_request']:.3f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} | "
+                        f"{m['p99_ms'] / m['p50_ms']:.1f} |",
+                        flush=True,
+                    )
     return 0
 
 

@@ -140,26 +140,36 @@ def json_post(body: bytes, headers: dict[str, str] | None = None) -> bytes:
 async def headers_scenario(server: ServerProcess) -> str:
     async with PeakMemory(server) as memory:
         await asyncio.wait_for(asyncio.gather(*(flood_headers(server.port, 64 * MiB) for _ in range(4))), 120)
-    return f"headers: 4 x 64 MiB of headers, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB " \
-           f"(+{memory.growth / MiB:.0f} MiB)"
+    return (
+        f"headers: 4 x 64 MiB of headers, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB "
+        f"(+{memory.growth / MiB:.0f} MiB)"
+    )
 
 
 async def body_scenario(server: ServerProcess, name: str, body: bytes) -> str:
     async with PeakMemory(server) as memory:
         r, waits = await probe_while(server.port, raw_request(server.port, json_post(body), timeout=120))
-    return f"{name}: {len(body) / MiB:.0f} MiB body -> {r.status}, {len(waits)} probes, longest probe wait " \
-           f"{max(waits, default=0) * 1000:.0f} ms, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB " \
-           f"(+{memory.growth / MiB:.0f} MiB, {memory.growth / len(body):.1f}x the body)"
+    return (
+        f"{name}: {len(body) / MiB:.0f} MiB body -> {r.status}, {len(waits)} probes, longest probe wait "
+        f"{max(waits, default=0) * 1000:.0f} ms, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB "
+        f"(+{memory.growth / MiB:.0f} MiB, {memory.growth / len(body):.1f}x the body)"
+    )
 
 
 def unread_request(rows: int = 1024, headers: dict[str, str] | None = None) -> bytes:
     """A raw float32 request of `rows` zero rows whose JSON answer is about 10 KiB a row."""
-    return http_request("POST", V1, {**(headers or {}), "Content-Type": "application/octet-stream",
-                                     "X-Shape": f"{rows},512"}, np.zeros((rows, 512), dtype="<f4").tobytes(), close=False)
+    return http_request(
+        "POST",
+        V1,
+        {**(headers or {}), "Content-Type": "application/octet-stream", "X-Shape": f"{rows},512"},
+        np.zeros((rows, 512), dtype="<f4").tobytes(),
+        close=False,
+    )
 
 
-async def unread_clients(server: ServerProcess, request: bytes, clients: int, send_timeout: float,
-                         dropped: Callable[[], bool] | None = None) -> tuple[int, int]:
+async def unread_clients(
+    server: ServerProcess, request: bytes, clients: int, send_timeout: float, dropped: Callable[[], bool] | None = None
+) -> tuple[int, int]:
     """RSS once `clients` unread answers are computed, and again after the send timeout: (held, after).
 
     `dropped`, if given, says when the server has let go of every answer (else: the timeout plus 3 s).
@@ -184,9 +194,11 @@ async def unread_scenario(server: ServerProcess, send_timeout: float) -> str:
     assert (await raw_request(server.port, request)).status == 200  # caches at this size, read normally
     before = server.rss_bytes()
     held, after = await unread_clients(server, request, 12, send_timeout)
-    return f"unread: 12 clients never reading ~10 MiB answers, RSS {before / MiB:.0f} -> {held / MiB:.0f} MiB " \
-           f"with the answers computed (+{(held - before) / MiB:.0f}), {after / MiB:.0f} MiB after the send timeout " \
-           f"(+{(after - before) / MiB:.0f}), the clients still connected"
+    return (
+        f"unread: 12 clients never reading ~10 MiB answers, RSS {before / MiB:.0f} -> {held / MiB:.0f} MiB "
+        f"with the answers computed (+{(held - before) / MiB:.0f}), {after / MiB:.0f} MiB after the send timeout "
+        f"(+{(after - before) / MiB:.0f}), the clients still connected"
+    )
 
 
 async def run(scenario: str, server: ServerProcess, send_timeout: float) -> str:
@@ -202,11 +214,20 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-dir", type=Path, default=REPO_ROOT, help="checkout whose app/ is served")
-    parser.add_argument("--only", nargs="+", choices=["headers", "empty-rows", "big-json", "unread"],
-                        default=["headers", "empty-rows", "big-json", "unread"])
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["headers", "empty-rows", "big-json", "unread"],
+        default=["headers", "empty-rows", "big-json", "unread"],
+    )
     parser.add_argument("--send-timeout", type=float, default=2.0, help="FFN_SEND_TIMEOUT_S of the server")
     args = parser.parse_args(argv)
-    env = {"FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning", "FFN_SEND_TIMEOUT_S": str(args.send_timeout), **MEASURABLE_MALLOC}
+    env = {
+        "FFN_WARMUP": "0",
+        "FFN_LOG_LEVEL": "warning",
+        "FFN_SEND_TIMEOUT_S": str(args.send_timeout),
+        **MEASURABLE_MALLOC,
+    }
     for scenario in args.only:
         with start_server(env=env, cwd=args.server_dir) as server:
             print(asyncio.run(run(scenario, server, args.send_timeout)), flush=True)

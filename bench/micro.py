@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ffn_core import FFNConfig, FeedForward, build_ffn
+from ffn_core import FeedForward, FFNConfig, build_ffn
 from ffn_core.activations import ACTIVATIONS
 from ffn_core.dtypes import DTYPES
 

@@ -62,14 +62,22 @@ def pinned(cpus: int | str) -> list[str]:
 
 def server_env(max_wait_ms: float, max_batch_rows: int, workers: int = 1) -> dict[str, str]:
     """One torch thread (and one OpenMP thread) per worker, so that each stays on one core."""
-    return {"FFN_TORCH_THREADS": "1", "FFN_MAX_WAIT_MS": str(max_wait_ms), "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
-            "FFN_WORKERS": str(workers), "FFN_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1"}
+    return {
+        "FFN_TORCH_THREADS": "1",
+        "FFN_MAX_WAIT_MS": str(max_wait_ms),
+        "FFN_MAX_BATCH_ROWS": str(max_batch_rows),
+        "FFN_WORKERS": str(workers),
+        "FFN_LOG_LEVEL": "warning",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def batch_stats(url: str) -> tuple[float, float]:
     """(sum of rows, number of batches) of model `ffn` from ffn_batch_rows."""
     page = httpx.get(f"{url}/metrics").text
-    return metric_value(page, "ffn_batch_rows_sum", model="ffn"), metric_value(page, "ffn_batch_rows_count", model="ffn")
+    return metric_value(page, "ffn_batch_rows_sum", model="ffn"), metric_value(
+        page, "ffn_batch_rows_count", model="ffn"
+    )
 
 
 def request_body(encoding: str, rows: int, d_model: int, folder: Path) -> tuple[Path, str]:
@@ -83,8 +91,18 @@ def request_body(encoding: str, rows: int, d_model: int, folder: Path) -> tuple[
 
 def run_wrk(url: str, body: Path, headers: str, concurrency: int, seconds: float, cpus: str = "1") -> dict:
     env = os.environ | {"BENCH_BODY": str(body), "BENCH_HEADERS": headers}
-    command = [*pinned(cpus), "wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-               "-s", str(LUA), url]
+    command = [
+        *pinned(cpus),
+        "wrk",
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(LUA),
+        url,
+    ]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -123,7 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--encodings", nargs="+", default=["binary", "json"], choices=["binary", "json"])
     p.add_argument("--max-wait-ms", type=float, nargs="+", default=[0.0])
     p.add_argument("--max-batch-rows", type=int, default=1024)
-    p.add_argument("--workers", type=int, nargs="+", default=[1], help="worker processes (FFN_WORKERS), one server each")
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=[1], help="worker processes (FFN_WORKERS), one server each"
+    )
     p.add_argument("--server-cpus", default=str(SERVER_CORE), help="taskset list for the server, e.g. 0 or 0,1")
     p.add_argument("--client-cpus", default="1", help="taskset list for wrk")
     p.add_argument("--seconds", type=float, default=5.0, help="wrk duration per cell")
@@ -147,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         save_ffn(model, folder / "ffn.safetensors")
         (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
         for workers, max_wait in [(w, m) for w in args.workers for m in args.max_wait_ms]:
-            with start_server(server_env(max_wait, args.max_batch_rows, workers), folder / "ffn.toml",
-                              prefix=pinned(args.server_cpus), ready_timeout=120.0) as server:
+            with start_server(
+                server_env(max_wait, args.max_batch_rows, workers),
+                folder / "ffn.toml",
+                prefix=pinned(args.server_cpus),
+                ready_timeout=120.0,
+            ) as server:
                 base = server.url
                 url = f"{base}/v1/models/ffn/transform"
                 for encoding in args.encodings:
@@ -165,10 +189,22 @@ def main(argv: list[str] | None = None) -> int:
                             ok = result["requests"] - result["status_errors"]
                             base_rps = inprocess.rows_per_s(round(mean_batch))
                             rows_per_s = ok * rows / seconds
-                            cell = Cell(workers, encoding, rows, concurrency, max_wait, ok / seconds, rows_per_s,
-                                        result["p50_us"] / 1000, result["p90_us"] / 1000, result["p99_us"] / 1000,
-                                        result["status_errors"] + result["socket_errors"], mean_batch, base_rps,
-                                        rows_per_s / base_rps)
+                            cell = Cell(
+                                workers,
+                                encoding,
+                                rows,
+                                concurrency,
+                                max_wait,
+                                ok / seconds,
+                                rows_per_s,
+                                result["p50_us"] / 1000,
+                                result["p90_us"] / 1000,
+                                result["p99_us"] / 1000,
+                                result["status_errors"] + result["socket_errors"],
+                                mean_batch,
+                                base_rps,
+                                rows_per_s / base_rps,
+                            )
                             cells.append(cell)
                             print(format_row(cell), flush=True)
     batch1_ms = 1000.0 / inprocess.rows_per_s(1)
@@ -176,22 +212,27 @@ def main(argv: list[str] | None = None) -> int:
     print(table(cells, batch1_ms, args))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"inprocess_batch1_ms": batch1_ms, "cells": [asdict(c) for c in cells]},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"inprocess_batch1_ms": batch1_ms, "cells": [asdict(c) for c in cells]}, indent=2)
+        )
     if args.plot:
         plot(cells, args.plot)
     return 0
 
 
-HEADER = ("| workers | encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | p99/p50 | errors "
-          "| rows/batch | in-process rows/s at that batch | ratio |")
+HEADER = (
+    "| workers | encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | p99/p50 | errors "
+    "| rows/batch | in-process rows/s at that batch | ratio |"
+)
 
 
 def format_row(c: Cell) -> str:
-    return (f"| {c.workers} | {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} "
-            f"| {c.requests_per_s:,.0f} | {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
-            f"| {c.p99_ms / c.p50_ms:.1f} | {c.errors} | {c.mean_batch_rows:.1f} "
-            f"| {c.inprocess_rows_per_s:,.0f} | {c.ratio:.0%} |")
+    return (
+        f"| {c.workers} | {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} "
+        f"| {c.requests_per_s:,.0f} | {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
+        f"| {c.p99_ms / c.p50_ms:.1f} | {c.errors} | {c.mean_batch_rows:.1f} "
+        f"| {c.inprocess_rows_per_s:,.0f} | {c.ratio:.0%} |"
+    )
 
 
 def table(cells: list[Cell], batch1_ms: float, args: argparse.Namespace) -> str:
@@ -218,13 +259,20 @@ def plot(cells: list[Cell], path: Path) -> None:
     for key in sorted({(c.workers, c.encoding, c.rows_per_request, c.max_wait_ms) for c in cells}):
         workers, encoding, rows, wait = key
         sel = [c for c in cells if (c.workers, c.encoding, c.rows_per_request, c.max_wait_ms) == key]
-        label = (f"{encoding}, r={rows}" + (f", wait {wait:g} ms" if several_waits else "")
-                 + (f", {workers} workers" if several_workers else ""))
+        label = (
+            f"{encoding}, r={rows}"
+            + (f", wait {wait:g} ms" if several_waits else "")
+            + (f", {workers} workers" if several_workers else "")
+        )
         xs = [c.concurrency for c in sel]
         left.plot(xs, [c.ratio * 100 for c in sel], marker="o", label=label)
         right.plot(xs, [c.p99_ms for c in sel], marker="o", label=label)
-    left.set(xscale="log", xlabel="concurrency C", ylabel="% of in-process rows/s at the formed batch",
-             title="Throughput vs the in-process model")
+    left.set(
+        xscale="log",
+        xlabel="concurrency C",
+        ylabel="% of in-process rows/s at the formed batch",
+        title="Throughput vs the in-process model",
+    )
     right.set(xscale="log", yscale="log", xlabel="concurrency C", ylabel="p99 latency (ms)", title="Tail latency")
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)

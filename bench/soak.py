@@ -35,8 +35,16 @@ D_MODEL = 512
 WARM_UP_S = 60.0  # RSS growth is also reported from this point on
 SERVER_DEADLINE_MS = 30_000.0
 # (encoding, wire dtype) of the requests, cycled through in this order.
-KINDS = (("json", "float32"), ("binary", "float32"), ("binary", "float16"), ("binary", "bfloat16"),
-         ("npy", "float32"), ("npy", "float16"), ("v2-json", "float32"), ("v2-binary", "float32"))
+KINDS = (
+    ("json", "float32"),
+    ("binary", "float32"),
+    ("binary", "float16"),
+    ("binary", "bfloat16"),
+    ("npy", "float32"),
+    ("npy", "float16"),
+    ("v2-json", "float32"),
+    ("v2-binary", "float32"),
+)
 
 
 # ----- requests --------------------------------------------------------------------------------
@@ -77,8 +85,7 @@ class Tally:
     unexpected: Counter[str] = field(default_factory=Counter)  # "<kind> <status>" that was not expected
 
 
-async def worker(client: httpx.AsyncClient, requests: list[Prebuilt], stop_at: float, tally: Tally,
-                 seed: int) -> None:
+async def worker(client: httpx.AsyncClient, requests: list[Prebuilt], stop_at: float, tally: Tally, seed: int) -> None:
     rng = random.Random(seed)
     while time.monotonic() < stop_at:
         req = rng.choice(requests)
@@ -97,8 +104,9 @@ async def worker(client: httpx.AsyncClient, requests: list[Prebuilt], stop_at: f
             tally.unexpected[f"{req.kind} {status}"] += 1
 
 
-async def sample_rss(pid: int | None, stop_at: float, every_s: float, samples: list[tuple[float, int]],
-                     tally: Tally, started: float) -> None:
+async def sample_rss(
+    pid: int | None, stop_at: float, every_s: float, samples: list[tuple[float, int]], tally: Tally, started: float
+) -> None:
     next_print = started + 60.0
     while True:
         now = time.monotonic()
@@ -121,8 +129,7 @@ async def soak(url: str, pid: int | None, args: argparse.Namespace) -> tuple[Tal
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as client:
         started = time.monotonic()
         stop_at = started + args.minutes * 60.0
-        tasks = [asyncio.create_task(worker(client, requests, stop_at, tally, seed=i))
-                 for i in range(args.concurrency)]
+        tasks = [asyncio.create_task(worker(client, requests, stop_at, tally, seed=i)) for i in range(args.concurrency)]
         tasks.append(asyncio.create_task(sample_rss(pid, stop_at, args.sample_s, samples, tally, started)))
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - started
@@ -168,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-rows", type=int, default=64, help="rows per request: 1..this (default 64)")
     parser.add_argument("--distinct", type=int, default=96, help="prebuilt requests to cycle through")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
-    parser.add_argument("--env", action="append", default=[], metavar="FFN_X=V",
-                        help="extra environment for the started server (repeatable)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="FFN_X=V",
+        help="extra environment for the started server (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     if args.url:
@@ -186,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(url: str, pid: int | None, args: argparse.Namespace) -> tuple[Tally, list[tuple[float, int]], float]:
-    print(f"soak: {args.minutes:g} min against {url} (pid {pid}), {args.concurrency} workers, "
-          f"rows 1..{args.max_rows}", flush=True)
+    print(
+        f"soak: {args.minutes:g} min against {url} (pid {pid}), {args.concurrency} workers, rows 1..{args.max_rows}",
+        flush=True,
+    )
     return asyncio.run(soak(url, pid, args))
 
 

@@ -50,8 +50,13 @@ def run(folder: Path, args: argparse.Namespace, freeze: bool) -> dict:
     log = folder / f"gc-{freeze}.json"
     env = server_env(0.0, 1024) | {"BENCH_GC_LOG": str(log), "BENCH_GC_FREEZE": "1" if freeze else "0"}
     body, headers = request_body(args.encoding, args.rows, args.d_model, folder)
-    with start_server(env, folder / "ffn.toml", prefix=pinned(0), command=(sys.executable, "-m", "bench.gc_probe"),
-                      ready_timeout=120.0) as server:
+    with start_server(
+        env,
+        folder / "ffn.toml",
+        prefix=pinned(0),
+        command=(sys.executable, "-m", "bench.gc_probe"),
+        ready_timeout=120.0,
+    ) as server:
         url = f"{server.url}/v1/models/ffn/transform"
         run_wrk(url, body, headers, args.concurrency, 1)  # warm-up
         before = httpx.get(f"{server.url}/metrics").text
@@ -59,21 +64,31 @@ def run(folder: Path, args: argparse.Namespace, freeze: bool) -> dict:
         result = run_wrk(url, body, headers, args.concurrency, args.seconds)
         ended = time.time()
         after = httpx.get(f"{server.url}/metrics").text
-    pauses = [(generation, seconds) for at, generation, seconds in json.loads(log.read_text())
-              if started <= at <= ended]
+    pauses = [
+        (generation, seconds) for at, generation, seconds in json.loads(log.read_text()) if started <= at <= ended
+    ]
     gc_rows = {}
     for generation in (0, 1, 2):
         mine = [s * 1000 for g, s in pauses if g == generation]
         gc_rows[generation] = (len(mine), sum(mine), max(mine, default=0.0))
     return {
         "rps": result["requests"] / (result["duration_us"] / 1e6),
-        "p50": result["p50_us"] / 1000, "p90": result["p90_us"] / 1000, "p99": result["p99_us"] / 1000,
+        "p50": result["p50_us"] / 1000,
+        "p90": result["p90_us"] / 1000,
+        "p99": result["p99_us"] / 1000,
         "max": result["max_us"] / 1000,
-        "batch_mean": (metric_value(after, "ffn_batch_rows_sum", model="ffn")
-                       - metric_value(before, "ffn_batch_rows_sum", model="ffn"))
-        / max(1.0, metric_value(after, "ffn_batch_rows_count", model="ffn")
-              - metric_value(before, "ffn_batch_rows_count", model="ffn")),
-        "batch_p99": batch_quantile(before, after, 0.99), "gc": gc_rows, "seconds": ended - started,
+        "batch_mean": (
+            metric_value(after, "ffn_batch_rows_sum", model="ffn")
+            - metric_value(before, "ffn_batch_rows_sum", model="ffn")
+        )
+        / max(
+            1.0,
+            metric_value(after, "ffn_batch_rows_count", model="ffn")
+            - metric_value(before, "ffn_batch_rows_count", model="ffn"),
+        ),
+        "batch_p99": batch_quantile(before, after, 0.99),
+        "gc": gc_rows,
+        "seconds": ended - started,
     }
 
 
@@ -92,17 +107,26 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         save_ffn(model, folder / "ffn.safetensors")
         (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
-        runs = {"without gc.freeze": run(folder, args, freeze=False), "with gc.freeze (shipped)": run(folder, args, True)}
-    print(f"{args.encoding}, r={args.rows}, C={args.concurrency}, {args.seconds:g} s per run; server on core 0, wrk on core 1")
+        runs = {
+            "without gc.freeze": run(folder, args, freeze=False),
+            "with gc.freeze (shipped)": run(folder, args, True),
+        }
+    print(
+        f"{args.encoding}, r={args.rows}, C={args.concurrency}, {args.seconds:g} s per run; server on core 0, wrk on core 1"
+    )
     print()
-    print("| run | req/s | p50 ms | p90 ms | p99 ms | max ms | p99/p50 | rows/batch mean | rows/batch p99 "
-          "| gen0 passes (longest ms) | gen1 passes (longest ms) | gen2 passes (total ms, longest ms) |")
+    print(
+        "| run | req/s | p50 ms | p90 ms | p99 ms | max ms | p99/p50 | rows/batch mean | rows/batch p99 "
+        "| gen0 passes (longest ms) | gen1 passes (longest ms) | gen2 passes (total ms, longest ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         g = r["gc"]
-        print(f"| {name} | {r['rps']:,.0f} | {r['p50']:.1f} | {r['p90']:.1f} | {r['p99']:.1f} | {r['max']:.1f} "
-              f"| {r['p99'] / r['p50']:.1f} | {r['batch_mean']:.1f} | ≤ {r['batch_p99']:g} "
-              f"| {g[0][0]} ({g[0][2]:.1f}) | {g[1][0]} ({g[1][2]:.1f}) | {g[2][0]} ({g[2][1]:.0f}, {g[2][2]:.1f}) |")
+        print(
+            f"| {name} | {r['rps']:,.0f} | {r['p50']:.1f} | {r['p90']:.1f} | {r['p99']:.1f} | {r['max']:.1f} "
+            f"| {r['p99'] / r['p50']:.1f} | {r['batch_mean']:.1f} | ≤ {r['batch_p99']:g} "
+            f"| {g[0][0]} ({g[0][2]:.1f}) | {g[1][0]} ({g[1][2]:.1f}) | {g[2][0]} ({g[2][1]:.0f}, {g[2][2]:.1f}) |"
+        )
     return 0
 
 

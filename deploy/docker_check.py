@@ -43,10 +43,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: deploy.docker_tools and ffn_client from this checkout
 
 from deploy.docker_tools import (  # noqa: E402
-    CheckFailed, compose_v2, docker, docker_cli, engine_reachable, nginx_conf_for,
+    CheckFailed,
+    compose_v2,
+    docker,
+    docker_cli,
+    engine_reachable,
+    nginx_conf_for,
 )
 from ffn_client import Client, TransportError  # noqa: E402
 from ffn_client.testing import free_port  # noqa: E402
+
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
 LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
 REFUSED = {"503", "connect"}  # not lost: the server never took these requests
@@ -66,7 +72,8 @@ def write_models(folder: Path) -> dict[str, np.ndarray]:
     }
     save_file(weights, str(folder / "check.safetensors"))
     (folder / "config.toml").write_text(
-        f'[[models]]\nname = "{CHECK_MODEL}"\nweights = "check.safetensors"\nformat = "native"\nactivation = "relu"\n')
+        f'[[models]]\nname = "{CHECK_MODEL}"\nweights = "check.safetensors"\nformat = "native"\nactivation = "relu"\n'
+    )
     folder.chmod(0o755)  # mkdtemp makes 0700: UID 10001 could not enter it
     for path in folder.iterdir():
         path.chmod(0o644)
@@ -110,12 +117,15 @@ class Checker:
         docker(*args, "-t", self.image, str(ROOT), timeout=3600)
         self.results["build_s"] = round(time.perf_counter() - started, 1)
         docker(*args, "--target", "loadtest", "-t", LOADTEST_IMAGE, str(ROOT), timeout=1800)
-        self.results["loadtest_image_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", LOADTEST_IMAGE)) / 2**20)
+        self.results["loadtest_image_mb"] = round(
+            int(docker("image", "inspect", "-f", "{{.Size}}", LOADTEST_IMAGE)) / 2**20
+        )
 
     def run_replica(self, name: str, *options: str) -> str:
         self.containers.append(name)
-        docker("run", "-d", "--name", name, "--stop-timeout", "30", "-v", f"{self.folder}:/models:ro",
-               *options, self.image)
+        docker(
+            "run", "-d", "--name", name, "--stop-timeout", "30", "-v", f"{self.folder}:/models:ro", *options, self.image
+        )
         return name
 
     def wait_healthy(self, name: str, limit_s: float = 240) -> float:
@@ -126,9 +136,13 @@ class Checker:
             if state.get("Health", {}).get("Status") == "healthy":
                 return round(time.perf_counter() - started, 1)
             if not state["Running"]:
-                raise CheckFailed(f"{name} exited {state['ExitCode']} before healthy:\n{docker('logs', '--tail', '30', name, check=False)}")
+                raise CheckFailed(
+                    f"{name} exited {state['ExitCode']} before healthy:\n{docker('logs', '--tail', '30', name, check=False)}"
+                )
             time.sleep(0.5)
-        raise CheckFailed(f"{name} not healthy after {limit_s:g} s:\n{docker('logs', '--tail', '30', name, check=False)}")
+        raise CheckFailed(
+            f"{name} not healthy after {limit_s:g} s:\n{docker('logs', '--tail', '30', name, check=False)}"
+        )
 
     def stop(self, name: str) -> tuple[int, float]:
         """`docker stop` (SIGTERM, then 30 s): the exit code and the seconds it took."""
@@ -138,7 +152,9 @@ class Checker:
 
     def check_container(self) -> None:
         port = free_port()
-        name = self.run_replica(f"{self.prefix}-one", "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}")
+        name = self.run_replica(
+            f"{self.prefix}-one", "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}"
+        )
         self.results["image_size_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", self.image)) / 2**20)
         self.results["healthy_after_s"] = self.wait_healthy(name)
         url = f"http://127.0.0.1:{port}"
@@ -158,11 +174,14 @@ class Checker:
         network = f"{self.prefix}-net"
         docker("network", "create", network)
         self.networks.append(network)
-        replicas = [self.run_replica(f"{self.prefix}-r{i}", "--network", network, "--network-alias", "ffn") for i in range(3)]
+        replicas = [
+            self.run_replica(f"{self.prefix}-r{i}", "--network", network, "--network-alias", "ffn") for i in range(3)
+        ]
         for name in replicas:
             self.wait_healthy(name)
-        shown = subprocess.run([*docker_cli(), "run", "--rm", self.nginx_image, "nginx", "-v"],
-                               capture_output=True, text=True, timeout=120)  # nginx -v writes to stderr
+        shown = subprocess.run(
+            [*docker_cli(), "run", "--rm", self.nginx_image, "nginx", "-v"], capture_output=True, text=True, timeout=120
+        )  # nginx -v writes to stderr
         found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", shown.stdout + shown.stderr)
         version = tuple(int(v) for v in found.groups()) if found else (0, 0, 0)
         conf = self.folder / "nginx.conf"
@@ -170,14 +189,30 @@ class Checker:
         conf.chmod(0o644)
         port = free_port()
         self.containers.append(f"{self.prefix}-lb")
-        docker("run", "-d", "--name", f"{self.prefix}-lb", "--network", network, "-p", f"127.0.0.1:{port}:8080",
-               "-v", f"{conf}:/etc/nginx/conf.d/default.conf:ro", self.nginx_image)
+        docker(
+            "run",
+            "-d",
+            "--name",
+            f"{self.prefix}-lb",
+            "--network",
+            network,
+            "-p",
+            f"127.0.0.1:{port}:8080",
+            "-v",
+            f"{conf}:/etc/nginx/conf.d/default.conf:ro",
+            self.nginx_image,
+        )
         url = f"http://127.0.0.1:{port}"
         wait_ready(url)
         report = load_while(url, lambda ok: ok >= 1000, lambda: self.stop(replicas[1]), concurrency=16, requests=3000)
         exit_code, stop_s = report.pop("action")
-        self.results["balancer"] = {"nginx": ".".join(map(str, version)), "resolve": version >= (1, 27, 3),
-                                    "replica_exit_code": exit_code, "stop_s": stop_s, **report}
+        self.results["balancer"] = {
+            "nginx": ".".join(map(str, version)),
+            "resolve": version >= (1, 27, 3),
+            "replica_exit_code": exit_code,
+            "stop_s": stop_s,
+            **report,
+        }
         if report["errors"] or exit_code != 0 or report["sent"] != 3000:
             raise CheckFailed(f"scale-down behind nginx: {self.results['balancer']}")
 
@@ -187,8 +222,11 @@ class Checker:
             self.results["compose"] = {"skipped": why}
             return
         project, port = f"{self.prefix}-compose", free_port()
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))},
-               "PUBLISH": f"127.0.0.1:{port}", "MODELS_DIR": str(self.folder)}
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))},
+            "PUBLISH": f"127.0.0.1:{port}",
+            "MODELS_DIR": str(self.folder),
+        }
         base = [*command, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml"), "-p", project]
 
         def compose(*args: str) -> subprocess.CompletedProcess[str]:
@@ -205,18 +243,45 @@ class Checker:
             healthy_s = round(time.perf_counter() - started, 1)
             x = np.ones((2, D_MODEL), np.float32)
             with Client(f"http://127.0.0.1:{port}") as client:
-                np.testing.assert_allclose(client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5)
-            load = compose("--profile", "loadtest", "run", "--rm", "--no-deps", "loadtest", "ffn-loadtest", "--url",
-                           "http://ffn:8000", "--model", CHECK_MODEL, "-n", "200", "-q", "--json", "-")
+                np.testing.assert_allclose(
+                    client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5
+                )
+            load = compose(
+                "--profile",
+                "loadtest",
+                "run",
+                "--rm",
+                "--no-deps",
+                "loadtest",
+                "ffn-loadtest",
+                "--url",
+                "http://ffn:8000",
+                "--model",
+                CHECK_MODEL,
+                "-n",
+                "200",
+                "-q",
+                "--json",
+                "-",
+            )
             if load.returncode != 0:
-                raise CheckFailed(f"compose's loadtest exited {load.returncode}: {load.stdout[-1000:]} {load.stderr[-1000:]}")
+                raise CheckFailed(
+                    f"compose's loadtest exited {load.returncode}: {load.stdout[-1000:]} {load.stderr[-1000:]}"
+                )
             counts = json.loads(load.stdout)["counts"]
             containers = compose("ps", "-q", "ffn").stdout.split()
             stop = compose("stop")
             codes = [int(docker("inspect", "-f", "{{.State.ExitCode}}", c)) for c in containers]
-            self.results["compose"] = {"version": why, "healthy_after_s": healthy_s, "loadtest": counts, "exit_codes": codes}
+            self.results["compose"] = {
+                "version": why,
+                "healthy_after_s": healthy_s,
+                "loadtest": counts,
+                "exit_codes": codes,
+            }
             if stop.returncode != 0 or codes != [0] * len(containers) or counts["ok"] != 200:
-                raise CheckFailed(f"compose stop exited {stop.returncode}: {stop.stderr[-2000:]}; {self.results['compose']}")
+                raise CheckFailed(
+                    f"compose stop exited {stop.returncode}: {stop.stderr[-2000:]}; {self.results['compose']}"
+                )
         finally:
             compose("down", "--remove-orphans")
 
@@ -243,16 +308,21 @@ def load_while(url: str, when: Callable[[int], bool], action: Callable[[], Any],
             thread = threading.Thread(target=lambda: done.setdefault("action", action()), daemon=True)
             thread.start()
 
-    config = LoadConfig(url=url, model=CHECK_MODEL, d_model=D_MODEL, rows=(4, 4),
-                        metrics_url="", timeout=60, **bounds)
+    config = LoadConfig(url=url, model=CHECK_MODEL, d_model=D_MODEL, rows=(4, 4), metrics_url="", timeout=60, **bounds)
     report = asyncio.run(run_load(config, progress))
     if thread is None:
         raise CheckFailed(f"the load ended before its action was due: {report.to_dict()['counts']}")
     thread.join(90)
     if "action" not in done:
         raise CheckFailed("the action during the load did not finish")
-    return {"sent": report.sent, "ok": report.ok, "errors": report.errors, "causes": report.error_causes,
-            "p99_ms": round(report.latency_ms["p99"], 1), "action": done["action"]}
+    return {
+        "sent": report.sent,
+        "ok": report.ok,
+        "errors": report.errors,
+        "causes": report.error_causes,
+        "p99_ms": round(report.latency_ms["p99"], 1),
+        "action": done["action"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", default="ffn-serve:cpu")
     parser.add_argument("--nginx-image", default="nginx:1.28-alpine")
     parser.add_argument("--no-build", action="store_true", help="use the image as it is")
-    parser.add_argument("--checks", default="container,balancer,compose",
-                        help="which checks after the build, comma-separated (default %(default)s)")
+    parser.add_argument(
+        "--checks",
+        default="container,balancer,compose",
+        help="which checks after the build, comma-separated (default %(default)s)",
+    )
     parser.add_argument("--json", metavar="FILE", help="write what was seen as JSON")
     args = parser.parse_args(argv)
     why = engine_reachable()
@@ -270,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     checker = Checker(args.image, args.nginx_image)
     failed = None
-    steps = ([] if args.no_build else [checker.build]) + [getattr(checker, f"check_{name}") for name in args.checks.split(",")]
+    steps = ([] if args.no_build else [checker.build]) + [
+        getattr(checker, f"check_{name}") for name in args.checks.split(",")
+    ]
     try:
         for step in steps:
             print(f"docker_check: {step.__name__} ...", file=sys.stderr, flush=True)

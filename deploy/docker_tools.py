@@ -29,7 +29,10 @@ def docker_cli() -> list[str]:
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
     """Run a docker command; its stdout, or CheckFailed with its stderr."""
-    env = {**os.environ, "DOCKER_BUILDKIT": "1"}  # the Dockerfile's COPY --chmod; a 20.10 client defaults to the old builder
+    env = {
+        **os.environ,
+        "DOCKER_BUILDKIT": "1",
+    }  # the Dockerfile's COPY --chmod; a 20.10 client defaults to the old builder
     try:
         result = subprocess.run([*docker_cli(), *args], capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -42,8 +45,12 @@ def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
 def engine_reachable(timeout: float = 5.0) -> str | None:
     """None when an engine answers; otherwise why not (for a skip message)."""
     try:
-        result = subprocess.run([*docker_cli(), "version", "--format", "{{.Server.Version}}"],
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            [*docker_cli(), "version", "--format", "{{.Server.Version}}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"no Docker client or engine: {type(exc).__name__}: {exc}"
     if result.returncode != 0:

@@ -14,11 +14,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pydantic import BaseModel, SecretStr  # noqa: E402
-from pydantic.fields import FieldInfo  # noqa: E402
-from pydantic_core import PydanticUndefined  # noqa: E402
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
-from app.settings import Settings  # noqa: E402
+from app.settings import Settings
 
 ENV_PREFIX = "FFN_"
 # Used only where a field has no description of its own.
@@ -38,7 +38,14 @@ def type_text(annotation: Any) -> str:
         if isinstance(item, type) and issubclass(item, BaseModel):
             return "JSON list of tables"
         return "JSON list of strings" if item is str else f"JSON list of {type_text(item)}"
-    names = {str: "string", int: "integer", float: "number", bool: "`true` or `false`", Path: "path", SecretStr: "string"}
+    names = {
+        str: "string",
+        int: "integer",
+        float: "number",
+        bool: "`true` or `false`",
+        Path: "path",
+        SecretStr: "string",
+    }
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 

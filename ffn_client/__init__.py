@@ -1,8 +1,8 @@
 """ffn_client: the client library and load tester of ffn-serve (httpx + numpy; no torch).
 
-    from ffn_client import Client
-    with Client("http://127.0.0.1:8000") as client:
-        y = client.transform("demo", x)  # x: [rows, 512] or [batch, seq, 512]
+from ffn_client import Client
+with Client("http://127.0.0.1:8000") as client:
+    y = client.transform("demo", x)  # x: [rows, 512] or [batch, seq, 512]
 """
 
 from ffn_client.client import AsyncClient, Client

@@ -53,6 +53,7 @@ _MEDIA = {"json": "application/json", "binary": "application/octet-stream", "npy
 
 # -- bfloat16 ---------------------------------------------------------------------------------
 
+
 def float32_to_bf16(array: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of `array`, rounded to nearest even; NaN stays NaN."""
     bits = np.ascontiguousarray(array, dtype="<f4").view("<u4")
@@ -76,6 +77,7 @@ def as_wire_values(array: np.ndarray, dtype: str) -> np.ndarray:
 
 
 # -- raw bytes and .npy -----------------------------------------------------------------------
+
 
 def to_bytes(array: np.ndarray, dtype: str) -> bytes:
     """Little-endian C-order bytes of `array` in `dtype` (float32, float16 or bfloat16)."""
@@ -126,6 +128,7 @@ def loads(data: bytes | memoryview) -> object:
 
 # -- whole requests -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class EncodedRequest:
     """A ready-to-send POST: path, body and headers, plus what the answer must look like."""
@@ -152,9 +155,7 @@ def resolve_dtype(array: np.ndarray, encoding: str, dtype: str | None) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if dtype not in SUPPORTED_DTYPES[encoding]:
-        raise ValueError(
-            f"encoding {encoding!r} carries {', '.join(SUPPORTED_DTYPES[encoding])}, not {dtype}"
-        )
+        raise ValueError(f"encoding {encoding!r} carries {', '.join(SUPPORTED_DTYPES[encoding])}, not {dtype}")
     return dtype
 
 
@@ -195,7 +196,10 @@ def _v2_request(
     """An Open Inference Protocol request; [batch, seq, d] goes as [batch*seq, d] (V2 metadata)."""
     flat = array.reshape(-1, array.shape[-1]) if array.ndim > 2 else array
     tensor: dict[str, object] = {"name": V2_INPUT, "shape": list(flat.shape), "datatype": V2_DATATYPES[dtype]}
-    document: dict[str, object] = {"inputs": [tensor], "outputs": [{"name": V2_OUTPUT, "parameters": {"binary_data": binary}}]}
+    document: dict[str, object] = {
+        "inputs": [tensor],
+        "outputs": [{"name": V2_OUTPUT, "parameters": {"binary_data": binary}}],
+    }
     if timeout_ms is not None:
         document["parameters"] = {"timeout": math.ceil(timeout_ms * 1000)}  # integer microseconds
     if not binary:
@@ -212,6 +216,7 @@ def _v2_request(
 
 
 # -- answers --------------------------------------------------------------------------------
+
 
 def decode_response(request: EncodedRequest, headers: Mapping[str, str], body: bytes) -> np.ndarray:
     """The output array of a 200 answer to `request`, in the request's shape.

@@ -118,8 +118,17 @@ class Timeout(TransportError):
 ERRORS_BY_STATUS: dict[int, type[FFNError]] = {
     cls.default_status: cls
     for cls in (
-        BadRequest, Unauthorized, ModelNotFound, NotAcceptable, PayloadTooLarge,
-        UnsupportedMediaType, Overloaded, ServerError, Unavailable, DeadlineExceeded, OutOfMemory,
+        BadRequest,
+        Unauthorized,
+        ModelNotFound,
+        NotAcceptable,
+        PayloadTooLarge,
+        UnsupportedMediaType,
+        Overloaded,
+        ServerError,
+        Unavailable,
+        DeadlineExceeded,
+        OutOfMemory,
     )
 }
 
@@ -157,10 +166,7 @@ def error_from_response(status: int, headers: Mapping[str, str], body: bytes) ->
         title = re.search(r"<title>\s*(.*?)\s*</title>", message, re.I | re.S)
         if title:
             message = f"{title[1]} (an HTML page, from a proxy?)"
-    if status >= 500:
-        cls = ERRORS_BY_STATUS.get(status, ServerError)
-    else:
-        cls = ERRORS_BY_STATUS.get(status, FFNError)
+    cls = ERRORS_BY_STATUS.get(status, ServerError if status >= 500 else FFNError)
     return cls(
         message or f"HTTP {status}",
         status=status,

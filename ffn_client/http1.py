@@ -37,8 +37,9 @@ class Response:
         return json.loads(self.body)
 
 
-def build_request(method: str, target: str, headers: Mapping[str, str] | None = None, body: bytes = b"",
-                  *, host: str) -> bytes:
+def build_request(
+    method: str, target: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *, host: str
+) -> bytes:
     """The bytes of one request: request line, Host, `headers` as given, Content-Length, body.
 
     Content-Length is added for a body (or a POST, PUT or PATCH without one) unless `headers`

@@ -28,7 +28,16 @@ import numpy as np
 
 from ffn_client.encodings import ENCODINGS, SUPPORTED_DTYPES
 from ffn_client.payloads import discover_d_model, make_payloads
-from ffn_client.report import OFFERED_GRACE_S, TIMEOUT, OfferedLoad, Report, Samples, build_report, latency_stats, status_name
+from ffn_client.report import (
+    OFFERED_GRACE_S,
+    TIMEOUT,
+    OfferedLoad,
+    Report,
+    Samples,
+    build_report,
+    latency_stats,
+    status_name,
+)
 from ffn_client.senders import ENGINES, Sender, note_failure
 from ffn_client.server_metrics import MetricsWindow
 
@@ -69,7 +78,9 @@ class LoadConfig:
         if self.encoding not in ENCODINGS:
             problems.append(f"encoding must be one of {', '.join(ENCODINGS)}")
         elif self.dtype not in SUPPORTED_DTYPES[self.encoding]:
-            problems.append(f"encoding {self.encoding} carries {', '.join(SUPPORTED_DTYPES[self.encoding])}, not {self.dtype}")
+            problems.append(
+                f"encoding {self.encoding} carries {', '.join(SUPPORTED_DTYPES[self.encoding])}, not {self.dtype}"
+            )
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}")
         if self.concurrency < 1:
@@ -190,7 +201,9 @@ class _Run:
                 sent = time.perf_counter()
                 status = await self.sender.send(request)
         except TimeoutError:  # still waiting for a connection after --timeout
-            status = note_failure(self.sender.causes, TIMEOUT, f"no whole answer within --timeout {self.config.timeout:g} s")
+            status = note_failure(
+                self.sender.causes, TIMEOUT, f"no whole answer within --timeout {self.config.timeout:g} s"
+            )
         self.log.append((scheduled, time.perf_counter() - scheduled, status, rows, sent))
 
     async def report_progress(self, progress: Callable[[Progress], None], interval: float = 0.5) -> None:
@@ -204,11 +217,18 @@ class _Run:
             ok += latencies.size
             errors += len(window) - latencies.size
             stats = latency_stats(latencies)
-            progress(Progress(
-                elapsed_s=now - self.started, warming_up=now < self.measure_start, sent=ok + errors, ok=ok,
-                errors=errors, window_rps=latencies.size / interval,
-                window_p50_ms=stats["p50"], window_p99_ms=stats["p99"],
-            ))
+            progress(
+                Progress(
+                    elapsed_s=now - self.started,
+                    warming_up=now < self.measure_start,
+                    sent=ok + errors,
+                    ok=ok,
+                    errors=errors,
+                    window_rps=latencies.size / interval,
+                    window_p50_ms=stats["p50"],
+                    window_p99_ms=stats["p99"],
+                )
+            )
 
     def samples(self) -> tuple[Samples, int]:
         """The measured requests' samples (times relative to the measurement start), and the warmup count."""
@@ -230,7 +250,9 @@ class _Run:
         window = max(min(self.end, self.last_claimed) - self.measure_start, 1e-9)
         lag_ms = (samples.sent_s - samples.start_s) * 1000.0
         return OfferedLoad(
-            asked_rps=self.config.rate, window_s=window, scheduled=int(samples.start_s.size),
+            asked_rps=self.config.rate,
+            window_s=window,
+            scheduled=int(samples.start_s.size),
             sent_in_window=int((samples.sent_s <= window + OFFERED_GRACE_S).sum()),  # NaN (never sent) is False
             waited_for_connection=self.waited_for_connection,
             lag_p99_ms=float(np.nanpercentile(lag_ms, 99)) if np.isfinite(lag_ms).any() else math.nan,
@@ -243,7 +265,9 @@ async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | No
     async with httpx.AsyncClient(base_url=config.url, timeout=config.timeout, headers=headers, trust_env=False) as http:
         d_model = config.d_model if config.d_model is not None else await discover_d_model(http, config.model)
         sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
-        payloads = [(sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)]
+        payloads = [
+            (sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)
+        ]
         metrics = MetricsWindow(http, config.metrics_page, config.model)
         if not config.warmup:  # the first snapshot before the measured window opens, at once
             await metrics.open(at=0.0)

@@ -60,7 +60,9 @@ def _share(text: str) -> float:
     try:
         value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"an error rate is a fraction (0.01) or a percentage (1%), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"an error rate is a fraction (0.01) or a percentage (1%), got {text!r}"
+        ) from None
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"an error rate is between 0 and 1 (0% and 100%), got {text!r}")
     return value
@@ -70,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ffn-loadtest",
         description="Load an ffn-serve model over HTTP and report throughput, latency percentiles and the "
-                    "server's own breakdown; one run, or a sweep over concurrency or rate.",
+        "server's own breakdown; one run, or a sweep over concurrency or rate.",
         epilog="exit status: 0 passed, 1 nothing measured (unreachable, unknown model, no 200), "
-               "2 bad arguments, 99 a threshold broken",
+        "2 bad arguments, 99 a threshold broken",
     )
     target = parser.add_argument_group("target")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
@@ -81,36 +83,76 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--dtype", choices=DTYPES, default="float32", help="wire dtype (default %(default)s)")
     target.add_argument("--api-key", default=os.environ.get("FFN_API_KEY"), help="Bearer key (default $FFN_API_KEY)")
     target.add_argument("--d-model", type=int, help="skip asking the server for the model's d_model")
-    target.add_argument("--metrics-url", help="Prometheus page for the server breakdown (default URL/metrics; '' = none)")
+    target.add_argument(
+        "--metrics-url", help="Prometheus page for the server breakdown (default URL/metrics; '' = none)"
+    )
     load = parser.add_argument_group("load (one run)")
-    load.add_argument("-c", "--concurrency", type=int,
-                      help=f"closed loop: concurrent workers (default 8); with --rate or --rate-range: "
-                           f"most connections (default {DEFAULT_OPEN_LOOP_CONNECTIONS})")
+    load.add_argument(
+        "-c",
+        "--concurrency",
+        type=int,
+        help=f"closed loop: concurrent workers (default 8); with --rate or --rate-range: "
+        f"most connections (default {DEFAULT_OPEN_LOOP_CONNECTIONS})",
+    )
     load.add_argument("-r", "--rate", type=float, help="open loop: Poisson arrivals at this many requests/s")
     sweep = parser.add_argument_group("sweep (one run per step, each with the bounds below)")
-    sweep.add_argument("--concurrency-range", type=_range(True), metavar="START:END:STEP",
-                       help="closed loop at each concurrency; STEP +N or xN (1:64:x2 = 1, 2, 4, ..., 64)")
-    sweep.add_argument("--rate-range", "--request-rate-range", type=_range(False), metavar="START:END:STEP",
-                       help="open loop at each rate, requests/s (100:500:100)")
+    sweep.add_argument(
+        "--concurrency-range",
+        type=_range(True),
+        metavar="START:END:STEP",
+        help="closed loop at each concurrency; STEP +N or xN (1:64:x2 = 1, 2, 4, ..., 64)",
+    )
+    sweep.add_argument(
+        "--rate-range",
+        "--request-rate-range",
+        type=_range(False),
+        metavar="START:END:STEP",
+        help="open loop at each rate, requests/s (100:500:100)",
+    )
     bounds = parser.add_argument_group("bounds (of each run)")
-    bounds.add_argument("--rows", type=_rows, default=(16, 16), help="rows per request, N or LO-HI uniform (default 16)")
-    bounds.add_argument("-d", "--duration", type=float, help=f"measured seconds (default {DEFAULT_DURATION_S:g} when --requests is not given)")
-    bounds.add_argument("-n", "--requests", type=int, help="measured requests; stops at whichever of --duration and --requests comes first")
-    bounds.add_argument("--warmup", type=float, default=0.0, help="seconds of load before measuring, excluded from the report")
-    bounds.add_argument("--timeout", type=float, default=30.0, help="client-side timeout per request, seconds (default %(default)s)")
+    bounds.add_argument(
+        "--rows", type=_rows, default=(16, 16), help="rows per request, N or LO-HI uniform (default 16)"
+    )
+    bounds.add_argument(
+        "-d",
+        "--duration",
+        type=float,
+        help=f"measured seconds (default {DEFAULT_DURATION_S:g} when --requests is not given)",
+    )
+    bounds.add_argument(
+        "-n",
+        "--requests",
+        type=int,
+        help="measured requests; stops at whichever of --duration and --requests comes first",
+    )
+    bounds.add_argument(
+        "--warmup", type=float, default=0.0, help="seconds of load before measuring, excluded from the report"
+    )
+    bounds.add_argument(
+        "--timeout", type=float, default=30.0, help="client-side timeout per request, seconds (default %(default)s)"
+    )
     bounds.add_argument("--deadline-ms", type=float, help="server-side deadline per request (X-Timeout-Ms)")
-    bounds.add_argument("--payloads", type=int, default=16, help="distinct prebuilt request bodies (default %(default)s)")
+    bounds.add_argument(
+        "--payloads", type=int, default=16, help="distinct prebuilt request bodies (default %(default)s)"
+    )
     bounds.add_argument("--seed", type=int, default=0, help="seed for payloads and arrivals (default %(default)s)")
-    bounds.add_argument("--engine", choices=sorted(ENGINES), default="raw",
-                        help="raw: lean keep-alive HTTP/1.1 (default); httpx: httpx.AsyncClient, a cross-check; 40x or more CPU per request")
+    bounds.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="raw",
+        help="raw: lean keep-alive HTTP/1.1 (default); httpx: httpx.AsyncClient, a cross-check; 40x or more CPU per request",
+    )
     checks = parser.add_argument_group("thresholds (exit status 99 when any run breaks one)")
     checks.add_argument("--max-p99-ms", type=float, metavar="MS", help="p99 latency of the ok requests at most MS")
     checks.add_argument("--max-error-rate", type=_share, metavar="RATE", help="failed / sent at most RATE: 0.01 or 1%%")
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="FILE", help="write the report as JSON to FILE, or '-' for stdout")
     output.add_argument("--csv", metavar="FILE", help="one CSV row per run to FILE, or '-' for stdout")
-    output.add_argument("--plot", metavar="FILE.png",
-                        help="one run: latency over time and histogram; a sweep: throughput against latency")
+    output.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="one run: latency over time and histogram; a sweep: throughput against latency",
+    )
     output.add_argument("-q", "--quiet", action="store_true", help="no live progress")
     return parser
 
@@ -125,10 +167,12 @@ def _live_progress(console: Console, labels: list[str]) -> tuple[Callable[[int, 
     def show(step: int, p: Progress) -> None:
         where = f"step {step + 1}/{len(labels)} {labels[step]} | " if len(labels) > 1 else ""
         phase = "warmup" if p.warming_up else "load"
-        live.update(Text(
-            f"{where}{phase} {p.elapsed_s:5.1f}s sent {p.sent} ok {p.ok} err {p.errors} | "
-            f"{p.window_rps:,.0f} req/s p50 {p.window_p50_ms:.1f} p99 {p.window_p99_ms:.1f} ms"
-        ))
+        live.update(
+            Text(
+                f"{where}{phase} {p.elapsed_s:5.1f}s sent {p.sent} ok {p.ok} err {p.errors} | "
+                f"{p.window_rps:,.0f} req/s p50 {p.window_p50_ms:.1f} p99 {p.window_p99_ms:.1f} ms"
+            )
+        )
 
     return show, live
 
@@ -157,12 +201,28 @@ def main(argv: list[str] | None = None) -> int:
     axis, values = ("concurrency", args.concurrency_range) if args.concurrency_range else ("rate", args.rate_range)
     try:
         base = LoadConfig(
-            url=args.url, model=args.model, encoding=args.encoding, dtype=args.dtype,
-            concurrency=args.concurrency if args.concurrency is not None else DEFAULT_OPEN_LOOP_CONNECTIONS if open_loop else 8,
-            rate=args.rate if args.rate_range is None else args.rate_range[0], rows=args.rows,
-            duration=args.duration, requests=args.requests, warmup=args.warmup, timeout=args.timeout,
-            deadline_ms=args.deadline_ms, api_key=args.api_key, d_model=args.d_model, payloads=args.payloads,
-            seed=args.seed, engine=args.engine, metrics_url=args.metrics_url,
+            url=args.url,
+            model=args.model,
+            encoding=args.encoding,
+            dtype=args.dtype,
+            concurrency=args.concurrency
+            if args.concurrency is not None
+            else DEFAULT_OPEN_LOOP_CONNECTIONS
+            if open_loop
+            else 8,
+            rate=args.rate if args.rate_range is None else args.rate_range[0],
+            rows=args.rows,
+            duration=args.duration,
+            requests=args.requests,
+            warmup=args.warmup,
+            timeout=args.timeout,
+            deadline_ms=args.deadline_ms,
+            api_key=args.api_key,
+            d_model=args.d_model,
+            payloads=args.payloads,
+            seed=args.seed,
+            engine=args.engine,
+            metrics_url=args.metrics_url,
         )
     except ValueError as exc:
         return _problem(str(exc), EXIT_USAGE)
@@ -173,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr="-" in (args.json, args.csv))
     if not console.is_terminal:  # a file or a pipe: as wide as the sweep table needs, not 80 columns
         console = Console(stderr=console.stderr, width=150)
-    progress, live = _live_progress(console, labels) if not args.quiet and console.is_terminal \
-        else (None, contextlib.nullcontext())
+    progress, live = (
+        _live_progress(console, labels) if not args.quiet and console.is_terminal else (None, contextlib.nullcontext())
+    )
     try:
         with live:
             reports = asyncio.run(run_sweep(base, axis, values, progress))

@@ -32,7 +32,11 @@ def plot_run(report: Report, path: str) -> None:
     windows = window_stats(samples)
     cfg = report.config
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8), constrained_layout=True)
-    mode = f"open loop, {cfg['rate']:g} req/s Poisson" if cfg.get("rate") else f"closed loop, concurrency {cfg.get('concurrency')}"
+    mode = (
+        f"open loop, {cfg['rate']:g} req/s Poisson"
+        if cfg.get("rate")
+        else f"closed loop, concurrency {cfg.get('concurrency')}"
+    )
     fig.suptitle(
         f"ffn-loadtest: {_workload(cfg)}, {mode}\n"
         f"{report.requests_per_s:,.0f} req/s, {report.rows_per_s:,.0f} rows/s, "
@@ -76,23 +80,40 @@ def plot_sweep(reports: list[Report], path: str, max_p99_ms: float | None = None
     labels = [r.label for r in reports]
     fig, (curve, parts) = plt.subplots(2, 1, figsize=(10, 9), height_ratios=(3, 2), constrained_layout=True)
     axis = "request rate" if open_loop else "concurrency"
-    fig.suptitle(f"ffn-loadtest sweep over {axis} {labels[0]} → {labels[-1]}: {_workload(cfg)}\n"
-                 f"{cfg.get('url')}, each step {_bounds(cfg)}")
+    fig.suptitle(
+        f"ffn-loadtest sweep over {axis} {labels[0]} → {labels[-1]}: {_workload(cfg)}\n"
+        f"{cfg.get('url')}, each step {_bounds(cfg)}"
+    )
 
     rps = np.array([r.requests_per_s for r in reports])
     for name, marker, color in (("p50", "o", "tab:green"), ("p99", "s", "tab:red")):
         latency = np.array([r.latency_ms[name] for r in reports])
         curve.plot(rps, latency, marker=marker, color=color, label=f"{name} latency")
-    for r, x in zip(reports, rps):  # label each point of the p99 curve with its step
+    for r, x in zip(reports, rps, strict=True):  # label each point of the p99 curve with its step
         curve.annotate(r.label, (x, r.latency_ms["p99"]), textcoords="offset points", xytext=(4, 6), fontsize="small")
     short = [r for r in reports if r.offered is not None and not r.offered.reached]
     if short:
-        curve.scatter([r.requests_per_s for r in short], [r.latency_ms["p99"] for r in short], s=160,
-                      facecolors="none", edgecolors="orange", linewidths=2, label="rate not offered in full", zorder=3)
+        curve.scatter(
+            [r.requests_per_s for r in short],
+            [r.latency_ms["p99"] for r in short],
+            s=160,
+            facecolors="none",
+            edgecolors="orange",
+            linewidths=2,
+            label="rate not offered in full",
+            zorder=3,
+        )
     broken = [r for r in reports if r.breaches]
     if broken:
-        curve.scatter([r.requests_per_s for r in broken], [r.latency_ms["p99"] for r in broken], marker="x", s=90,
-                      color="black", label="threshold broken", zorder=4)
+        curve.scatter(
+            [r.requests_per_s for r in broken],
+            [r.latency_ms["p99"] for r in broken],
+            marker="x",
+            s=90,
+            color="black",
+            label="threshold broken",
+            zorder=4,
+        )
     if max_p99_ms is not None:
         curve.axhline(max_p99_ms, color="tab:red", linestyle=":", label=f"--max-p99-ms {max_p99_ms:g}")
     finite = [v for r in reports for v in (r.latency_ms["p50"], r.latency_ms["p99"]) if v > 0 and not math.isnan(v)]
@@ -118,7 +139,10 @@ def plot_sweep(reports: list[Report], path: str, max_p99_ms: float | None = None
 
 
 def _bounds(cfg: dict[str, Any]) -> str:
-    bounds = [f"{cfg['duration']:g} s" if cfg.get("duration") else "", f"{cfg['requests']} requests" if cfg.get("requests") else ""]
+    bounds = [
+        f"{cfg['duration']:g} s" if cfg.get("duration") else "",
+        f"{cfg['requests']} requests" if cfg.get("requests") else "",
+    ]
     warmup = f" after {cfg['warmup']:g} s warmup" if cfg.get("warmup") else ""
     return " or ".join(b for b in bounds if b) + warmup
 
@@ -136,8 +160,14 @@ def _plot_breakdown(ax: Any, reports: list[Report], labels: list[str]) -> None:
     total = np.array([r.server.total.mean_ms if r.server else nan for r in reports])
     client = np.array([r.latency_ms["mean"] for r in reports])
     ax.bar(x, queue, width=0.6, color="tab:orange", label="server: queue wait (mean per request)")
-    ax.bar(x, compute, width=0.6, bottom=np.nan_to_num(queue), color="tab:blue",
-           label="server: forward pass (mean per batch)")
+    ax.bar(
+        x,
+        compute,
+        width=0.6,
+        bottom=np.nan_to_num(queue),
+        color="tab:blue",
+        label="server: forward pass (mean per batch)",
+    )
     ax.plot(x, total, "k_", markersize=28, markeredgewidth=2.5, label="server: total (mean per request)")
     # The axis fits the server's figures; a client mean far above them (a queue in front of the
     # server) is drawn at the top edge with its value, so that it does not flatten the bars.
@@ -145,13 +175,22 @@ def _plot_breakdown(ax: Any, reports: list[Report], labels: list[str]) -> None:
     top = max(top, float(np.nanmax(client)) * 1.1) if np.nanmax(client) < 3 * top else top
     inside = client <= top
     ax.plot(x[inside], client[inside], "D", color="tab:gray", label="client: latency (mean, ok requests)")
-    for xi, value in zip(x[~inside], client[~inside]):
-        ax.annotate(f"client {value:,.0f} ms ↑", (xi, top), xytext=(0, -14), textcoords="offset points",
-                    ha="center", color="tab:gray", fontsize="small")
+    for xi, value in zip(x[~inside], client[~inside], strict=True):
+        ax.annotate(
+            f"client {value:,.0f} ms ↑",
+            (xi, top),
+            xytext=(0, -14),
+            textcoords="offset points",
+            ha="center",
+            color="tab:gray",
+            fontsize="small",
+        )
     ax.set_xticks(x, labels)
     ax.set_ylabel("ms")
     ax.set_ylim(0, top)
     gap = "HTTP, encoding, network" + (", waiting for a free connection" if reports[0].config.get("rate") else "")
-    ax.set_title(f"where the time went, from the server's /metrics (client minus server total: {gap})", fontsize="medium")
+    ax.set_title(
+        f"where the time went, from the server's /metrics (client minus server total: {gap})", fontsize="medium"
+    )
     ax.grid(alpha=0.3, axis="y")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncols=2, fontsize="small", frameon=False)

@@ -64,9 +64,13 @@ class OfferedLoad:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "asked_rps": self.asked_rps, "offered_rps": round(self.offered_rps, 2), "reached": self.reached,
-            "scheduled": self.scheduled, "sent_in_window": self.sent_in_window,
-            "waited_for_connection": self.waited_for_connection, "lag_p99_ms": round(self.lag_p99_ms, 3),
+            "asked_rps": self.asked_rps,
+            "offered_rps": round(self.offered_rps, 2),
+            "reached": self.reached,
+            "scheduled": self.scheduled,
+            "sent_in_window": self.sent_in_window,
+            "waited_for_connection": self.waited_for_connection,
+            "lag_p99_ms": round(self.lag_p99_ms, 3),
         }
 
 
@@ -126,14 +130,20 @@ class Report:
         out = []
         if self.offered is not None and not self.offered.reached:
             o = self.offered
-            why = (f"{o.waited_for_connection} requests found all {self.config.get('concurrency')} connections busy: "
-                   "the server answered slower than the rate (raise --concurrency to offer it anyway)"
-                   if o.waited_for_connection else
-                   f"the tester fell behind its own schedule (it used {self.client_cpu_share:.0%} of one core)")
-            out.append(f"asked for {o.asked_rps:g} req/s but offered {o.offered_rps:,.1f} req/s: "
-                       f"{o.scheduled - o.sent_in_window} of {o.scheduled} requests went out after the window; {why}")
+            why = (
+                f"{o.waited_for_connection} requests found all {self.config.get('concurrency')} connections busy: "
+                "the server answered slower than the rate (raise --concurrency to offer it anyway)"
+                if o.waited_for_connection
+                else f"the tester fell behind its own schedule (it used {self.client_cpu_share:.0%} of one core)"
+            )
+            out.append(
+                f"asked for {o.asked_rps:g} req/s but offered {o.offered_rps:,.1f} req/s: "
+                f"{o.scheduled - o.sent_in_window} of {o.scheduled} requests went out after the window; {why}"
+            )
         if self.client_cpu_share > 0.8:
-            out.append(f"the tester used {self.client_cpu_share:.0%} of one core: the figures may describe the tester, not the server")
+            out.append(
+                f"the tester used {self.client_cpu_share:.0%} of one core: the figures may describe the tester, not the server"
+            )
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -172,9 +182,13 @@ class Report:
             "concurrency": self.config.get("concurrency"),
             "rate": self.config.get("rate") or "",
             "offered_rps": round(o.offered_rps, 2) if o else "",
-            "duration_s": round(self.duration_s, 3), "sent": self.sent, "ok": self.ok,
-            "errors": self.sent - self.ok, "error_rate": round(self.error_rate, 6),
-            "requests_per_s": round(self.requests_per_s, 2), "rows_per_s": round(self.rows_per_s, 1),
+            "duration_s": round(self.duration_s, 3),
+            "sent": self.sent,
+            "ok": self.ok,
+            "errors": self.sent - self.ok,
+            "error_rate": round(self.error_rate, 6),
+            "requests_per_s": round(self.requests_per_s, 2),
+            "rows_per_s": round(self.rows_per_s, 1),
             **{f"{k}_ms": _round(self.latency_ms[k]) for k in (*PERCENTILES, "max", "mean")},
             "tester_cpu_share": round(self.client_cpu_share, 4),
             "passed": not self.breaches,
@@ -188,8 +202,20 @@ class Report:
 
 
 CSV_COLUMNS = [
-    "mode", "concurrency", "rate", "offered_rps", "duration_s", "sent", "ok", "errors", "error_rate",
-    "requests_per_s", "rows_per_s", *(f"{k}_ms" for k in (*PERCENTILES, "max", "mean")), "tester_cpu_share", "passed",
+    "mode",
+    "concurrency",
+    "rate",
+    "offered_rps",
+    "duration_s",
+    "sent",
+    "ok",
+    "errors",
+    "error_rate",
+    "requests_per_s",
+    "rows_per_s",
+    *(f"{k}_ms" for k in (*PERCENTILES, "max", "mean")),
+    "tester_cpu_share",
+    "passed",
     *(f"server_{stage}_{stat}_ms" for stage in ("queue", "compute", "total") for stat in ("mean", "p50", "p99")),
     "server_rows_per_batch",
 ]
@@ -204,7 +230,7 @@ def latency_stats(latency_s: np.ndarray) -> dict[str, float]:
     if latency_s.size == 0:
         return {name: float("nan") for name in (*PERCENTILES, "max", "mean")}
     ms = latency_s * 1000.0
-    stats = dict(zip(PERCENTILES, (float(v) for v in np.percentile(ms, list(PERCENTILES.values())))))
+    stats = dict(zip(PERCENTILES, (float(v) for v in np.percentile(ms, list(PERCENTILES.values()))), strict=True))
     stats["max"] = float(ms.max())
     stats["mean"] = float(ms.mean())
     return stats
@@ -218,7 +244,7 @@ def status_name(status: int) -> str:
 def error_counts(status: np.ndarray) -> dict[str, int]:
     """Failed requests by status: '429', '503', ..., 'timeout', 'connect', 'transport'."""
     codes, counts = np.unique(status[status != 200], return_counts=True)
-    return {status_name(int(c)): int(n) for c, n in zip(codes, counts)}
+    return {status_name(int(c)): int(n) for c, n in zip(codes, counts, strict=True)}
 
 
 def build_report(config: dict[str, Any], samples: Samples, duration_s: float, warmup_requests: int = 0) -> Report:

@@ -24,7 +24,6 @@ from ffn_client.errors import error_from_response
 from ffn_client.http1 import build_request, read_response
 from ffn_client.report import CONNECT_ERROR, TIMEOUT, TRANSPORT_ERROR
 
-
 RequestT = TypeVar("RequestT")
 
 
@@ -62,8 +61,11 @@ class HttpxSender:
         except httpx.TransportError as exc:
             return note_failure(self.causes, TRANSPORT_ERROR, exc)
         if response.status_code != 200 and response.status_code not in self.causes:
-            note_failure(self.causes, response.status_code,
-                         str(error_from_response(response.status_code, response.headers, response.content)))
+            note_failure(
+                self.causes,
+                response.status_code,
+                str(error_from_response(response.status_code, response.headers, response.content)),
+            )
         return response.status_code
 
     async def aclose(self) -> None:
@@ -136,7 +138,11 @@ class RawSender:
             else:
                 writer.close()
             if response.status != 200 and response.status not in self.causes:
-                note_failure(self.causes, response.status, str(error_from_response(response.status, response.headers, response.body)))
+                note_failure(
+                    self.causes,
+                    response.status,
+                    str(error_from_response(response.status, response.headers, response.body)),
+                )
             return response.status
         raise AssertionError("both attempts returned or continued. This is a bug.")
 

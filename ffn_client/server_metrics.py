@@ -43,8 +43,12 @@ class Histogram:
             raise MetricsUnavailable("the histogram's buckets changed between the two scrapes")
         if self.count < earlier.count:
             raise MetricsUnavailable("the server's counters went back during the run (a restart?)")
-        return Histogram(self.bounds, tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative)),
-                         self.count - earlier.count, self.sum - earlier.sum)
+        return Histogram(
+            self.bounds,
+            tuple(a - b for a, b in zip(self.cumulative, earlier.cumulative, strict=True)),
+            self.count - earlier.count,
+            self.sum - earlier.sum,
+        )
 
     def quantile(self, q: float) -> float:
         """The q-quantile by linear interpolation inside its bucket (PromQL histogram_quantile); NaN if empty."""
@@ -52,7 +56,7 @@ class Histogram:
         if total <= 0:
             return math.nan
         rank = q * total
-        for i, (bound, below_or_at) in enumerate(zip(self.bounds, self.cumulative)):
+        for i, (bound, below_or_at) in enumerate(zip(self.bounds, self.cumulative, strict=True)):
             if below_or_at >= rank:
                 if math.isinf(bound):  # in the +Inf bucket: the highest finite bound is all one knows
                     return self.bounds[i - 1] if i else math.nan
@@ -90,8 +94,12 @@ class ServerBreakdown:
         def figures(stage: Stage) -> dict[str, Any]:
             return {"count": stage.count, **{k: _ms(getattr(stage, k)) for k in ("mean_ms", "p50_ms", "p99_ms")}}
 
-        return {"queue": figures(self.queue), "compute_per_batch": figures(self.compute),
-                "total": figures(self.total), "rows_per_batch": _ms(self.rows_per_batch)}
+        return {
+            "queue": figures(self.queue),
+            "compute_per_batch": figures(self.compute),
+            "total": figures(self.total),
+            "rows_per_batch": _ms(self.rows_per_batch),
+        }
 
 
 def _ms(value: float) -> float | None:
@@ -106,7 +114,9 @@ def parse_snapshot(text: str, model: str) -> Snapshot:
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:
-        raise MetricsUnavailable(f"reading /metrics needs prometheus-client: pip install 'ffn-client[loadtest]' ({exc})") from exc
+        raise MetricsUnavailable(
+            f"reading /metrics needs prometheus-client: pip install 'ffn-client[loadtest]' ({exc})"
+        ) from exc
     wanted = {*STAGES.values(), BATCH_ROWS}
     buckets: dict[str, dict[float, float]] = {}
     totals: dict[str, dict[str, float]] = {}
@@ -131,7 +141,9 @@ def parse_snapshot(text: str, model: str) -> Snapshot:
     for name, by_bound in buckets.items():
         bounds = tuple(sorted(by_bound))
         sums = totals.get(name, {})
-        out[name] = Histogram(bounds, tuple(by_bound[b] for b in bounds), sums.get("_count", 0.0), sums.get("_sum", 0.0))
+        out[name] = Histogram(
+            bounds, tuple(by_bound[b] for b in bounds), sums.get("_count", 0.0), sums.get("_sum", 0.0)
+        )
     return out
 
 
@@ -151,7 +163,9 @@ def breakdown(before: Snapshot, after: Snapshot, model: str) -> ServerBreakdown:
     """The figures between two snapshots; MetricsUnavailable when the page lacks the model's histograms."""
     missing = [name for name in STAGES.values() if name not in after]
     if missing:
-        raise MetricsUnavailable(f"the metrics have no {', '.join(missing)} for model {model!r}: not ffn-serve's /metrics?")
+        raise MetricsUnavailable(
+            f"the metrics have no {', '.join(missing)} for model {model!r}: not ffn-serve's /metrics?"
+        )
     stages = {}
     for stage, name in STAGES.items():
         window = after[name].minus(before[name]) if name in before else after[name]

@@ -55,8 +55,9 @@ def parse_range(text: str, *, integer: bool) -> list[float]:
     return values
 
 
-async def run_sweep(base: LoadConfig, axis: str, values: list[float],
-                    progress: Callable[[int, Progress], None] | None = None) -> list[Report]:
+async def run_sweep(
+    base: LoadConfig, axis: str, values: list[float], progress: Callable[[int, Progress], None] | None = None
+) -> list[Report]:
     """One run per value of `axis` ("concurrency" or "rate"), in order; progress gets the step's index."""
     assert axis in ("concurrency", "rate"), f"no sweep over {axis!r}. This is a bug."
     reports: list[Report] = []

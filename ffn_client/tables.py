@@ -37,11 +37,15 @@ def run_table(report: Report) -> Any:
     table.add_row("duration (s)", f"{report.duration_s:.2f}")
     if report.offered is not None:
         o = report.offered
-        table.add_row("offered (req/s)", f"{o.offered_rps:,.1f} of {o.asked_rps:g} asked",
-                      style=None if o.reached else "yellow")
+        table.add_row(
+            "offered (req/s)", f"{o.offered_rps:,.1f} of {o.asked_rps:g} asked", style=None if o.reached else "yellow"
+        )
     table.add_row("sent / ok", f"{report.sent} / {report.ok}")
-    table.add_row("errors", ", ".join(f"{k}: {v}" for k, v in report.errors.items()) or "none",
-                  style="red" if report.errors else None)
+    table.add_row(
+        "errors",
+        ", ".join(f"{k}: {v}" for k, v in report.errors.items()) or "none",
+        style="red" if report.errors else None,
+    )
     table.add_row("requests/s (ok)", f"{report.requests_per_s:,.1f}")
     table.add_row("rows/s (ok)", f"{report.rows_per_s:,.0f}")
     for name in (*PERCENTILES, "max"):
@@ -55,8 +59,11 @@ def run_table(report: Report) -> Any:
     else:
         table.add_row("server breakdown", "none (why: below)", style="dim")
     per_request = 1e6 * report.client_cpu_s / max(report.sent + report.warmup_requests, 1)
-    table.add_row("tester CPU (one core)", f"{report.client_cpu_share:.0%}, {per_request:.0f} µs/request",
-                  style="yellow" if report.client_cpu_share > 0.8 else None)
+    table.add_row(
+        "tester CPU (one core)",
+        f"{report.client_cpu_share:.0%}, {per_request:.0f} µs/request",
+        style="yellow" if report.client_cpu_share > 0.8 else None,
+    )
     return table
 
 
@@ -66,31 +73,51 @@ def sweep_table(reports: list[Report]) -> Any:
 
     open_loop = bool(reports and reports[0].config.get("rate"))
     cfg = reports[0].config if reports else {}
-    table = Table(title=f"ffn-loadtest sweep: {cfg.get('url')} model={cfg.get('model')}, "
-                        f"{cfg.get('encoding')}/{cfg.get('dtype')}, rows {cfg.get('rows')}")
+    table = Table(
+        title=f"ffn-loadtest sweep: {cfg.get('url')} model={cfg.get('model')}, "
+        f"{cfg.get('encoding')}/{cfg.get('dtype')}, rows {cfg.get('rows')}"
+    )
     columns = ["rate", "offered"] if open_loop else ["conc."]
-    columns += ["ok req/s", "rows/s", "p50", "p90", "p99", "max", "errors",
-                "queue", "compute", "total", "rows/ batch", "tester CPU"]
+    columns += [
+        "ok req/s",
+        "rows/s",
+        "p50",
+        "p90",
+        "p99",
+        "max",
+        "errors",
+        "queue",
+        "compute",
+        "total",
+        "rows/ batch",
+        "tester CPU",
+    ]
     for name in columns:
         table.add_column(name, justify="right")
     for r in reports:
-        cells = [f"{r.config['rate']:g}", f"{r.offered.offered_rps:,.1f}" if r.offered else "-"] if open_loop \
+        cells = (
+            [f"{r.config['rate']:g}", f"{r.offered.offered_rps:,.1f}" if r.offered else "-"]
+            if open_loop
             else [str(r.config.get("concurrency"))]
+        )
         s = r.server
         cells += [
-            f"{r.requests_per_s:,.1f}", f"{r.rows_per_s:,.0f}",
+            f"{r.requests_per_s:,.1f}",
+            f"{r.rows_per_s:,.0f}",
             *(_ms(r.latency_ms[k]) for k in ("p50", "p90", "p99", "max")),
             f"{r.sent - r.ok} ({r.error_rate:.1%})" if r.sent - r.ok else "0",
-            _ms(s.queue.mean_ms) if s else "-", _ms(s.compute.mean_ms) if s else "-",
+            _ms(s.queue.mean_ms) if s else "-",
+            _ms(s.compute.mean_ms) if s else "-",
             _ms(s.total.mean_ms) if s else "-",
             f"{s.rows_per_batch:.1f}" if s and not math.isnan(s.rows_per_batch) else "-",
             f"{r.client_cpu_share:.0%}",
         ]
         style = "red" if r.breaches else "yellow" if r.offered is not None and not r.offered.reached else None
         table.add_row(*cells, style=style)
-    table.caption = (("rate, offered: req/s. " if open_loop else "")
-                     + "p50 ... max: client-side latency of the ok requests, ms. "
-                     "queue, compute (per batch), total, rows/batch: the server's means from /metrics, ms")
+    table.caption = (
+        ("rate, offered: req/s. " if open_loop else "") + "p50 ... max: client-side latency of the ok requests, ms. "
+        "queue, compute (per batch), total, rows/batch: the server's means from /metrics, ms"
+    )
     return table
 
 

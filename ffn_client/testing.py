@@ -174,16 +174,18 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
 # ----- raw requests ------------------------------------------------------------------------------
 
 
-def http_request(method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"",
-                 *, close: bool = True) -> bytes:
+def http_request(
+    method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *, close: bool = True
+) -> bytes:
     """The bytes of a request to the local server, with Connection: close unless `close` is false.
 
     Keep the connection open (close=False) when the server may answer before reading the whole
     body: closing a socket with unread data makes the kernel reset it, and the reset can destroy
     the answer before the client reads it.
     """
-    return build_request(method, path, {**({"Connection": "close"} if close else {}), **(headers or {})}, body,
-                         host=HOST)
+    return build_request(
+        method, path, {**({"Connection": "close"} if close else {}), **(headers or {})}, body, host=HOST
+    )
 
 
 async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: float = 30.0) -> Response:
@@ -208,8 +210,9 @@ async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: floa
         writer.close()
 
 
-async def wait_for_metrics(client: httpx.AsyncClient, ready: Callable[[str], bool], what: str,
-                           timeout: float = 60.0) -> str:
+async def wait_for_metrics(
+    client: httpx.AsyncClient, ready: Callable[[str], bool], what: str, timeout: float = 60.0
+) -> str:
     """Poll `client`'s /metrics until `ready(page)` and return that page; AssertionError naming
     `what` after `timeout` seconds (a wait with a bound, so that a hang fails instead)."""
     loop = asyncio.get_running_loop()

@@ -71,14 +71,18 @@ def read_layer(path: Path, format: str, layer: int | None, activation: str | Non
     if layer is None:
         raise WeightsError(f"{path}: format {format!r} needs a layer index")
     if gated is not None and gated != family.gated:
-        raise WeightsError(f"{path}: {format} FFNs are {'' if family.gated else 'not '}gated, but gated={gated} was asked")
+        raise WeightsError(
+            f"{path}: {format} FFNs are {'' if family.gated else 'not '}gated, but gated={gated} was asked"
+        )
     reader = open_reader(path, sniff(path) or ("safetensors" if path.suffix == ".safetensors" else "torch"))
     prefix, layers = _find_layers(reader.keys, family)
     if not layers:
         example = family.prefixes[0] + family.layers.format(i=0) + next(iter(family.linears.values()))
         raise WeightsError(f"{path}: no {format} layers found (no key like {example + '.weight'!r})")
     if layer not in layers:
-        raise WeightsError(f"{path}: no layer {layer}; the file has {len(layers)} layers ({min(layers)}..{max(layers)})")
+        raise WeightsError(
+            f"{path}: no layer {layer}; the file has {len(layers)} layers ({min(layers)}..{max(layers)})"
+        )
     # Our key -> the checkpoint's key, for this layer.
     names = {
         f"{ours}.{kind}": f"{prefix}{family.layers.format(i=layer)}{theirs}.{kind}"

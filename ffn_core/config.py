@@ -31,9 +31,7 @@ class FFNConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(
-                f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}"
-            )
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {sorted(ACTIVATIONS)}")
         if self.activation == "identity" and not self.gated:
             # Without a gate, identity makes the FFN one linear map: almost surely a config mistake.
             raise ValueError("activation 'identity' is only meaningful with gated=True (bilinear)")

@@ -19,7 +19,6 @@ from ffn_core.checkpoints import FAMILIES
 from ffn_core.dtypes import DTYPE_NAMES
 from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
 
-
 # Readable by everyone: weights are mounted read-only into a container that runs as another user.
 OUTPUT_MODE = 0o644
 

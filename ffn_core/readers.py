@@ -163,7 +163,9 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
         raise WeightsError(f"{path}: holds a {type(state).__name__}, not a state dict")
     for key, value in state.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise WeightsError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; expected a state dict")
+            raise WeightsError(
+                f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; expected a state dict"
+            )
     return state
 
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Set up (once) and run every test: mypy over app, ffn_core and ffn_client, then pytest.
+# Set up (once) and run every test: ruff (lint and format), mypy over app, ffn_core and ffn_client,
+# then pytest.
 # With arguments, only pytest runs, with them (e.g. `bash scripts/test.sh tests/test_http.py -x`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] || bash scripts/setup.sh --test
+[ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] || bash scripts/setup.sh --test
 if [ $# -eq 0 ]; then
+  .venv/bin/ruff check .
+  .venv/bin/ruff format --check .
   .venv/bin/mypy
 fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -27,8 +27,9 @@ class InProcessApp:
 
 
 @asynccontextmanager
-async def serve_in_process(settings: Settings, *, ready_timeout: float = 60.0,
-                           fast_path: bool = True) -> AsyncIterator[InProcessApp]:
+async def serve_in_process(
+    settings: Settings, *, ready_timeout: float = 60.0, fast_path: bool = True
+) -> AsyncIterator[InProcessApp]:
     """The app, running and ready, for the block; the test fails if it is not ready in `ready_timeout` s."""
     app = create_app(settings, fast_path=fast_path)
     async with app.router.lifespan_context(app):

@@ -44,8 +44,17 @@ def test_runner_answers_a_row_bit_for_bit_whatever_its_mates_and_batch_size(stag
     probe = rows(1, 1, d)
     alone = runner([probe])
     # Mates before and after it, batch sizes below, at and past the fixed count, split across parts.
-    for seed, (size, at) in enumerate([(2, 1), (ROWS - 1, 7), (ROWS, 0), (ROWS, ROWS - 1), (ROWS + 1, ROWS),
-                                       (3 * ROWS + 5, 2 * ROWS + 3), (1000, 517)]):
+    for seed, (size, at) in enumerate(
+        [
+            (2, 1),
+            (ROWS - 1, 7),
+            (ROWS, 0),
+            (ROWS, ROWS - 1),
+            (ROWS + 1, ROWS),
+            (3 * ROWS + 5, 2 * ROWS + 3),
+            (1000, 517),
+        ]
+    ):
         batch = probe_in(rows(100 + seed, size, d), at, probe)
         y = runner([batch[:at], batch[at:]] if at else [batch])
         assert torch.equal(y[at], alone[0]), (size, at)
@@ -108,15 +117,22 @@ async def test_http_answers_are_identical_bytes_alone_and_batched(start_app, sta
     probe = rows(1, 1).numpy()
 
     async def send(x: np.ndarray) -> bytes:
-        r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers={
-            "content-type": "application/octet-stream", "x-shape": f"{len(x)},{D}",
-            "accept": "application/octet-stream"})
+        r = await client.post(
+            "/v1/models/demo/transform",
+            content=x.tobytes(),
+            headers={
+                "content-type": "application/octet-stream",
+                "x-shape": f"{len(x)},{D}",
+                "accept": "application/octet-stream",
+            },
+        )
         assert r.status_code == 200, r.text
         return r.content
 
     alone = await send(probe)
-    np.testing.assert_allclose(np.frombuffer(alone, np.float32).reshape(1, D), demo_reference(probe), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.frombuffer(alone, np.float32).reshape(1, D), demo_reference(probe), rtol=1e-5, atol=1e-5
+    )
     others = [rows(50 + i, n).numpy() for i, n in enumerate([3, 30, 100, 7])]
     answers = await asyncio.gather(*(send(x) for x in [others[0], probe, *others[1:], probe]))
     assert answers[1] == alone and answers[-1] == alone

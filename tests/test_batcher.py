@@ -107,7 +107,7 @@ async def test_arrivals_during_a_forward_form_the_next_batch(executor):
     forward.release.set()
     outs = await asyncio.wait_for(asyncio.gather(first, *later), 5)
     assert forward.batches == [[2], [1, 2, 3]]
-    for n, out in zip((1, 2, 3), outs[1:]):
+    for n, out in zip((1, 2, 3), outs[1:], strict=True):
         assert torch.equal(out, rows(n, 10 * n) * 2 + 1)
     await batcher.stop()
 
@@ -260,8 +260,9 @@ class RecordingLaunch:
 
 async def make_launched(executor, max_in_flight: int) -> tuple[Batcher, RecordingLaunch]:
     launch = RecordingLaunch()
-    batcher = await make(lambda parts: launch(parts).wait(), executor, max_batch_rows=64, launch=launch,
-                         max_in_flight=max_in_flight)
+    batcher = await make(
+        lambda parts: launch(parts).wait(), executor, max_batch_rows=64, launch=launch, max_in_flight=max_in_flight
+    )
     return batcher, launch
 
 

@@ -22,8 +22,9 @@ def test_quick_run_measures_every_part_and_writes_the_report(tmp_path, capsys):
     assert {"inprocess.json", "invariance.json", "service.json", "targets.json", "report.md", "gpu.png"} <= names
 
     cells = json.loads((tmp_path / "inprocess.json").read_text())
-    assert {(c["mode"], c["path"]) for c in cells} == {(m, p) for m in ("float32", "bfloat16")
-                                                       for p in ("eager", "graphs", "runner")}
+    assert {(c["mode"], c["path"]) for c in cells} == {
+        (m, p) for m in ("float32", "bfloat16") for p in ("eager", "graphs", "runner")
+    }
     assert {c["rows"] for c in cells} == {1, 2, 4} and all(c["rows_per_s"] > 0 for c in cells)
 
     drift = {(d["mode"], d["dtype"]): d for d in json.loads((tmp_path / "invariance.json").read_text())}
@@ -47,40 +48,72 @@ def test_quick_run_measures_every_part_and_writes_the_report(tmp_path, capsys):
         assert heading in text and heading in (tmp_path / "report.md").read_text()
 
 
-def _service(server: str, workers: int, rows: int, rows_per_s: float, concurrency: int = 64, p50: float = 0.5,
-             nbytes: int = 0) -> ServiceCell:
-    return ServiceCell(server, workers, rows, concurrency, rows_per_s / rows, rows_per_s, float(nbytes), p50, 2 * p50,
-                       0, 0.1, math.nan, "wrk")
+def _service(
+    server: str, workers: int, rows: int, rows_per_s: float, concurrency: int = 64, p50: float = 0.5, nbytes: int = 0
+) -> ServiceCell:
+    return ServiceCell(
+        server,
+        workers,
+        rows,
+        concurrency,
+        rows_per_s / rows,
+        rows_per_s,
+        float(nbytes),
+        p50,
+        2 * p50,
+        0,
+        0.1,
+        math.nan,
+        "wrk",
+    )
 
 
 def test_targets_are_computed_from_the_cells():
     service_cells = [
         _service("ffn", 1, 1, 900, concurrency=1, p50=0.8),
-        _service("ffn", 1, 16, 100_000), _service("ffn", 8, 16, 650_000),
-        _service("ffn", 8, 256, 1, nbytes=700), _service("echo", 8, 256, 1, nbytes=1000),
-        _service("ffn", 1, 256, 1, nbytes=600), _service("echo", 1, 256, 1, nbytes=1000),
+        _service("ffn", 1, 16, 100_000),
+        _service("ffn", 8, 16, 650_000),
+        _service("ffn", 8, 256, 1, nbytes=700),
+        _service("echo", 8, 256, 1, nbytes=1000),
+        _service("ffn", 1, 256, 1, nbytes=600),
+        _service("echo", 1, 256, 1, nbytes=1000),
     ]
     per_row = 2 * 768 * 3072 * 2
-    inprocess_cells = [Cell("bfloat16", "graphs", 8192, 1.0, 1.0, 450.0), Cell("bfloat16", "graphs", 4096, 1.0, 1.0, 1e3),
-                       Cell("bfloat16", "eager", 8192, 1.0, 1.0, 900.0)]
+    inprocess_cells = [
+        Cell("bfloat16", "graphs", 8192, 1.0, 1.0, 450.0),
+        Cell("bfloat16", "graphs", 4096, 1.0, 1.0, 1e3),
+        Cell("bfloat16", "eager", 8192, 1.0, 1.0, 900.0),
+    ]
     assert per_row == flops_per_row(build_ffn(FFNConfig(768, 3072)))
     found = report.targets(inprocess_cells, service_cells, "NVIDIA H100 80GB HBM3", 989.4, 64)
     assert [t.met for t in found] == [True, False, True, True]  # 6.5x; 60 % at 1 worker; 0.8 ms; 45 %
     assert "6.50×" in found[0].measured and "1 w: 60%" in found[1].measured and "8 w: 70%" in found[1].measured
     assert "450.0 of 989.4" in found[3].measured
 
-    slow = report.targets([Cell("bfloat16", "graphs", 8192, 1.0, 1.0, 295.0)], [_service("ffn", 1, 1, 1, 1, p50=1.2)],
-                          "NVIDIA H100 PCIe", 756.0, 64)
+    slow = report.targets(
+        [Cell("bfloat16", "graphs", 8192, 1.0, 1.0, 295.0)],
+        [_service("ffn", 1, 1, 1, 1, p50=1.2)],
+        "NVIDIA H100 PCIe",
+        756.0,
+        64,
+    )
     assert [t.met for t in slow] == [None, None, False, False]  # 295 of 756 = 39 %
 
     unknown = report.targets(inprocess_cells, [], "CPU (x86_64)", None, 64)
     assert [t.met for t in unknown] == [None, None, None, None]
 
 
-@pytest.mark.parametrize(("name", "peak"), [
-    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
-    ("NVIDIA H200", 989.4), ("NVIDIA A100-SXM4-80GB", 312.0), ("CPU (x86_64)", None),
-])
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.4),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.4),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("CPU (x86_64)", None),
+    ],
+)
 def test_dense_bf16_peak_by_device_name(name, peak):
     assert report.bf16_peak_tflops(name) == peak
 
@@ -88,8 +121,11 @@ def test_dense_bf16_peak_by_device_name(name, peak):
 async def test_echo_answers_each_body_with_itself():
     body = bytes(range(256)) * 300
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=echo.app), base_url="http://echo") as client:
-        r = await client.post("/v1/models/ffn/transform", content=body,
-                              headers={"content-type": "application/octet-stream", "x-shape": "300,64"})
+        r = await client.post(
+            "/v1/models/ffn/transform",
+            content=body,
+            headers={"content-type": "application/octet-stream", "x-shape": "300,64"},
+        )
         assert r.status_code == 200 and r.content == body
         assert r.headers["content-type"] == "application/octet-stream" and r.headers["x-shape"] == "300,64"
         assert (await client.get("/v2/health/ready")).status_code == 200
@@ -105,11 +141,14 @@ def test_wrk_drives_the_echo_server(tmp_path):
     assert 0 < result.p50_ms <= result.p99_ms
 
 
-@pytest.mark.parametrize(("available", "count", "server", "client"), [
-    (list(range(16)), None, list(range(8)), list(range(8, 16))),
-    (list(range(16)), 4, [0, 1], [2, 3]),
-    ([3, 5, 7], None, [3], [5, 7]),
-    ([0], None, [0], [0]),  # one core: they must share it
-])
+@pytest.mark.parametrize(
+    ("available", "count", "server", "client"),
+    [
+        (list(range(16)), None, list(range(8)), list(range(8, 16))),
+        (list(range(16)), 4, [0, 1], [2, 3]),
+        ([3, 5, 7], None, [3], [5, 7]),
+        ([0], None, [0], [0]),  # one core: they must share it
+    ],
+)
 def test_split_cores_gives_the_load_generator_other_cores(available, count, server, client):
     assert service.split_cores(count, available) == (server, client)

@@ -10,10 +10,16 @@ import torch
 from app.engine.buckets import bucket_for, bucket_sizes, chunk_slices, fewest_rows, relative_error, tolerance
 
 
-@pytest.mark.parametrize(("max_rows", "sizes"), [
-    (1, [1]), (2, [1, 2]), (64, [1, 2, 4, 8, 16, 32, 64]), (100, [1, 2, 4, 8, 16, 32, 64, 100]),
-    (1024, [2**i for i in range(11)]),
-])
+@pytest.mark.parametrize(
+    ("max_rows", "sizes"),
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (64, [1, 2, 4, 8, 16, 32, 64]),
+        (100, [1, 2, 4, 8, 16, 32, 64, 100]),
+        (1024, [2**i for i in range(11)]),
+    ],
+)
 def test_bucket_sizes(max_rows, sizes):
     assert bucket_sizes(max_rows) == sizes
 
@@ -39,9 +45,15 @@ def test_fewest_rows_is_one_past_the_bucket_below():
     assert fewest_rows(64, [64]) == 1
 
 
-@pytest.mark.parametrize(("rows", "chunk", "bounds"), [
-    (1, 64, [(0, 1)]), (64, 64, [(0, 64)]), (65, 64, [(0, 64), (64, 65)]), (200, 64, [(0, 64), (64, 128), (128, 192), (192, 200)]),
-])
+@pytest.mark.parametrize(
+    ("rows", "chunk", "bounds"),
+    [
+        (1, 64, [(0, 1)]),
+        (64, 64, [(0, 64)]),
+        (65, 64, [(0, 64), (64, 65)]),
+        (200, 64, [(0, 64), (64, 128), (128, 192), (192, 200)]),
+    ],
+)
 def test_chunks_cover_the_rows_in_order(rows, chunk, bounds):
     assert [(s.start, s.stop) for s in chunk_slices(rows, chunk)] == bounds
 

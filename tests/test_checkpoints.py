@@ -78,7 +78,10 @@ def test_gpt2_wrong_shape_is_named_as_stored(tmp_path):
     state["h.1.mlp.c_proj.weight"] = np.zeros((D_FF, D_MODEL + 1), np.float32)
     path = write(state, tmp_path / "gpt2.safetensors")
     load_ffn(path, format="gpt2", layer=0)  # other layers are not read
-    with pytest.raises(WeightsError, match=rf"'h.1.mlp.c_proj.weight' has shape \[{D_FF}, {D_MODEL + 1}\], expected \[{D_FF}, {D_MODEL}\]"):
+    with pytest.raises(
+        WeightsError,
+        match=rf"'h.1.mlp.c_proj.weight' has shape \[{D_FF}, {D_MODEL + 1}\], expected \[{D_FF}, {D_MODEL}\]",
+    ):
         load_ffn(path, format="gpt2", layer=1)
     del state["h.2.mlp.c_proj.bias"]
     path = write(state, tmp_path / "gpt2.safetensors")
@@ -172,7 +175,9 @@ def test_non_finite_weights_are_refused(tmp_path, format, suffix):
     load_ffn(path, format=format, layer=0)  # only the chosen layer is read
     with pytest.raises(WeightsError) as info:
         load_ffn(path, format=format, layer=1)
-    assert str(info.value).startswith(f"{path}: key {key!r} holds 3 non-finite values (NaN or ±inf) among {D_MODEL * D_FF}")
+    assert str(info.value).startswith(
+        f"{path}: key {key!r} holds 3 non-finite values (NaN or ±inf) among {D_MODEL * D_FF}"
+    )
 
 
 @pytest.mark.parametrize("format", sorted(STATES))

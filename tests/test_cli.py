@@ -82,8 +82,10 @@ def test_json_logs_are_one_object_per_line_and_say_what_started() -> None:
     assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
     assert messages[0].startswith(f"ffn-serve {__version__}, torch ")
     assert any(m.startswith("loaded model demo: relu, d_model 512, d_ff 2048, float32 on cpu") for m in messages)
-    assert any(m.startswith("settings changed from defaults: ") and "api_key=***" in m and "log_format=json" in m
-               for m in messages)
+    assert any(
+        m.startswith("settings changed from defaults: ") and "api_key=***" in m and "log_format=json" in m
+        for m in messages
+    )
     assert "auth on (Bearer API key)" in messages
     assert any(m == f"listening on http://127.0.0.1:{server.port}" for m in messages)
     access = [r for r in records if r["logger"] == "uvicorn.access" and r.get("path") == "/v1/models"]

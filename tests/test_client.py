@@ -54,6 +54,7 @@ def client(demo_server):
 
 # -- against the real server ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(7, D_MODEL), (2, 3, D_MODEL)], ids=["2d", "3d"])
 @pytest.mark.parametrize(("encoding", "dtype"), COMBINATIONS, ids=[f"{e}-{d}" for e, d in COMBINATIONS])
 def test_transform_matches_numpy(client, encoding, dtype, shape):
@@ -78,11 +79,11 @@ async def test_async_client_concurrent_requests(demo_server):
     async with AsyncClient(demo_server.url) as client:
         assert await client.ready() and await client.live()
         outputs = await asyncio.gather(
-            *(client.transform("demo", x, encoding=e) for x, e in zip(inputs, encodings))
+            *(client.transform("demo", x, encoding=e) for x, e in zip(inputs, encodings, strict=True))
         )
         with pytest.raises(ModelNotFound):
             await client.transform("no-such-model", inputs[0])
-    for x, y in zip(inputs, outputs):
+    for x, y in zip(inputs, outputs, strict=True):
         assert_close(y, demo_reference(x), TOLERANCE["float32"])
 
 
@@ -144,6 +145,7 @@ def test_no_server_is_transport_error():
 
 
 # -- retries on 429, against a scripted local server ---------------------------------------------
+
 
 def overloaded_then_echo(failures: int, retry_after: str | None):
     """A responder answering 429 `failures` times, then echoing; and the list of requests it saw."""
@@ -219,17 +221,35 @@ async def test_async_client_retries_after_429():
 
 # -- errors and request details on mock transports ---------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("status", "cls"),
-    [(400, BadRequest), (401, Unauthorized), (404, ModelNotFound), (406, NotAcceptable), (413, PayloadTooLarge),
-     (415, UnsupportedMediaType), (429, Overloaded), (500, ServerError), (502, ServerError), (503, Unavailable),
-     (504, DeadlineExceeded), (507, OutOfMemory), (418, FFNError)],
+    [
+        (400, BadRequest),
+        (401, Unauthorized),
+        (404, ModelNotFound),
+        (406, NotAcceptable),
+        (413, PayloadTooLarge),
+        (415, UnsupportedMediaType),
+        (429, Overloaded),
+        (500, ServerError),
+        (502, ServerError),
+        (503, Unavailable),
+        (504, DeadlineExceeded),
+        (507, OutOfMemory),
+        (418, FFNError),
+    ],
 )
 def test_error_classes_by_status(status, cls):
     body = json.dumps({"error": f"went wrong {status}", "error_type": "kind"}).encode()
     error = error_from_response(status, httpx.Headers({"Retry-After": "3"}), body)
     assert type(error) is cls
-    assert (error.status, error.error_type, error.message, error.retry_after) == (status, "kind", f"went wrong {status}", 3.0)
+    assert (error.status, error.error_type, error.message, error.retry_after) == (
+        status,
+        "kind",
+        f"went wrong {status}",
+        3.0,
+    )
     assert isinstance(error, FFNError) and f"went wrong {status}" in str(error)
 
 
@@ -247,7 +267,8 @@ def test_api_key_and_deadline_headers_are_sent():
         if request.headers.get("authorization") != "Bearer s3cret":
             return httpx.Response(401, json={"error": "missing or wrong API key", "error_type": "unauthorized"})
         return httpx.Response(
-            200, content=request.content,
+            200,
+            content=request.content,
             headers={"content-type": "application/octet-stream", "x-shape": "1,4", "x-dtype": "float32"},
         )
 
@@ -279,7 +300,9 @@ def test_deadline_reaches_the_server(client):
 def test_answer_of_the_wrong_shape_is_protocol_error():
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(
-            200, content=b"\0" * 8, headers={"content-type": "application/octet-stream", "x-shape": "1,2", "x-dtype": "float32"}
+            200,
+            content=b"\0" * 8,
+            headers={"content-type": "application/octet-stream", "x-shape": "1,2", "x-dtype": "float32"},
         )
 
     with Client("http://ffn", transport=httpx.MockTransport(handler)) as client, pytest.raises(ProtocolError):
@@ -288,11 +311,14 @@ def test_answer_of_the_wrong_shape_is_protocol_error():
 
 # -- codecs ---------------------------------------------------------------------------------------
 
+
 def test_bfloat16_matches_torch_round_to_nearest_even():
     import torch
 
     special = [1.0, 1.00390625, 1.01171875, -2.5, 3.0e38, 3.4e38, 1e-40, 0.0, -0.0, float("inf"), float("-inf")]
-    x = np.concatenate([np.array(special, np.float32), np.random.default_rng(3).standard_normal(10_000).astype(np.float32)])
+    x = np.concatenate(
+        [np.array(special, np.float32), np.random.default_rng(3).standard_normal(10_000).astype(np.float32)]
+    )
     ours = enc.float32_to_bf16(x)
     theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours, theirs)
@@ -324,10 +350,14 @@ def test_v2_binary_framing():
     assert request.body[split:] == x.astype("<f2").tobytes()
 
     # An answer with two binary outputs: ours is the second, so its bytes start after the first's.
-    answer = json.dumps({"outputs": [
-        {"name": "other", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}},
-        {"name": "output", "datatype": "FP16", "shape": [4, 3], "parameters": {"binary_data_size": 24}},
-    ]}).encode()
+    answer = json.dumps(
+        {
+            "outputs": [
+                {"name": "other", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}},
+                {"name": "output", "datatype": "FP16", "shape": [4, 3], "parameters": {"binary_data_size": 24}},
+            ]
+        }
+    ).encode()
     body = answer + b"\0\0\0\0" + (x * 2).astype("<f2").tobytes()
     y = enc.decode_response(request, httpx.Headers({"Inference-Header-Content-Length": str(len(answer))}), body)
     assert y.shape == x.shape and y.dtype == np.float16

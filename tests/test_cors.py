@@ -24,8 +24,11 @@ async def client(start_app) -> httpx.AsyncClient:
 
 
 def preflight(origin: str) -> dict[str, str]:
-    return {"Origin": origin, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type, x-shape, x-dtype"}
+    return {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, x-shape, x-dtype",
+    }
 
 
 def test_the_setting_reads_a_list_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,10 +52,17 @@ async def test_preflight_from_another_origin_is_refused(client: httpx.AsyncClien
     assert r.json()["error_type"] == "invalid_input" and "Disallowed CORS origin" in r.json()["error"]
 
 
-async def test_a_post_from_an_allowed_origin_may_read_the_answer_and_its_shape_headers(client: httpx.AsyncClient) -> None:
+async def test_a_post_from_an_allowed_origin_may_read_the_answer_and_its_shape_headers(
+    client: httpx.AsyncClient,
+) -> None:
     x = np.random.default_rng(0).standard_normal((2, 512)).astype(np.float32)
-    headers = {"Origin": ALLOWED, "Content-Type": "application/octet-stream", "Accept": "application/octet-stream",
-               "X-Shape": "2,512", "X-Dtype": "float32"}
+    headers = {
+        "Origin": ALLOWED,
+        "Content-Type": "application/octet-stream",
+        "Accept": "application/octet-stream",
+        "X-Shape": "2,512",
+        "X-Dtype": "float32",
+    }
     r = await client.post(V1, content=x.tobytes(), headers=headers)
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == ALLOWED

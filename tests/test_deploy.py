@@ -170,7 +170,7 @@ def test_dockerfile_build_arg_variant_picks_base_image_and_torch_index() -> None
     torch_installs = [r for r in instructions("RUN", FINAL) if "torch==" in r.args]
     assert len(torch_installs) == 1
     assert '--index-url "${TORCH_INDEX_URL}"' in torch_installs[0].args
-    assert 'torch==${TORCH_VERSION}' in torch_installs[0].args
+    assert "torch==${TORCH_VERSION}" in torch_installs[0].args
 
 
 def test_dockerfile_pins_a_torch_version_pyproject_accepts() -> None:
@@ -255,7 +255,8 @@ def test_dockerfile_sets_ffn_host_to_all_interfaces_inside_the_container_only() 
 
 def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_the_rest() -> None:
     patterns = [
-        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.strip().startswith("#")
     ]
 
@@ -281,8 +282,14 @@ def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_the_rest() -> N
             for f in (ROOT / source).rglob("*.py"):
                 if "__pycache__" not in f.parts:
                     assert not excluded(str(f.relative_to(ROOT))), f
-    for left_out in (".git/HEAD", ".venv/bin/python", "tests/test_deploy.py", "deploy/models/weights.safetensors",
-                     "app/__pycache__/main.cpython-311.pyc", "docker-compose.yml"):
+    for left_out in (
+        ".git/HEAD",
+        ".venv/bin/python",
+        "tests/test_deploy.py",
+        "deploy/models/weights.safetensors",
+        "app/__pycache__/main.cpython-311.pyc",
+        "docker-compose.yml",
+    ):
         assert excluded(left_out), left_out
 
 
@@ -303,7 +310,7 @@ def http_server(status: int) -> Iterator[tuple[int, list[str]]]:
     paths: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             paths.append(self.path)
             self.send_response(status)
             self.send_header("Content-Length", "0")
@@ -327,7 +334,9 @@ def run_healthcheck(env: dict[str, str]) -> int:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_") and k != "MODELS_DIR"}
     # A proxy in the environment must not carry the loopback probe.
     clean.update({"HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"})
-    return subprocess.run([sys.executable, str(script)], env={**clean, **env}, capture_output=True, timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, str(script)], env={**clean, **env}, capture_output=True, timeout=30
+    ).returncode
 
 
 def test_healthcheck_script_passes_only_when_ready(tmp_path: Path) -> None:
@@ -406,7 +415,9 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     serve = bin_dir / "ffn-serve"
-    serve.write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; from app.cli import main; sys.exit(main())" "$@"\n')
+    serve.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; from app.cli import main; sys.exit(main())" "$@"\n'
+    )
     serve.chmod(0o755)
     port = free_port()
     entry = on_path(instructions("ENTRYPOINT")[0].exec_form()[0])
@@ -422,8 +433,9 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
     }
     log = tmp_path / "server.log"
     with log.open("wb") as out:  # a file, not a pipe nobody reads while the server runs
-        process = subprocess.Popen(["/bin/sh", str(entry), "ffn-serve"], env=env, cwd=tmp_path,
-                                   stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            ["/bin/sh", str(entry), "ffn-serve"], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+        )
     try:
         deadline = time.monotonic() + 180
         while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) != 0:
@@ -535,7 +547,9 @@ def test_compose_loadtest_runs_the_console_script_once_the_service_is_healthy() 
 
 def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
     code = "import sys; sys.argv[0] = 'ffn-loadtest'; from ffn_client.loadtest import main; sys.exit(main())"
-    result = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     for flag in (a for a in SERVICES["loadtest"]["command"] if a.startswith("--")):
         assert flag in result.stdout, f"ffn-loadtest --help does not list {flag}"
@@ -591,8 +605,9 @@ def test_nginx_config_is_accepted_by_nginx_where_installed(tmp_path: Path) -> No
         f"http {{ access_log off; client_body_temp_path {tmp_path}; proxy_temp_path {tmp_path};"
         f" include {tmp_path}/ffn.conf; }}\n"
     )
-    result = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -652,7 +667,7 @@ def test_kubernetes_probes_hit_health_paths_on_the_served_port() -> None:
         if "metrics" in named:
             assert named["metrics"] == int(metrics_port or -1), path
         if path.parent.name != "kserve":
-            annotations = [d for p, d in deployments() if p == path][0]["spec"]["template"]["metadata"]["annotations"]
+            annotations = next(d for p, d in deployments() if p == path)["spec"]["template"]["metadata"]["annotations"]
             assert annotations["prometheus.io/port"] == metrics_port, path
         assert container["readinessProbe"]["httpGet"]["path"] == READY_PATH, path
         assert container["livenessProbe"]["httpGet"]["path"] == LIVE_PATH, path
@@ -677,7 +692,9 @@ def test_kubernetes_grace_period_outlasts_prestop_and_drain() -> None:
 
 def test_kubernetes_env_sets_only_real_settings_with_valid_values(monkeypatch: pytest.MonkeyPatch) -> None:
     containers = [(p, d["spec"]["template"]["spec"]["containers"][0]) for p, d in deployments()]
-    containers += [(p, d["spec"]["predictor"]["containers"][0]) for p, d in manifests() if d["kind"] == "InferenceService"]
+    containers += [
+        (p, d["spec"]["predictor"]["containers"][0]) for p, d in manifests() if d["kind"] == "InferenceService"
+    ]
     for path, container in containers:
         for name in os.environ:
             if name.startswith("FFN_"):

@@ -28,7 +28,9 @@ def test_nginx_copy_for_older_nginx_drops_resolve_only():
     older = nginx_conf_for((1, 22, 1))
     directives = [line.split("#")[0] for line in older.splitlines()]
     assert not any(" resolve" in line for line in directives)
-    assert [line for line in directives if "server ffn:8000" in line] == ["    server ffn:8000 max_fails=1 fail_timeout=5s;"]
+    assert [line for line in directives if "server ffn:8000" in line] == [
+        "    server ffn:8000 max_fails=1 fail_timeout=5s;"
+    ]
     assert older == original.replace("server ffn:8000 resolve ", "server ffn:8000 ")
 
 
@@ -47,14 +49,21 @@ def test_compose_v1_is_reported_not_used():
     assert (command is None) == ("Compose v2" in why and "needs" in why)
 
 
-@pytest.mark.skipif(os.environ.get("DOCKER_CHECK") != "1", reason="opt-in: DOCKER_CHECK=1 (.ci/run sets it where an engine answers)")
+@pytest.mark.skipif(
+    os.environ.get("DOCKER_CHECK") != "1", reason="opt-in: DOCKER_CHECK=1 (.ci/run sets it where an engine answers)"
+)
 def test_image_builds_serves_drains_and_scales_down_without_a_failed_request(tmp_path):
     why = engine_reachable() or index_unreachable(torch_index())
     if why:
         pytest.skip(why)
     report_path = tmp_path / "docker.json"
-    result = subprocess.run([sys.executable, str(ROOT / "deploy" / "docker_check.py"), "--json", str(report_path)],
-                            capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "docker_check.py"), "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen = json.loads(report_path.read_text())
     assert seen["answer_matches_numpy"] is True and seen["healthy_after_s"] > 0

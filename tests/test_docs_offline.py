@@ -46,7 +46,7 @@ def test_docs_pages_load_only_files_the_server_serves(demo_server, page, spec_pa
         for url in urls:
             asset = http.get(url)
             assert asset.status_code == 200, url
-            suffix = url[url.rfind("."):]
+            suffix = url[url.rfind(".") :]
             assert CONTENT_TYPES[suffix] in asset.headers["content-type"], (url, asset.headers["content-type"])
             assert asset.content == (ASSETS_DIR / url.rsplit("/", 1)[-1]).read_bytes()
         spec_url = re.search(spec_pattern, html)

@@ -21,8 +21,8 @@ import pytest
 
 from ffn_client.testing import metric_value, start_server, wait_for_metrics
 from tests.reference import demo_reference
-from tests.wire import raw_headers
 from tests.slow_model import slow_model_config
+from tests.wire import raw_headers
 
 D_MODEL = 512
 WORKERS = 8
@@ -53,7 +53,9 @@ async def load_worker(url: str, seed: int, log: list[Sent], stop: asyncio.Event)
                     r = await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
                     y = np.asarray(r.json()["outputs"]) if r.status_code == 200 else None
                 else:
-                    r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers((rows, D_MODEL)))
+                    r = await client.post(
+                        "/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers((rows, D_MODEL))
+                    )
                     y = np.frombuffer(r.content, "<f4").reshape(rows, D_MODEL) if r.status_code == 200 else None
             except httpx.TransportError as exc:
                 sent.outcome = type(exc).__name__
@@ -72,8 +74,9 @@ async def load_worker(url: str, seed: int, log: list[Sent], stop: asyncio.Event)
 @pytest.fixture(scope="module")
 def drain_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("drain")
-    return slow_model_config(folder, f"max_wait_ms = 20\nmax_batch_rows = {SLOW_ROWS}\nwarmup = false\ndrain_timeout_s = 30",
-                             with_demo=True)
+    return slow_model_config(
+        folder, f"max_wait_ms = 20\nmax_batch_rows = {SLOW_ROWS}\nwarmup = false\ndrain_timeout_s = 30", with_demo=True
+    )
 
 
 async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path) -> None:
@@ -84,8 +87,10 @@ async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as probe:
             # Load flowing: some demo requests already answered.
             await wait_for_metrics(
-                probe, lambda m: metric_value(m, "ffn_requests_total", model="demo", outcome="ok") >= 20,
-                "20 demo requests answered")
+                probe,
+                lambda m: metric_value(m, "ffn_requests_total", model="demo", outcome="ok") >= 20,
+                "20 demo requests answered",
+            )
             # Big slow requests: one in its forward pass and one queued behind it, so the drain
             # lasts at least one whole forward pass after SIGTERM whatever the machine's speed.
             slow_x = np.ones((SLOW_ROWS, D_MODEL), dtype=np.float32).tobytes()
@@ -99,8 +104,13 @@ async def test_sigterm_under_load_answers_everything_accepted(drain_config: Path
                 if started - done == 1 and queued == SLOW_ROWS:
                     break
                 if len(slow) < 2 or (started == len(slow) and len(slow) < 6):  # none waiting: send one more
-                    slow.append(asyncio.create_task(
-                        probe.post("/v1/models/slow/transform", content=slow_x, headers=raw_headers((SLOW_ROWS, D_MODEL)))))
+                    slow.append(
+                        asyncio.create_task(
+                            probe.post(
+                                "/v1/models/slow/transform", content=slow_x, headers=raw_headers((SLOW_ROWS, D_MODEL))
+                            )
+                        )
+                    )
                 await asyncio.sleep(0.01)
             else:
                 raise AssertionError("never saw one slow request computing and another queued")
@@ -161,11 +171,18 @@ async def test_drain_timeout_answers_what_is_left_503_and_exits_0(drain_config: 
     with start_server(config=drain_config, env={"FFN_DRAIN_TIMEOUT_S": "0.2"}) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as client:
             body = np.ones((SLOW_ROWS, D_MODEL), dtype=np.float32).tobytes()
-            slow = [asyncio.create_task(client.post("/v1/models/slow/transform", content=body,
-                                                    headers=raw_headers((SLOW_ROWS, D_MODEL)))) for _ in range(3)]
+            slow = [
+                asyncio.create_task(
+                    client.post("/v1/models/slow/transform", content=body, headers=raw_headers((SLOW_ROWS, D_MODEL)))
+                )
+                for _ in range(3)
+            ]
             # One computing, two queued: seconds of work left.
-            await wait_for_metrics(client, lambda m: metric_value(m, "ffn_queue_rows", model="slow") == 2 * SLOW_ROWS,
-                                   "two slow requests queued behind a third")
+            await wait_for_metrics(
+                client,
+                lambda m: metric_value(m, "ffn_queue_rows", model="slow") == 2 * SLOW_ROWS,
+                "two slow requests queued behind a third",
+            )
             server.terminate()
             answers = await asyncio.gather(*slow)
         code = server.wait(60)

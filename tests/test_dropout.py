@@ -94,7 +94,9 @@ def test_leaves_the_model_alone(model, x):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"passes": 1}, "passes"), ({"p": 1.0}, "dropout"), ({"p": -0.1}, "dropout")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"passes": 1}, "passes"), ({"p": 1.0}, "dropout"), ({"p": -0.1}, "dropout")]
+)
 def test_bad_arguments(model, x, kwargs, message):
     with pytest.raises(ValueError, match=message):
         mc_dropout(model, x, **kwargs)

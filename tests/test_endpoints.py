@@ -29,43 +29,86 @@ def _npy(array: np.ndarray) -> bytes:
 
 
 def _v2_binary(array: np.ndarray, path: str) -> tuple[str, str, bytes, dict[str, str]]:
-    header = orjson.dumps({"inputs": [{"name": "input", "shape": list(array.shape), "datatype": "FP32",
-                                       "parameters": {"binary_data_size": array.nbytes}}],
-                           "outputs": [{"name": "output", "parameters": {"binary_data": True}}]})
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(array.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": array.nbytes},
+                }
+            ],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }
+    )
     headers = {"inference-header-content-length": str(len(header)), "content-type": "application/octet-stream"}
     return "POST", path, header + array.tobytes(), headers
 
 
 REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
-    "native json": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": x.tolist()}),
-                    {"content-type": "application/json"}),
-    "native raw": ("POST", "/v1/models/demo/transform", x.tobytes(),
-                   {"content-type": "application/octet-stream", "x-shape": f"3,{D}", "accept": "application/octet-stream"}),
-    "native npy": ("POST", "/v1/models/demo/transform", _npy(x),
-                   {"content-type": "application/x-npy", "accept": "application/x-npy"}),
+    "native json": (
+        "POST",
+        "/v1/models/demo/transform",
+        orjson.dumps({"inputs": x.tolist()}),
+        {"content-type": "application/json"},
+    ),
+    "native raw": (
+        "POST",
+        "/v1/models/demo/transform",
+        x.tobytes(),
+        {"content-type": "application/octet-stream", "x-shape": f"3,{D}", "accept": "application/octet-stream"},
+    ),
+    "native npy": (
+        "POST",
+        "/v1/models/demo/transform",
+        _npy(x),
+        {"content-type": "application/x-npy", "accept": "application/x-npy"},
+    ),
     "native bad shape": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": [[1.0, 2.0]]}), {}),
     "native unknown model": ("POST", "/v1/models/nope/transform", orjson.dumps({"inputs": x.tolist()}), {}),
-    "native bad accept": ("POST", "/v1/models/demo/transform", orjson.dumps({"inputs": x.tolist()}),
-                          {"accept": "text/html"}),
-    "v2 json": ("POST", "/v2/models/demo/infer",
-                orjson.dumps({"id": "7", "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32",
-                                                     "data": x.ravel().tolist()}]}), {}),
+    "native bad accept": (
+        "POST",
+        "/v1/models/demo/transform",
+        orjson.dumps({"inputs": x.tolist()}),
+        {"accept": "text/html"},
+    ),
+    "v2 json": (
+        "POST",
+        "/v2/models/demo/infer",
+        orjson.dumps(
+            {"id": "7", "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32", "data": x.ravel().tolist()}]}
+        ),
+        {},
+    ),
     "v2 binary": _v2_binary(x, "/v2/models/demo/infer"),
     "v2 versioned": _v2_binary(x, "/v2/models/demo/versions/1/infer"),
     "v2 wrong version": _v2_binary(x, "/v2/models/demo/versions/2/infer"),
-    "native monte carlo": ("POST", "/v1/models/demo/transform?mc_passes=3&mc_seed=1&mc_dropout=0.1", x.tobytes(),
-                           {"content-type": "application/octet-stream", "x-shape": f"3,{D}",
-                            "accept": "application/octet-stream"}),
-    "v2 monte carlo": ("POST", "/v2/models/demo/infer",
-                       orjson.dumps({"inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32",
-                                                 "data": x.ravel().tolist()}],
-                                     "parameters": {"mc_passes": 3, "mc_seed": 1, "mc_dropout": 0.1}}), {}),
-    "v2 bad datatype": ("POST", "/v2/models/demo/infer",
-                        orjson.dumps({"inputs": [{"name": "input", "shape": [1, D], "datatype": "INT8",
-                                                  "data": [0] * D}]}), {}),
+    "native monte carlo": (
+        "POST",
+        "/v1/models/demo/transform?mc_passes=3&mc_seed=1&mc_dropout=0.1",
+        x.tobytes(),
+        {"content-type": "application/octet-stream", "x-shape": f"3,{D}", "accept": "application/octet-stream"},
+    ),
+    "v2 monte carlo": (
+        "POST",
+        "/v2/models/demo/infer",
+        orjson.dumps(
+            {
+                "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32", "data": x.ravel().tolist()}],
+                "parameters": {"mc_passes": 3, "mc_seed": 1, "mc_dropout": 0.1},
+            }
+        ),
+        {},
+    ),
+    "v2 bad datatype": (
+        "POST",
+        "/v2/models/demo/infer",
+        orjson.dumps({"inputs": [{"name": "input", "shape": [1, D], "datatype": "INT8", "data": [0] * D}]}),
+        {},
+    ),
 }
-COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after",
-                    "x-mc-seed")
+COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after", "x-mc-seed")
 
 
 @pytest.fixture

@@ -54,7 +54,10 @@ def _gpt2(path, d_model=6, d_ff=10, layers=2):
 def test_gpt2_layer_transposed_and_cast(tmp_path, np_ffn, close):
     state = _gpt2(tmp_path / "gpt2.safetensors")
     out = tmp_path / "ffn.safetensors"
-    assert main(["--format", "gpt2", "--layer", "1", "--dtype", "bfloat16", str(tmp_path / "gpt2.safetensors"), str(out)]) == 0
+    assert (
+        main(["--format", "gpt2", "--layer", "1", "--dtype", "bfloat16", str(tmp_path / "gpt2.safetensors"), str(out)])
+        == 0
+    )
     with safe_open(str(out), framework="pt") as f:
         assert f.get_tensor("layer1.weight").dtype == torch.bfloat16
         assert f.get_tensor("layer1.weight").shape == (10, 6)
@@ -79,7 +82,10 @@ def test_gpt2_layer_transposed_and_cast(tmp_path, np_ffn, close):
 def test_activation_override(tmp_path):
     _gpt2(tmp_path / "gpt2.safetensors")
     out = tmp_path / "ffn.safetensors"
-    assert main(["--format", "gpt2", "--layer", "0", "--activation", "gelu", str(tmp_path / "gpt2.safetensors"), str(out)]) == 0
+    assert (
+        main(["--format", "gpt2", "--layer", "0", "--activation", "gelu", str(tmp_path / "gpt2.safetensors"), str(out)])
+        == 0
+    )
     assert load_ffn(out).config.activation == "gelu"
 
 

@@ -82,7 +82,7 @@ def test_staged_batches_overlap_with_events_not_a_device_wide_synchronize(monkey
     batches = [[rows(10 + i, 40), rows(20 + i, 24)] for i in range(5)]  # 5 batches through 2 slots
     pending = [runner.launch(parts) for parts in batches]  # all launched before any is waited for
     assert all(isinstance(p, InFlight) and p.output.is_pinned() for p in pending)
-    for parts, p in zip(batches, pending):
+    for parts, p in zip(batches, pending, strict=True):
         y = p.wait()
         assert y.dtype == torch.float32  # float32 in, float32 out of a bfloat16 model
         assert relative_error(y, reference(runner.model, torch.cat(parts))) <= BOUND[torch.bfloat16]
@@ -137,8 +137,11 @@ async def test_the_service_serves_from_cuda(start_app):
     listed = (await app.client.get("/v1/models")).json()
     assert str(listed).count("cuda") >= 1
     x = np.random.default_rng(0).standard_normal((5, D)).astype(np.float32)
-    r = await app.client.post("/v1/models/demo/transform", content=x.tobytes(), headers={
-        "content-type": "application/octet-stream", "x-shape": f"5,{D}", "accept": "application/octet-stream"})
+    r = await app.client.post(
+        "/v1/models/demo/transform",
+        content=x.tobytes(),
+        headers={"content-type": "application/octet-stream", "x-shape": f"5,{D}", "accept": "application/octet-stream"},
+    )
     assert r.status_code == 200 and r.headers["x-dtype"] == "float32"
     y = torch.from_numpy(np.frombuffer(r.content, "<f4").reshape(5, D).copy())
     assert relative_error(y, reference(demo_ffn().to(torch.bfloat16), torch.from_numpy(x))) <= BOUND[torch.bfloat16]

@@ -37,8 +37,15 @@ def server() -> Iterator[ServerProcess]:
         yield srv
 
 
-async def send(server: ServerProcess, method: str, path: str, headers: dict[str, str] | None = None,
-               body: bytes = b"", *, auth: bool = True) -> Response:
+async def send(
+    server: ServerProcess,
+    method: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+    body: bytes = b"",
+    *,
+    auth: bool = True,
+) -> Response:
     all_headers = {**(AUTH if auth else {}), **(headers or {})}
     # Keep-alive: an answer sent before the body was read must not be lost to a reset (see http_request).
     return await raw_request(server.port, http_request(method, path, all_headers, body, close=False))
@@ -52,7 +59,7 @@ def assert_error(r: Response, status: int, error_type: str | None = None) -> dic
     assert isinstance(body["error"], str) and body["error"]
     if error_type is not None:
         assert body["error_type"] == error_type, body
-    for leak in ("Traceback", "File \"", "/work/", "site-packages", ".py", "root:"):
+    for leak in ("Traceback", 'File "', "/work/", "site-packages", ".py", "root:"):
         assert leak not in body["error"], f"error message leaks {leak!r}: {body['error']}"
     return body
 
@@ -238,8 +245,9 @@ TRAVERSALS = [
 
 @pytest.mark.parametrize(("method", "path"), TRAVERSALS, ids=[f"{m} {p[:60]}" for m, p in TRAVERSALS])
 async def test_path_traversal_model_names_are_404(server: ServerProcess, method: str, path: str) -> None:
-    r = await send(server, method, path, JSON if method == "POST" else None,
-                   row_json("1.0") if method == "POST" else b"")
+    r = await send(
+        server, method, path, JSON if method == "POST" else None, row_json("1.0") if method == "POST" else b""
+    )
     body = assert_error(r, 404)
     assert body["error_type"] in ("model_not_found", "not_found")
     assert len(body["error"]) < 400  # a long name is cut, not echoed whole
@@ -248,8 +256,21 @@ async def test_path_traversal_model_names_are_404(server: ServerProcess, method:
 # ----- API key ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer ", "Bearer wrong-key", f"Bearer {KEY}x",
-                                           f"Bearer {KEY[:-1]}", f"Basic {KEY}", KEY, f"Bearer  {KEY}"])
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Bearer wrong-key",
+        f"Bearer {KEY}x",
+        f"Bearer {KEY[:-1]}",
+        f"Basic {KEY}",
+        KEY,
+        f"Bearer  {KEY}",
+    ],
+)
 async def test_missing_or_wrong_api_key_is_401(server: ServerProcess, authorization: str | None) -> None:
     headers = dict(JSON) if authorization is None else {**JSON, "Authorization": authorization}
     r = await send(server, "POST", V1, headers, row_json("1.0"), auth=False)
@@ -263,11 +284,21 @@ async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, sche
     assert r.status == 200
 
 
-@pytest.mark.parametrize(("method", "path"), [
-    ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v2"), ("GET", "/v2/models/demo"),
-    ("GET", "/v2/models/demo/ready"), ("POST", V2), ("GET", "/openapi.json"), ("GET", "/docs"),
-    ("GET", "/v2/health/../../v1/models"), ("GET", "/v2/health/%2e%2e/%2e%2e/metrics"),
-])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("GET", "/v2"),
+        ("GET", "/v2/models/demo"),
+        ("GET", "/v2/models/demo/ready"),
+        ("POST", V2),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/v2/health/../../v1/models"),
+        ("GET", "/v2/health/%2e%2e/%2e%2e/metrics"),
+    ],
+)
 async def test_every_route_but_health_needs_the_key(server: ServerProcess, method: str, path: str) -> None:
     r = await send(server, method, path, auth=False)
     assert r.status in (401, 404), r.status  # a dot-segment path under /v2/health/ matches no route
@@ -289,13 +320,23 @@ def v2_json(**tensor: object) -> bytes:
     return orjson.dumps({"inputs": [{k: v for k, v in base.items() if v is not None}]})
 
 
-def v2_binary(size: int, data: bytes, *, header_length: int | None = None, datatype: str = "FP32",
-              shape: list[int] | None = None) -> tuple[dict[str, str], bytes]:
-    header = orjson.dumps({"inputs": [{"name": "input", "shape": shape or [1, D_MODEL], "datatype": datatype,
-                                       "parameters": {"binary_data_size": size}}]})
+def v2_binary(
+    size: int, data: bytes, *, header_length: int | None = None, datatype: str = "FP32", shape: list[int] | None = None
+) -> tuple[dict[str, str], bytes]:
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": shape or [1, D_MODEL],
+                    "datatype": datatype,
+                    "parameters": {"binary_data_size": size},
+                }
+            ]
+        }
+    )
     length = len(header) if header_length is None else header_length
-    return ({"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(length)},
-            header + data)
+    return ({"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(length)}, header + data)
 
 
 V2_JSON_CASES = {
@@ -311,8 +352,9 @@ V2_JSON_CASES = {
     "shape-overflows-int64": v2_json(shape=[2**62, 2**62, D_MODEL]),
     "no-data": v2_json(data=None),
     "data-strings": v2_json(data=["a"] * D_MODEL),
-    "data-nan": row_json("NaN").replace(b'{"inputs": [[', b'{"inputs": [{"name": "input", "shape": [1, 512], '
-                                        b'"datatype": "FP32", "data": [').replace(b"]]}", b"]}]}"),
+    "data-nan": row_json("NaN")
+    .replace(b'{"inputs": [[', b'{"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [')
+    .replace(b"]]}", b"]}]}"),
     "two-inputs": orjson.dumps({"inputs": [orjson.loads(v2_json())["inputs"][0]] * 2}),
     "no-inputs": b'{"inputs": []}',
     "inputs-not-list": b'{"inputs": {"name": "input"}}',
@@ -359,8 +401,9 @@ async def test_v2_header_length_not_a_number_is_400(server: ServerProcess) -> No
 
 async def test_v2_unknown_model_and_version_are_404(server: ServerProcess) -> None:
     assert_error(await send(server, "POST", "/v2/models/nope/infer", JSON, v2_json()), 404, "model_not_found")
-    assert_error(await send(server, "POST", "/v2/models/demo/versions/2/infer", JSON, v2_json()), 404,
-                 "model_not_found")
+    assert_error(
+        await send(server, "POST", "/v2/models/demo/versions/2/infer", JSON, v2_json()), 404, "model_not_found"
+    )
 
 
 # ----- exposure -----------------------------------------------------------------------------
@@ -418,8 +461,9 @@ async def test_numeric_headers_take_ascii_digits_only(server: ServerProcess, dig
     r = await raw_request(server.port, with_non_ascii({**JSON, "X-Timeout-Ms": "DIGITS"}, row_json("1.0"), digits))
     assert_error(r, 400, "invalid_input")
     headers, body = v2_binary(len(ONE_ROW), ONE_ROW)
-    data = http_request("POST", V2, {**AUTH, **headers, "Inference-Header-Content-Length": "DIGITS"}, body,
-                        close=False).replace(b"DIGITS", digits.encode())
+    data = http_request(
+        "POST", V2, {**AUTH, **headers, "Inference-Header-Content-Length": "DIGITS"}, body, close=False
+    ).replace(b"DIGITS", digits.encode())
     assert_error(await raw_request(server.port, data), 400, "invalid_input")
     r = await raw_request(server.port, with_non_ascii(raw_headers("DIGITS,512"), ONE_ROW, digits))
     assert_error(r, 400, "invalid_input")
@@ -478,8 +522,9 @@ V2_TYPE_CASES = {
     "binary-data-size-float": v2_json(data=None, parameters={"binary_data_size": 2048.0}),
     "binary-data-size-bool": v2_json(data=None, parameters={"binary_data_size": True}),
     "data-booleans": v2_json(data=[True] + [0.5] * (D_MODEL - 1)),
-    "data-integer-beyond-2^64": v2_json(data=None).replace(b'"datatype"', b'"data": [18446744073709551616'
-                                                           + b", 0" * (D_MODEL - 1) + b'], "datatype"'),
+    "data-integer-beyond-2^64": v2_json(data=None).replace(
+        b'"datatype"', b'"data": [18446744073709551616' + b", 0" * (D_MODEL - 1) + b'], "datatype"'
+    ),
     "data-object": v2_json(data={"a": 1}),
     "fp16-data-beyond-65504": v2_json(datatype="FP16", data=[70000.0] + [0.0] * (D_MODEL - 1)),
     "input-a-list": orjson.dumps({"inputs": [[1, 2]]}),
@@ -506,8 +551,10 @@ async def test_v2_fields_of_the_wrong_type_are_400(server: ServerProcess, body: 
     assert_error(await send(server, "POST", V2, JSON, body), 400, "invalid_input")
 
 
-@pytest.mark.parametrize(("parameters", "binary"), [({"binary_data_output": False}, False),
-                                                    ({"binary_data_output": True}, True), ({}, False)])
+@pytest.mark.parametrize(
+    ("parameters", "binary"),
+    [({"binary_data_output": False}, False), ({"binary_data_output": True}, True), ({}, False)],
+)
 async def test_v2_binary_data_output_is_a_real_boolean(server: ServerProcess, parameters: dict, binary: bool) -> None:
     r = await send(server, "POST", V2, JSON, v2_with(parameters=parameters))
     assert r.status == 200, r.body[:200]
@@ -546,8 +593,9 @@ async def test_an_output_that_overflows_float16_on_the_wire_is_422(server: Serve
 # ----- issue 11, class 10: edges of the HTTP layer ----------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v2/health/live/", "/v2/health/ready/", "/v1/models/", "/v2/models/demo/",
-                                  "/metrics/"])
+@pytest.mark.parametrize(
+    "path", ["/v2/health/live/", "/v2/health/ready/", "/v1/models/", "/v2/models/demo/", "/metrics/"]
+)
 async def test_trailing_slashes_are_not_redirected_with_the_clients_host(server: ServerProcess, path: str) -> None:
     r = await send(server, "GET", path, {"Host": "evil.example"})
     assert_error(r, 404)
@@ -576,13 +624,13 @@ PARSER_REFUSALS = {
     "nul-in-header-value": b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
     "bad-chunk-size": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
     "content-length-and-chunked": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
-                                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     "content-length-superscript": "POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n"
-                                  "\r\nab".encode("latin-1"),
+    "\r\nab".encode("latin-1"),
     "two-content-lengths": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n"
-                           b"Content-Length: 2\r\n\r\nab",
+    b"Content-Length: 2\r\n\r\nab",
     "chunked-twice": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n"
-                     b"\r\n0\r\n\r\n",
+    b"\r\n0\r\n\r\n",
     "gzip-last": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
     "http-2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 }

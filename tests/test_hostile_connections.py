@@ -16,13 +16,13 @@ import orjson
 import pytest
 
 from bench.hostile import (
+    MEASURABLE_MALLOC,
     PeakMemory,
     empty_rows_body,
     flood_headers,
     json_post,
     numbers_body,
     probe_while,
-    MEASURABLE_MALLOC,
     unread_clients,
     unread_request,
 )
@@ -45,9 +45,14 @@ PROBE_BOUND_S = 4.0
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     env = {
-        "FFN_API_KEY": KEY, "FFN_CORS_ORIGINS": f'["{ORIGIN}"]', "FFN_WARMUP": "0",
-        "FFN_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "FFN_READ_TIMEOUT_S": "1", "FFN_SEND_TIMEOUT_S": "1",
-        "FFN_MAX_CONNECTIONS": str(MAX_CONNECTIONS), **MEASURABLE_MALLOC,
+        "FFN_API_KEY": KEY,
+        "FFN_CORS_ORIGINS": f'["{ORIGIN}"]',
+        "FFN_WARMUP": "0",
+        "FFN_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "FFN_READ_TIMEOUT_S": "1",
+        "FFN_SEND_TIMEOUT_S": "1",
+        "FFN_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        **MEASURABLE_MALLOC,
     }
     with start_server(env=env) as srv:
         yield srv
@@ -63,8 +68,10 @@ def json_error(r: Response, status: int, error_type: str) -> None:
 async def answers_right(server: ServerProcess) -> None:
     """A valid request, answered as the float64 reference says."""
     x = np.linspace(-1, 1, 3 * 512, dtype=np.float32).reshape(3, 512)
-    r = await raw_request(server.port, http_request("POST", V1, {**AUTH, "Content-Type": "application/json"},
-                                                    orjson.dumps({"inputs": x.tolist()})))
+    r = await raw_request(
+        server.port,
+        http_request("POST", V1, {**AUTH, "Content-Type": "application/json"}, orjson.dumps({"inputs": x.tolist()})),
+    )
     assert r.status == 200, r.body[:300]
     assert_close(np.asarray(r.json()["outputs"]), demo_reference(x))
 
@@ -112,8 +119,9 @@ async def test_a_head_over_the_limit_is_answered_431_before_it_ends(server: Serv
 async def test_a_64_mib_body_of_empty_rows_is_refused_on_counts_while_probes_answer(server: ServerProcess) -> None:
     body = empty_rows_body(64 * MiB - 64)
     async with PeakMemory(server) as memory:
-        r, waits = await probe_while(server.port, raw_request(server.port, json_post(body, AUTH), timeout=60),
-                                     limit=PROBE_BOUND_S)
+        r, waits = await probe_while(
+            server.port, raw_request(server.port, json_post(body, AUTH), timeout=60), limit=PROBE_BOUND_S
+        )
     json_error(r, 413, "payload_too_large")
     assert waits
     # Before: 2.3 GB for this body. Now the body itself, once or twice while it is read, and no objects.
@@ -125,30 +133,40 @@ async def test_a_large_valid_json_body_is_parsed_while_probes_answer(server: Ser
     # measured. The parse holds the loop (about 0.4 s unloaded), bounded by the counts: a wider bound.
     body = numbers_body(10_000, 513)
     async with PeakMemory(server) as memory:
-        r, waits = await probe_while(server.port, raw_request(server.port, json_post(body, AUTH), timeout=60),
-                                     limit=3 * PROBE_BOUND_S)
+        r, waits = await probe_while(
+            server.port, raw_request(server.port, json_post(body, AUTH), timeout=60), limit=3 * PROBE_BOUND_S
+        )
     json_error(r, 400, "invalid_input")
     assert "d_model" in r.json()["error"]
     assert waits
     # A Python float per value while parsing: about 7.5x the body for 10-byte numbers (measured).
-    assert memory.growth < 10 * len(body), f"RSS grew {memory.growth / MiB:.0f} MiB for a {len(body) / MiB:.0f} MiB body"
+    assert memory.growth < 10 * len(body), (
+        f"RSS grew {memory.growth / MiB:.0f} MiB for a {len(body) / MiB:.0f} MiB body"
+    )
 
 
 # ----- class 6: CORS works with an API key -------------------------------------------------------
 
 
 async def test_a_preflight_needs_no_key_and_a_401_carries_cors_headers(server: ServerProcess) -> None:
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     r = await raw_request(server.port, http_request("OPTIONS", V1, preflight))
     assert r.status == 200
     assert r.headers["access-control-allow-origin"] == ORIGIN
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
     body = orjson.dumps({"inputs": [[0.0] * 512]})
-    r = await raw_request(server.port, http_request("POST", V1, {"Origin": ORIGIN, "Content-Type": "application/json"}, body))
+    r = await raw_request(
+        server.port, http_request("POST", V1, {"Origin": ORIGIN, "Content-Type": "application/json"}, body)
+    )
     json_error(r, 401, "unauthorized")
     assert r.headers["access-control-allow-origin"] == ORIGIN  # the browser may read why
-    r = await raw_request(server.port, http_request("POST", V1, {**AUTH, "Origin": ORIGIN, "Content-Type": "application/json"}, body))
+    r = await raw_request(
+        server.port, http_request("POST", V1, {**AUTH, "Origin": ORIGIN, "Content-Type": "application/json"}, body)
+    )
     assert r.status == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     assert_close(np.asarray(r.json()["outputs"]), demo_reference(np.zeros((1, 512))))
 
@@ -165,9 +183,11 @@ async def metrics(server: ServerProcess) -> str:
 async def test_hang_ups_mid_upload_count_as_client_closed_and_log_no_traceback(server: ServerProcess) -> None:
     before = await metrics(server)
     log_lines = len(server.logs().splitlines())
-    head = http_request("POST", V1, {**AUTH, "Content-Type": "application/json", "Content-Length": str(MiB)}, close=False)
+    head = http_request(
+        "POST", V1, {**AUTH, "Content-Type": "application/json", "Content-Length": str(MiB)}, close=False
+    )
     for _ in range(20):
-        reader, writer = await asyncio.open_connection(HOST, server.port)
+        _, writer = await asyncio.open_connection(HOST, server.port)
         writer.write(head + b'{"inputs": [[' + b"0.0," * 16_000)
         await writer.drain()
         await asyncio.sleep(0.05)  # the body is being read
@@ -244,6 +264,7 @@ async def test_answers_nobody_reads_are_dropped_not_kept(server: ServerProcess) 
     for _ in range(2):  # read normally first: the allocator's and torch's caches at this size are not a leak
         assert (await raw_request(server.port, request)).status == 200
     before = server.rss_bytes()
+
     def dropped() -> bool:
         return server.logs().count("dropping a connection that read none") >= 8
 

@@ -32,7 +32,7 @@ async def test_an_overflowing_request_fails_alone_in_its_batch(start_app) -> Non
     assert_close(np.asarray(good.json()["outputs"]), demo_reference(normal))
     metrics = (await client.get("/metrics")).text
     assert 'ffn_requests_total{model="demo",outcome="non_finite_output"} 1.0' in metrics
-    assert "ffn_batch_rows_count{model=\"demo\"} 1.0" in metrics  # one pass carried both
+    assert 'ffn_batch_rows_count{model="demo"} 1.0' in metrics  # one pass carried both
 
 
 async def test_a_dead_batcher_turns_readiness_503_and_says_why(start_app) -> None:

@@ -31,11 +31,19 @@ EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 
 # ----- strategies --------------------------------------------------------------------------------
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                           max_leaves=24)
-finite32 = st.floats(min_value=-2.0**100, max_value=2.0**100, allow_nan=False, allow_subnormal=False, width=32)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=24,
+)
+finite32 = st.floats(min_value=-(2.0**100), max_value=2.0**100, allow_nan=False, allow_subnormal=False, width=32)
 
 
 @st.composite
@@ -64,7 +72,7 @@ def decode_or_4xx(decode: Any, *args: Any) -> Any:
     """decode(*args), or None when it refused with a 4xx service error; anything else fails the test."""
     try:
         return decode(*args)
-    except Exception as exc:  # noqa: BLE001 - the property: only 4xx service errors
+    except Exception as exc:
         assert refused_with_4xx(exc), f"{type(exc).__name__}: {exc}"
         return None
 
@@ -94,8 +102,11 @@ def test_native_json_any_document(inputs: Any, wrapped: bool) -> None:
 
 
 @EXAMPLES
-@given(st.binary(max_size=64), st.text(max_size=12) | st.just("2,4"), st.text(max_size=12) | st.sampled_from(
-    ["float32", "float16", "bfloat16", "FLOAT16", " float32 "]))
+@given(
+    st.binary(max_size=64),
+    st.text(max_size=12) | st.just("2,4"),
+    st.text(max_size=12) | st.sampled_from(["float32", "float16", "bfloat16", "FLOAT16", " float32 "]),
+)
 def test_native_raw_any_bytes_and_headers(body: bytes, shape: str, dtype: str) -> None:
     decoded = decode_or_4xx(native.decode_raw, bytearray(body), shape, dtype, D)
     if decoded is not None:
@@ -108,10 +119,14 @@ def npy_file(header: str, data: bytes) -> bytes:
     return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
 
 
-npy_literals = st.recursive(scalars | st.tuples(st.integers(-3, 5), st.integers(-3, 5)) | st.just("<f4"),
-                            lambda inner: st.lists(inner, max_size=3).map(tuple) | st.dictionaries(
-                                st.sampled_from(["descr", "fortran_order", "shape", "x"]), inner, max_size=4),
-                            max_leaves=10)
+npy_literals = st.recursive(
+    scalars | st.tuples(st.integers(-3, 5), st.integers(-3, 5)) | st.just("<f4"),
+    lambda inner: (
+        st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.sampled_from(["descr", "fortran_order", "shape", "x"]), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 
 
 @EXAMPLES
@@ -131,16 +146,23 @@ def test_native_npy_any_bytes(body: bytes) -> None:
 
 @EXAMPLES
 @given(st.text(max_size=40) | st.none(), st.text(max_size=20) | st.none(), st.text(max_size=60) | st.none())
-def test_native_negotiation_any_headers(content_type: str | None, content_encoding: str | None, accept: str | None) -> None:
+def test_native_negotiation_any_headers(
+    content_type: str | None, content_encoding: str | None, accept: str | None
+) -> None:
     decode_or_4xx(native.request_encoding, content_type, content_encoding)
     decode_or_4xx(native.response_encoding, accept)
 
 
 # ----- Open Inference Protocol ------------------------------------------------------------------
 
-valid_tensor = st.fixed_dictionaries({"name": st.just("input"), "shape": st.just([1, D]),
-                                      "datatype": st.sampled_from(["FP32", "FP16", "BF16"]),
-                                      "data": st.lists(finite32, min_size=D, max_size=D)})
+valid_tensor = st.fixed_dictionaries(
+    {
+        "name": st.just("input"),
+        "shape": st.just([1, D]),
+        "datatype": st.sampled_from(["FP32", "FP16", "BF16"]),
+        "data": st.lists(finite32, min_size=D, max_size=D),
+    }
+)
 
 
 @st.composite
@@ -157,8 +179,12 @@ def v2_documents(draw: st.DrawFn) -> Any:
     if draw(st.integers(0, 3)) == 0:
         document["parameters"] = {"binary_data_output": draw(json_values), "timeout": draw(json_values)}
     if draw(st.integers(0, 3)) == 0:
-        document["outputs"] = [{"name": draw(st.sampled_from(["output", "x"]) | json_values),
-                                "parameters": draw(st.fixed_dictionaries({"binary_data": json_values}) | json_values)}]
+        document["outputs"] = [
+            {
+                "name": draw(st.sampled_from(["output", "x"]) | json_values),
+                "parameters": draw(st.fixed_dictionaries({"binary_data": json_values}) | json_values),
+            }
+        ]
     return document
 
 
@@ -181,8 +207,18 @@ def test_v2_any_bytes_and_header_length(body: bytes, header_length: str | None) 
 @EXAMPLES
 @given(st.integers(-4, 40), st.binary(max_size=40), st.sampled_from(["FP32", "FP16", "BF16", "FP64"]))
 def test_v2_binary_any_sizes(declared: int, data: bytes, datatype: str) -> None:
-    header = dumps({"inputs": [{"name": "input", "shape": [len(data) // (4 * D) or 1, D], "datatype": datatype,
-                                "parameters": {"binary_data_size": declared}}]})
+    header = dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [len(data) // (4 * D) or 1, D],
+                    "datatype": datatype,
+                    "parameters": {"binary_data_size": declared},
+                }
+            ]
+        }
+    )
     decoded = decode_or_4xx(v2.decode, bytearray(header + data), str(len(header)), D, MAX_ROWS)
     if decoded is not None:
         assert declared == len(data) == decoded.rows.numel() * decoded.dtype.itemsize
@@ -217,8 +253,14 @@ def test_deadlines_any_value(value: str | float) -> None:
 @given(json_values)
 def test_typed_fields_any_value(value: Any) -> None:
     container = {"field": value}
-    for read in (fields.str_field, fields.bool_field, fields.int_field, fields.number_field,
-                 fields.object_field, fields.list_field):
+    for read in (
+        fields.str_field,
+        fields.bool_field,
+        fields.int_field,
+        fields.number_field,
+        fields.object_field,
+        fields.list_field,
+    ):
         decode_or_4xx(read, container, "field", "parameter")
     flag = decode_or_4xx(fields.bool_field, container, "field", "parameter")
     assert flag is None or value is flag

@@ -66,9 +66,16 @@ async def test_every_encoding_in_and_out_float32(client, content_type, accept):
 
 async def test_float16_binary_in_and_out(client):
     x = random_input((5, D), seed=2).astype(np.float16)
-    r = await client.post(URL, content=x.astype("<f2").tobytes(), headers={
-        "content-type": "application/octet-stream", "x-shape": "5,512", "x-dtype": "float16",
-        "accept": "application/octet-stream"})
+    r = await client.post(
+        URL,
+        content=x.astype("<f2").tobytes(),
+        headers={
+            "content-type": "application/octet-stream",
+            "x-shape": "5,512",
+            "x-dtype": "float16",
+            "accept": "application/octet-stream",
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-dtype"] == "float16"
     y = np.frombuffer(r.content, dtype="<f2").reshape(5, D).astype(np.float64)
@@ -78,8 +85,9 @@ async def test_float16_binary_in_and_out(client):
 
 async def test_float16_npy_in_and_out(client):
     x = random_input((4, D), seed=3).astype(np.float16)
-    r = await client.post(URL, content=npy_bytes(x), headers={
-        "content-type": "application/x-npy", "accept": "application/x-npy"})
+    r = await client.post(
+        URL, content=npy_bytes(x), headers={"content-type": "application/x-npy", "accept": "application/x-npy"}
+    )
     assert r.status_code == 200, r.text
     y = np.load(io.BytesIO(r.content))
     assert y.dtype == np.float16
@@ -88,9 +96,16 @@ async def test_float16_npy_in_and_out(client):
 
 async def test_bfloat16_binary_in_and_out(client):
     x = random_input((6, D), seed=4)
-    r = await client.post(URL, content=bf16_bytes(x), headers={
-        "content-type": "application/octet-stream", "x-shape": "6,512", "x-dtype": "bfloat16",
-        "accept": "application/octet-stream"})
+    r = await client.post(
+        URL,
+        content=bf16_bytes(x),
+        headers={
+            "content-type": "application/octet-stream",
+            "x-shape": "6,512",
+            "x-dtype": "bfloat16",
+            "accept": "application/octet-stream",
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-dtype"] == "bfloat16"
     y = from_bf16_bytes(r.content, (6, D)).astype(np.float64)
@@ -100,8 +115,11 @@ async def test_bfloat16_binary_in_and_out(client):
 
 async def test_bfloat16_in_json_out(client):
     x = random_input((2, D), seed=5)
-    r = await client.post(URL, content=bf16_bytes(x), headers={
-        "content-type": "application/octet-stream", "x-shape": "2,512", "x-dtype": "bfloat16"})
+    r = await client.post(
+        URL,
+        content=bf16_bytes(x),
+        headers={"content-type": "application/octet-stream", "x-shape": "2,512", "x-dtype": "bfloat16"},
+    )
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(np.array(r.json()["outputs"]), demo_reference(bf16_round(x)), rtol=1e-5, atol=1e-5)
 
@@ -111,9 +129,18 @@ async def test_models_list(client):
     assert r.status_code == 200
     (model,) = r.json()["models"]
     assert model | {"ready": True} == {
-        "name": "demo", "d_model": 512, "d_ff": 2048, "activation": "relu", "gated": False, "variant": "relu",
-        "bias": {"layer1": True, "layer2": True, "linear_v": None}, "dropout": 0.0, "dtype": "float32",
-        "device": "cpu", "format": "demo", "ready": True,
+        "name": "demo",
+        "d_model": 512,
+        "d_ff": 2048,
+        "activation": "relu",
+        "gated": False,
+        "variant": "relu",
+        "bias": {"layer1": True, "layer2": True, "linear_v": None},
+        "dropout": 0.0,
+        "dtype": "float32",
+        "device": "cpu",
+        "format": "demo",
+        "ready": True,
     }
 
 
@@ -168,8 +195,11 @@ async def test_body_over_limit_is_413(client):
 
 
 async def test_bfloat16_cannot_be_answered_as_npy(client):
-    r = await client.post(URL, content=bf16_bytes(np.zeros((1, D), np.float32)),
-                          headers=RAW | {"x-shape": "1,512", "x-dtype": "bfloat16", "accept": "application/x-npy"})
+    r = await client.post(
+        URL,
+        content=bf16_bytes(np.zeros((1, D), np.float32)),
+        headers=RAW | {"x-shape": "1,512", "x-dtype": "bfloat16", "accept": "application/x-npy"},
+    )
     assert r.status_code == 406
 
 

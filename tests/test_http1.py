@@ -11,10 +11,13 @@ from ffn_client.senders import RawSender
 
 
 def test_request_bytes_add_host_and_content_length() -> None:
-    raw = build_request("POST", "/v1/models/demo/transform", {"Content-Type": "application/json"}, b"{}",
-                        host="127.0.0.1:8000")
-    assert raw == (b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
-                   b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+    raw = build_request(
+        "POST", "/v1/models/demo/transform", {"Content-Type": "application/json"}, b"{}", host="127.0.0.1:8000"
+    )
+    assert raw == (
+        b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    )
     assert build_request("GET", "/v2/health/ready", host="h") == b"GET /v2/health/ready HTTP/1.1\r\nHost: h\r\n\r\n"
     assert build_request("POST", "/", host="h").endswith(b"Content-Length: 0\r\n\r\n")  # a POST says it has no body
 
@@ -56,13 +59,15 @@ async def test_content_length_body_leaves_the_next_answer_on_the_stream() -> Non
 
 
 async def test_chunked_body_with_extensions_and_trailers() -> None:
-    r = await read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                   b"4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\nX-Trailer: t\r\n\r\n", eof=False)
+    r = await read(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n3;x=y\r\nefg\r\n0\r\nX-Trailer: t\r\n\r\n",
+        eof=False,
+    )
     assert (r.status, r.body, r.keep_alive) == (200, b"abcdefg", True)
 
 
 async def test_connection_close_and_unframed_bodies_end_the_connection() -> None:
-    r = await read(b'HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}')
+    r = await read(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
     assert (r.status, r.json(), r.keep_alive) == (503, {}, False)
     r = await read(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nto the end")
     assert (r.body, r.keep_alive) == (b"to the end", False)

@@ -39,7 +39,7 @@ def _service_modules_after(*imports: str) -> list[list[str]]:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     snapshots = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [name in modules for name, modules in zip(imports, snapshots)] == [True] * len(imports)
+    assert [name in modules for name, modules in zip(imports, snapshots, strict=True)] == [True] * len(imports)
     return [[name for name in modules if name.split(".")[0] in SERVICE] for modules in snapshots]
 
 
@@ -81,8 +81,11 @@ def test_the_engine_imports_nothing_of_the_web():
 
 def test_every_service_error_has_one_row_in_the_table() -> None:
     def classes(module: object, base: type) -> set[type]:
-        return {cls for _, cls in inspect.getmembers(module, inspect.isclass)
-                if issubclass(cls, base) and cls is not base and cls.__module__ == module.__name__}  # type: ignore[attr-defined]
+        return {
+            cls
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, base) and cls is not base and cls.__module__ == module.__name__
+        }  # type: ignore[attr-defined]
 
     for cls in classes(engine_errors, engine_errors.EngineError) | classes(web_errors, web_errors.EdgeError):
         assert cls in web_errors.ERRORS, f"{cls.__name__} has no status in app.web.errors.ERRORS"
@@ -95,11 +98,14 @@ def test_engine_errors_carry_no_status() -> None:
         assert not hasattr(engine_errors.Overloaded("x"), name)
 
 
-@pytest.mark.parametrize(("field", "table"), [
-    ("dtype", DTYPE_NAMES),
-    ("format", FORMATS),
-    ("activation", tuple(ACTIVATIONS)),
-])
+@pytest.mark.parametrize(
+    ("field", "table"),
+    [
+        ("dtype", DTYPE_NAMES),
+        ("format", FORMATS),
+        ("activation", tuple(ACTIVATIONS)),
+    ],
+)
 def test_settings_choices_are_ffn_cores_tables(field: str, table: tuple[str, ...]) -> None:
     annotation = ModelSpec.model_fields[field].annotation
     choices = [arg for arg in typing.get_args(annotation) if arg is not type(None)]

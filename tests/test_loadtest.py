@@ -22,10 +22,21 @@ def adds_up(counts: dict) -> bool:
 
 def test_closed_loop_cli_writes_json_and_plot(demo_server, tmp_path):
     report_path, plot_path = tmp_path / "report.json", tmp_path / "latency.png"
-    code = main([
-        "--url", demo_server.url, "--requests", "200", "--concurrency", "8", "--quiet",
-        "--json", str(report_path), "--plot", str(plot_path),
-    ])
+    code = main(
+        [
+            "--url",
+            demo_server.url,
+            "--requests",
+            "200",
+            "--concurrency",
+            "8",
+            "--quiet",
+            "--json",
+            str(report_path),
+            "--plot",
+            str(plot_path),
+        ]
+    )
     assert code == 0
     report = json.loads(report_path.read_text())
     counts = report["counts"]
@@ -63,7 +74,9 @@ def test_warmup_requests_are_not_counted(demo_server):
 
 
 def test_errors_are_counted_by_status(demo_server, capsys):
-    code = main(["--url", demo_server.url, "--model", "no-such-model", "--d-model", "512", "-n", "25", "-q", "--json", "-"])
+    code = main(
+        ["--url", demo_server.url, "--model", "no-such-model", "--d-model", "512", "-n", "25", "-q", "--json", "-"]
+    )
     report = json.loads(capsys.readouterr().out)  # the table went to stderr: stdout is pure JSON
     assert code == 1  # nothing succeeded
     assert report["counts"] == {"sent": 25, "ok": 0, "errors": {"404": 25}}

@@ -25,8 +25,11 @@ async def test_rows_per_request_histogram(start_app) -> None:
     sizes = [1, 3, 17, 1500]  # 1500 is over max_batch_rows (1024): one request, two batches
     for rows in sizes:
         x = np.full((rows, D_MODEL), 0.25, dtype=np.float32)
-        r = await served.client.post("/v1/models/demo/transform", content=x.tobytes(),
-                                     headers={"content-type": "application/octet-stream", "x-shape": f"{rows},{D_MODEL}"})
+        r = await served.client.post(
+            "/v1/models/demo/transform",
+            content=x.tobytes(),
+            headers={"content-type": "application/octet-stream", "x-shape": f"{rows},{D_MODEL}"},
+        )
         assert r.status_code == 200
     page = (await served.client.get("/metrics")).text
     assert metric_value(page, "ffn_request_rows_count", model="demo") == len(sizes)
@@ -40,8 +43,12 @@ async def test_rows_per_request_histogram(start_app) -> None:
 async def test_build_info(start_app) -> None:
     served = await start_app(Settings(warmup=False))
     page = (await served.client.get("/metrics")).text
-    labels = {"version": __version__, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
-              "python": platform.python_version()}
+    labels = {
+        "version": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+        "python": platform.python_version(),
+    }
     assert metric_value(page, "ffn_build_info", **labels) == 1
 
 

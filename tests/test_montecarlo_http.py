@@ -30,8 +30,16 @@ FILE_RATE = 0.25
 URL = "/v1/models/mc/transform"
 
 
-def reference(x: np.ndarray, weights: dict[str, np.ndarray], activation: str, *, passes: int, p: float,
-              seed: int, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+def reference(
+    x: np.ndarray,
+    weights: dict[str, np.ndarray],
+    activation: str,
+    *,
+    passes: int,
+    p: float,
+    seed: int,
+    device: str = "cpu",
+) -> tuple[np.ndarray, np.ndarray]:
     """Mean and std over `passes` masked passes, the masks drawn as the server draws them, in float64.
 
     `device`: the served model's; the masks come from a generator there (CUDA draws other bits).
@@ -73,10 +81,17 @@ def weights(files: dict[str, Path]) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 async def service(start_app, files: dict[str, Path]) -> InProcessApp:
-    return await start_app(Settings(max_batch_rows=32, max_mc_passes=64, warmup=False, models=[
-        ModelSpec(name="mc", weights=files["rated"]),
-        ModelSpec(name="unrated", weights=files["unrated"]),
-    ]))
+    return await start_app(
+        Settings(
+            max_batch_rows=32,
+            max_mc_passes=64,
+            warmup=False,
+            models=[
+                ModelSpec(name="mc", weights=files["rated"]),
+                ModelSpec(name="unrated", weights=files["unrated"]),
+            ],
+        )
+    )
 
 
 @pytest.fixture
@@ -112,8 +127,11 @@ async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessA
 @pytest.mark.parametrize("accept", ["application/octet-stream", "application/x-npy"])
 async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, expected, accept: str) -> None:
     x = inputs(3, D_MODEL, seed=1)
-    r = await service.client.post(f"{URL}?mc_passes=8&mc_seed=9&mc_dropout=0.5", content=x.tobytes(), headers={
-        "content-type": "application/octet-stream", "x-shape": f"3,{D_MODEL}", "accept": accept})
+    r = await service.client.post(
+        f"{URL}?mc_passes=8&mc_seed=9&mc_dropout=0.5",
+        content=x.tobytes(),
+        headers={"content-type": "application/octet-stream", "x-shape": f"3,{D_MODEL}", "accept": accept},
+    )
     assert r.status_code == 200, r.text
     if accept == "application/x-npy":
         stacked = np.load(io.BytesIO(r.content), allow_pickle=False)
@@ -145,21 +163,24 @@ async def test_without_query_string_the_answer_is_the_plain_ffn(service: InProce
     assert_close(np.array(r.json()["outputs"]), numpy_ffn(x, weights, "gelu"))
 
 
-@pytest.mark.parametrize(("query", "needle"), [
-    ("mc_passes=1", "mc_passes must be an integer from 2 to 64"),
-    ("mc_passes=65", "mc_passes must be an integer from 2 to 64"),
-    ("mc_passes=four", "mc_passes must be an integer"),
-    ("mc_passes=", "mc_passes must be an integer"),
-    ("mc_seed=3", "mc_seed applies only to Monte Carlo dropout requests"),
-    ("mc_dropout=0.1", "mc_dropout applies only"),
-    ("mc_passes=4&mc_passes=5", "given twice"),
-    ("mc_passes=4&normalize=true", "unknown query parameter 'normalize'"),
-    ("mc_passes=4&mc_dropout=1", "mc_dropout must be a number in [0, 1)"),
-    ("mc_passes=4&mc_dropout=nan", "mc_dropout must be a number in [0, 1)"),
-    ("mc_passes=4&mc_seed=-1", "mc_seed must be an integer from 0 to 9223372036854775807"),
-    ("mc_passes=4&mc_seed=9223372036854775808", "mc_seed must be an integer"),
-    ("mc_passes", "malformed query string"),
-])
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("mc_passes=1", "mc_passes must be an integer from 2 to 64"),
+        ("mc_passes=65", "mc_passes must be an integer from 2 to 64"),
+        ("mc_passes=four", "mc_passes must be an integer"),
+        ("mc_passes=", "mc_passes must be an integer"),
+        ("mc_seed=3", "mc_seed applies only to Monte Carlo dropout requests"),
+        ("mc_dropout=0.1", "mc_dropout applies only"),
+        ("mc_passes=4&mc_passes=5", "given twice"),
+        ("mc_passes=4&normalize=true", "unknown query parameter 'normalize'"),
+        ("mc_passes=4&mc_dropout=1", "mc_dropout must be a number in [0, 1)"),
+        ("mc_passes=4&mc_dropout=nan", "mc_dropout must be a number in [0, 1)"),
+        ("mc_passes=4&mc_seed=-1", "mc_seed must be an integer from 0 to 9223372036854775807"),
+        ("mc_passes=4&mc_seed=9223372036854775808", "mc_seed must be an integer"),
+        ("mc_passes", "malformed query string"),
+    ],
+)
 async def test_bad_monte_carlo_queries_are_400(service: InProcessApp, query: str, needle: str) -> None:
     r = await service.client.post(f"{URL}?{query}", json={"inputs": inputs(1, D_MODEL).tolist()})
     assert r.status_code == 400, r.text
@@ -182,8 +203,11 @@ async def test_an_output_that_overflows_is_422_in_every_encoding(service: InProc
     x = np.full((1, D_MODEL), 3e38, dtype=np.float32)  # finite inputs
     # At rate 0.9 the kept hidden values are scaled by 10: dozens of them pass float32's range.
     assert (np.abs(numpy_hidden(x, w)) / 0.1 > np.finfo(np.float32).max).sum() >= 16
-    r = await service.client.post("/v1/models/unrated/transform?mc_passes=2&mc_dropout=0.9&mc_seed=1",
-                                  json={"inputs": x.tolist()}, headers={"accept": accept})
+    r = await service.client.post(
+        "/v1/models/unrated/transform?mc_passes=2&mc_dropout=0.9&mc_seed=1",
+        json={"inputs": x.tolist()},
+        headers={"accept": accept},
+    )
     assert r.status_code == 422 and r.json()["error_type"] == "non_finite_output", r.text
 
 
@@ -230,8 +254,10 @@ async def test_counted_in_the_statistics_as_one_execution(service: InProcessApp)
 
 
 def v2_document(x: np.ndarray, parameters: dict, outputs: list | None = None) -> dict:
-    document = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}],
-                "parameters": parameters}
+    document = {
+        "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}],
+        "parameters": parameters,
+    }
     if outputs is not None:
         document["outputs"] = outputs
     return document
@@ -253,8 +279,11 @@ async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, expec
 
 async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> None:
     x = inputs(3, D_MODEL, seed=6)
-    document = v2_document(x, {"mc_passes": 5, "mc_seed": 8, "mc_dropout": 0.1},
-                           outputs=[{"name": "output_std", "parameters": {"binary_data": True}}])
+    document = v2_document(
+        x,
+        {"mc_passes": 5, "mc_seed": 8, "mc_dropout": 0.1},
+        outputs=[{"name": "output_std", "parameters": {"binary_data": True}}],
+    )
     r = await service.client.post("/v2/models/mc/infer", json=document)
     assert r.status_code == 200, r.text
     length = int(r.headers["inference-header-content-length"])
@@ -264,14 +293,17 @@ async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> No
     assert_close(np.frombuffer(r.content[length:], dtype="<f4").reshape(x.shape), std, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("parameters", "needle"), [
-    ({"mc_passes": 2.5}, "mc_passes must be an integer"),
-    ({"mc_passes": True}, "mc_passes must be an integer"),
-    ({"mc_passes": 100}, "from 2 to 64"),
-    ({"mc_seed": 4}, "add mc_passes"),
-    ({"mc_passes": 4, "mc_dropout": "lots"}, "mc_dropout must be a number"),
-    ({"mc_passes": 4, "mc_dropout": -0.1}, "mc_dropout must be a number"),
-])
+@pytest.mark.parametrize(
+    ("parameters", "needle"),
+    [
+        ({"mc_passes": 2.5}, "mc_passes must be an integer"),
+        ({"mc_passes": True}, "mc_passes must be an integer"),
+        ({"mc_passes": 100}, "from 2 to 64"),
+        ({"mc_seed": 4}, "add mc_passes"),
+        ({"mc_passes": 4, "mc_dropout": "lots"}, "mc_dropout must be a number"),
+        ({"mc_passes": 4, "mc_dropout": -0.1}, "mc_dropout must be a number"),
+    ],
+)
 async def test_v2_bad_parameters_are_400(service: InProcessApp, parameters: dict, needle: str) -> None:
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(inputs(1, D_MODEL), parameters))
     assert r.status_code == 400 and needle in r.json()["error"], r.text
@@ -298,9 +330,12 @@ def test_tritonclient_asks_with_parameters(demo_server_mc: ServerProcess, binary
     try:
         tensor = triton.InferInput("input", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x, binary_data=binary)
-        result = client.infer("demo", [tensor], parameters={"mc_passes": 8, "mc_seed": 21, "mc_dropout": 0.2},
-                              outputs=[triton.InferRequestedOutput(name, binary_data=binary)
-                                       for name in ("output", "output_std")])
+        result = client.infer(
+            "demo",
+            [tensor],
+            parameters={"mc_passes": 8, "mc_seed": 21, "mc_dropout": 0.2},
+            outputs=[triton.InferRequestedOutput(name, binary_data=binary) for name in ("output", "output_std")],
+        )
     finally:
         client.close()
     assert result.get_response()["parameters"] == {"mc_passes": 8, "mc_dropout": 0.2, "mc_seed": 21}

@@ -144,13 +144,16 @@ async def test_drain_waits_for_the_accepted_and_refuses_new_ones(lane: Lane) -> 
     assert (await task).std.shape == (2, D_MODEL)
 
 
-@pytest.mark.parametrize(("raised", "answered", "message"), [
-    (MemoryError, errors.InsufficientMemory, "6 passes over 4 rows do not fit"),
-    (RuntimeError, errors.ModelError, "the Monte Carlo dropout passes failed: RuntimeError"),
-])
-async def test_a_failing_pass_is_answered_and_the_lane_goes_on(lane: Lane, monkeypatch: pytest.MonkeyPatch,
-                                                              raised: type[Exception], answered: type[Exception],
-                                                              message: str) -> None:
+@pytest.mark.parametrize(
+    ("raised", "answered", "message"),
+    [
+        (MemoryError, errors.InsufficientMemory, "6 passes over 4 rows do not fit"),
+        (RuntimeError, errors.ModelError, "the Monte Carlo dropout passes failed: RuntimeError"),
+    ],
+)
+async def test_a_failing_pass_is_answered_and_the_lane_goes_on(
+    lane: Lane, monkeypatch: pytest.MonkeyPatch, raised: type[Exception], answered: type[Exception], message: str
+) -> None:
     def fail(x: torch.Tensor) -> torch.Tensor:
         raise raised("injected")
 

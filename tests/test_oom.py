@@ -17,10 +17,10 @@ import torch
 
 from app.engine.batcher import Batcher
 from app.engine.errors import InsufficientMemory
-from app.web.errors import kind_of
-from app.metrics import Metrics
 from app.engine.runner import ModelRunner
+from app.metrics import Metrics
 from app.settings import Settings
+from app.web.errors import kind_of
 from ffn_client.testing import metric_value
 from ffn_core import demo_ffn
 from tests.in_process import InProcessApp
@@ -59,11 +59,13 @@ def inputs(*rows: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn((n, D_MODEL), generator=generator) for n in rows]
 
 
-async def run_batcher(forward: InjectedOOM, metrics: Metrics, *requests: torch.Tensor,
-                      max_wait_s: float = 0.05) -> list[torch.Tensor | BaseException]:
+async def run_batcher(
+    forward: InjectedOOM, metrics: Metrics, *requests: torch.Tensor, max_wait_s: float = 0.05
+) -> list[torch.Tensor | BaseException]:
     """Submit all requests at once (one batch, thanks to the wait) and collect answers or errors."""
-    batcher = Batcher(forward, name="demo", max_batch_rows=CEILING, max_wait_s=max_wait_s,
-                      max_queue_rows=1024, metrics=metrics)
+    batcher = Batcher(
+        forward, name="demo", max_batch_rows=CEILING, max_wait_s=max_wait_s, max_queue_rows=1024, metrics=metrics
+    )
     await batcher.start()
     try:
         return await asyncio.gather(*(batcher.submit(x) for x in requests), return_exceptions=True)
@@ -174,12 +176,20 @@ async def test_http_split_batch_all_answered(served: InProcessApp, monkeypatch: 
     client = served.client
     forward = inject(served, monkeypatch, max_parts=1)
     xs = inputs(1, 2, 3, seed=4)
-    responses = await asyncio.gather(*(
-        client.post("/v1/models/demo/transform", content=x.numpy().tobytes(),
-                    headers={"content-type": "application/octet-stream", "accept": "application/octet-stream",
-                             "x-shape": f"{x.shape[0]},{D_MODEL}"})
-        for x in xs
-    ))
+    responses = await asyncio.gather(
+        *(
+            client.post(
+                "/v1/models/demo/transform",
+                content=x.numpy().tobytes(),
+                headers={
+                    "content-type": "application/octet-stream",
+                    "accept": "application/octet-stream",
+                    "x-shape": f"{x.shape[0]},{D_MODEL}",
+                },
+            )
+            for x in xs
+        )
+    )
     assert any(not ok for _, ok in forward.calls), "no batch of several requests was formed"
     for x, r in zip(xs, responses, strict=True):
         assert r.status_code == 200, r.text

@@ -52,8 +52,12 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=20, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.function_scoped_fixture],
+)
 def test_api_conforms_to_its_openapi_page(case: schemathesis.Case, server: ServerProcess) -> None:
     case.call_and_validate(base_url=server.url, checks=CHECKS, timeout=30)
     assert server.proc.poll() is None, "the server died"

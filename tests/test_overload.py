@@ -42,8 +42,13 @@ async def metrics(client: httpx.AsyncClient) -> str:
 
 @pytest.fixture(scope="module")
 def burst_server() -> Iterator[ServerProcess]:
-    env = {"FFN_MAX_QUEUE_ROWS": str(QUEUE_ROWS), "FFN_MAX_BATCH_ROWS": "1024", "FFN_MAX_WAIT_MS": "1000",
-           "FFN_WARMUP": "0", "FFN_TORCH_THREADS": "1"}
+    env = {
+        "FFN_MAX_QUEUE_ROWS": str(QUEUE_ROWS),
+        "FFN_MAX_BATCH_ROWS": "1024",
+        "FFN_MAX_WAIT_MS": "1000",
+        "FFN_WARMUP": "0",
+        "FFN_TORCH_THREADS": "1",
+    }
     with start_server(env=env) as server:
         yield server
 
@@ -55,7 +60,8 @@ async def test_burst_of_ten_times_the_queue_gets_429s_and_right_answers(burst_se
     path = "/v1/models/demo/transform"
     requests = [
         http_request("POST", path, {"Content-Type": "application/json"}, orjson.dumps({"inputs": x.tolist()}))
-        if i % 2 else http_request("POST", path, raw_headers(x.shape), x.tobytes())
+        if i % 2
+        else http_request("POST", path, raw_headers(x.shape), x.tobytes())
         for i, x in enumerate(inputs)
     ]
     # One connection per request, all at once (httpx's pool is the bottleneck at this concurrency).
@@ -106,8 +112,9 @@ async def test_request_larger_than_the_queue_is_413(burst_server: ServerProcess)
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    config = slow_model_config(tmp_path_factory.mktemp("slow-model"),
-                               "max_wait_ms = 0\nmax_batch_rows = 4096\nwarmup = false")
+    config = slow_model_config(
+        tmp_path_factory.mktemp("slow-model"), "max_wait_ms = 0\nmax_batch_rows = 4096\nwarmup = false"
+    )
     with start_server(config=config) as server:
         yield server
 
@@ -126,7 +133,8 @@ class SlowRequest:
         count = metric_value(before, "ffn_queue_seconds_count", model="slow")
         # queue_seconds is observed when a batch starts its forward pass.
         await wait_for_metrics(
-            self.client, lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") > count,
+            self.client,
+            lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") > count,
             "the slow request's forward pass to start",
         )
 
@@ -138,13 +146,18 @@ class SlowRequest:
 
 def rows_delta(before: str, after: str) -> tuple[float, float]:
     """(batches, rows) computed by the slow model between two /metrics pages."""
-    count = metric_value(after, "ffn_batch_rows_count", model="slow") - metric_value(before, "ffn_batch_rows_count", model="slow")
-    rows = metric_value(after, "ffn_batch_rows_sum", model="slow") - metric_value(before, "ffn_batch_rows_sum", model="slow")
+    count = metric_value(after, "ffn_batch_rows_count", model="slow") - metric_value(
+        before, "ffn_batch_rows_count", model="slow"
+    )
+    rows = metric_value(after, "ffn_batch_rows_sum", model="slow") - metric_value(
+        before, "ffn_batch_rows_sum", model="slow"
+    )
     return count, rows
 
 
-async def only_the_slow_and_follow_up_computed(client: httpx.AsyncClient, slow: SlowRequest, before: str,
-                                               outcome: str) -> None:
+async def only_the_slow_and_follow_up_computed(
+    client: httpx.AsyncClient, slow: SlowRequest, before: str, outcome: str
+) -> None:
     """Once the slow request is answered, a 2-row follow-up (the server still serves, and the
     collector has moved past the test's request) is answered too; those two were the only
     forward passes since `before`, and the test's request was counted once as `outcome`."""
@@ -154,26 +167,35 @@ async def only_the_slow_and_follow_up_computed(client: httpx.AsyncClient, slow: 
     assert r.status_code == 200, r.text
     after = await metrics(client)
     assert rows_delta(before, after) == (2, SLOW_ROWS + 2), f"the rows of the request ending {outcome} were computed"
-    counted = (metric_value(after, "ffn_requests_total", model="slow", outcome=outcome)
-               - metric_value(before, "ffn_requests_total", model="slow", outcome=outcome))
+    counted = metric_value(after, "ffn_requests_total", model="slow", outcome=outcome) - metric_value(
+        before, "ffn_requests_total", model="slow", outcome=outcome
+    )
     assert counted == 1
 
 
 @pytest.mark.parametrize("protocol", ["v1", "v2"])
-async def test_deadline_passing_in_the_queue_gives_504_and_no_compute(slow_server: ServerProcess, protocol: str) -> None:
+async def test_deadline_passing_in_the_queue_gives_504_and_no_compute(
+    slow_server: ServerProcess, protocol: str
+) -> None:
     x = np.ones((5, D_MODEL), dtype=np.float32)
     async with httpx.AsyncClient(base_url=slow_server.url, timeout=60.0) as client:
         before = await metrics(client)
         slow = SlowRequest(client)
         await slow.started(before)
         if protocol == "v1":
-            r = await client.post("/v1/models/slow/transform", content=x.tobytes(),
-                                  headers=raw_headers(x.shape, **{"x-timeout-ms": "20"}))
+            r = await client.post(
+                "/v1/models/slow/transform", content=x.tobytes(), headers=raw_headers(x.shape, **{"x-timeout-ms": "20"})
+            )
         else:
-            r = await client.post("/v2/models/slow/infer", json={
-                "inputs": [{"name": "input", "shape": [5, D_MODEL], "datatype": "FP32", "data": x.ravel().tolist()}],
-                "parameters": {"timeout": 20_000},  # microseconds, as Triton's clients send it
-            })
+            r = await client.post(
+                "/v2/models/slow/infer",
+                json={
+                    "inputs": [
+                        {"name": "input", "shape": [5, D_MODEL], "datatype": "FP32", "data": x.ravel().tolist()}
+                    ],
+                    "parameters": {"timeout": 20_000},  # microseconds, as Triton's clients send it
+                },
+            )
         assert r.status_code == 504, r.text
         assert r.json()["error_type"] == "deadline_exceeded"
         await only_the_slow_and_follow_up_computed(client, slow, before, "deadline_exceeded")
@@ -189,11 +211,12 @@ async def test_client_that_hangs_up_is_dropped_without_compute(slow_server: Serv
         await slow.started(before)
         computed_before = metric_value(await metrics(client), "ffn_compute_seconds_count", model="slow")
 
-        reader, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
+        _, writer = await asyncio.open_connection("127.0.0.1", slow_server.port)
         writer.write(request)
         await writer.drain()
-        await wait_for_metrics(client, lambda m: metric_value(m, "ffn_queue_rows", model="slow") == rows,
-                               "the request to be queued")
+        await wait_for_metrics(
+            client, lambda m: metric_value(m, "ffn_queue_rows", model="slow") == rows, "the request to be queued"
+        )
         writer.close()  # hang up while queued
         await writer.wait_closed()
         released = await wait_for_metrics(

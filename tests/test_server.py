@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     save_ffn(geglu, folder / "geglu.safetensors")
     torch.save(relu.state_dict(), folder / "relu.pt")
     (folder / "ffn.toml").write_text(
-        'max_batch_rows = 256\nmax_wait_ms = 0\n\n'
+        "max_batch_rows = 256\nmax_wait_ms = 0\n\n"
         '[[models]]\nname = "geglu"\nweights = "geglu.safetensors"\n\n'
         '[[models]]\nname = "relu"\nweights = "relu.pt"\nformat = "torch"\nactivation = "relu"\n'
     )
@@ -65,8 +65,11 @@ async def test_batch_invariance_under_load(served):
     headers = {"content-type": "application/octet-stream", "accept": "application/octet-stream"}
 
     async def send(client: httpx.AsyncClient, x: np.ndarray) -> np.ndarray:
-        r = await client.post(f"{url}/v1/models/geglu/transform", content=x.tobytes(),
-                              headers=headers | {"x-shape": f"{x.shape[0]},{D_MODEL}"})
+        r = await client.post(
+            f"{url}/v1/models/geglu/transform",
+            content=x.tobytes(),
+            headers=headers | {"x-shape": f"{x.shape[0]},{D_MODEL}"},
+        )
         assert r.status_code == 200, r.text
         return np.frombuffer(r.content, dtype="<f4").reshape(x.shape)
 
@@ -78,7 +81,7 @@ async def test_batch_invariance_under_load(served):
     batches = metric_value(metrics, "ffn_batch_rows_count", model="geglu")
     assert batches > 0
     assert batches < 2 * len(inputs), "concurrent requests should have shared batches"
-    for x, y_together, y_alone in zip(inputs, together, alone):
+    for x, y_together, y_alone in zip(inputs, together, alone, strict=True):
         np.testing.assert_allclose(y_together, y_alone, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(y_together, numpy_ffn(x, weights["geglu"], "gelu"), rtol=1e-5, atol=1e-5)
 
@@ -87,16 +90,22 @@ def test_unloadable_model_stops_the_start(tmp_path):
     (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "missing.safetensors"\n')
     result = subprocess.run(
         [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml"), "--port", str(free_port())],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode != 0
     assert "missing.safetensors" in result.stderr and "broken" in result.stderr
 
 
 def test_invalid_config_is_refused(tmp_path):
-    (tmp_path / "bad.toml").write_text('max_batch_rows = 0\n')
-    result = subprocess.run([sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml")],
-                            capture_output=True, text=True, timeout=60)
+    (tmp_path / "bad.toml").write_text("max_batch_rows = 0\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "max_batch_rows" in result.stderr
 

@@ -9,14 +9,21 @@ import pytest
 from ffn_client.server_metrics import MetricsUnavailable, breakdown, parse_snapshot
 
 
-def page(counts: dict[str, tuple[list[float], float]], model: str = "demo", extra: str = "", header: bool = True) -> str:
+def page(
+    counts: dict[str, tuple[list[float], float]], model: str = "demo", extra: str = "", header: bool = True
+) -> str:
     """Prometheus text: for each metric, cumulative bucket counts at le 0.001, 0.01, 0.1, +Inf, and the sum."""
     bounds = ["0.001", "0.01", "0.1", "+Inf"]
     lines = []
     for name, (cumulative, total) in counts.items():
         lines += [f"# HELP {name} h", f"# TYPE {name} histogram"] if header else []
-        lines += [f'{name}_bucket{{le="{le}",model="{model}"{extra}}} {c}' for le, c in zip(bounds, cumulative)]
-        lines += [f'{name}_count{{model="{model}"{extra}}} {cumulative[-1]}', f'{name}_sum{{model="{model}"{extra}}} {total}']
+        lines += [
+            f'{name}_bucket{{le="{le}",model="{model}"{extra}}} {c}' for le, c in zip(bounds, cumulative, strict=True)
+        ]
+        lines += [
+            f'{name}_count{{model="{model}"{extra}}} {cumulative[-1]}',
+            f'{name}_sum{{model="{model}"{extra}}} {total}',
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -24,18 +31,23 @@ STAGE_NAMES = ("ffn_queue_seconds", "ffn_compute_seconds", "ffn_request_seconds"
 
 
 def snapshot(queue, compute, total, rows=None, **kw):
-    metrics = dict(zip(STAGE_NAMES, (queue, compute, total)))
+    metrics = dict(zip(STAGE_NAMES, (queue, compute, total), strict=True))
     if rows is not None:
         metrics["ffn_batch_rows"] = rows
     return page(metrics, **kw)
 
 
 def test_breakdown_is_the_difference_of_two_snapshots():
-    before = parse_snapshot(snapshot(([1, 2, 2, 2], 0.005), ([0, 1, 1, 1], 0.004), ([0, 2, 2, 2], 0.01),
-                                     rows=([0, 0, 1, 1], 0.05)), "demo")
+    before = parse_snapshot(
+        snapshot(([1, 2, 2, 2], 0.005), ([0, 1, 1, 1], 0.004), ([0, 2, 2, 2], 0.01), rows=([0, 0, 1, 1], 0.05)), "demo"
+    )
     # Since then: 10 requests queued 0.2 s in all (4 <= 1 ms, 6 in (1, 10] ms); 4 batches; 8 rows each.
-    after = parse_snapshot(snapshot(([5, 12, 12, 12], 0.205), ([0, 5, 5, 5], 0.024), ([0, 10, 12, 12], 0.31),
-                                    rows=([0, 0, 5, 5], 0.05 + 32)), "demo")
+    after = parse_snapshot(
+        snapshot(
+            ([5, 12, 12, 12], 0.205), ([0, 5, 5, 5], 0.024), ([0, 10, 12, 12], 0.31), rows=([0, 0, 5, 5], 0.05 + 32)
+        ),
+        "demo",
+    )
     b = breakdown(before, after, "demo")
     assert (b.queue.count, b.compute.count, b.total.count) == (10, 4, 10)
     assert b.queue.mean_ms == pytest.approx(1000 * 0.2 / 10)
@@ -78,7 +90,7 @@ def test_a_counter_that_went_back_is_reported_not_subtracted():
 
 
 def test_a_page_without_the_models_histograms_says_so():
-    with pytest.raises(MetricsUnavailable, match="no ffn_queue_seconds.*'demo'"):
+    with pytest.raises(MetricsUnavailable, match=r"no ffn_queue_seconds.*'demo'"):
         breakdown({}, parse_snapshot("# TYPE up gauge\nup 1\n", "demo"), "demo")
     with pytest.raises(MetricsUnavailable, match="not Prometheus text"):
         parse_snapshot("ffn_request_seconds_bucket{le=oops} what\n", "demo")

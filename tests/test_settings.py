@@ -25,13 +25,18 @@ def write_config(folder: Path, text: str, name: str = "ffn.toml") -> Path:
     return path
 
 
-def test_file_values_replace_defaults_and_the_rest_stay_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_values_replace_defaults_and_the_rest_stay_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = write_config(tmp_path, "port = 8101\nmax_batch_rows = 32\n")
     monkeypatch.setenv("FFN_CONFIG", str(config))
     settings = load_settings()
     assert (settings.port, settings.max_batch_rows) == (8101, 32)
     assert (settings.max_queue_rows, settings.max_wait_ms, settings.host) == (
-        DEFAULTS.max_queue_rows, DEFAULTS.max_wait_ms, DEFAULTS.host)
+        DEFAULTS.max_queue_rows,
+        DEFAULTS.max_wait_ms,
+        DEFAULTS.host,
+    )
 
 
 def test_environment_beats_the_file_field_by_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,8 +50,9 @@ def test_environment_beats_the_file_field_by_field(tmp_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize("config_from", ["environment", "flag"])
-def test_flags_beat_the_environment_and_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  config_from: str) -> None:
+def test_flags_beat_the_environment_and_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_from: str
+) -> None:
     config = write_config(tmp_path, 'port = 8101\nhost = "127.0.0.2"\nmax_batch_rows = 32\n')
     monkeypatch.setenv("FFN_PORT", "8202")
     monkeypatch.setenv("FFN_HOST", "127.0.0.3")

@@ -81,8 +81,12 @@ def assert_demo_answer(y: np.ndarray, x: np.ndarray) -> None:
 
 def check_infer(client: Client, server: ServerProcess) -> None:
     x = rows(4, 1)
-    result = client.infer("demo", [input_tensor(x, binary=False)], request_id="t-1",
-                          outputs=[triton.InferRequestedOutput("output", binary_data=True)])
+    result = client.infer(
+        "demo",
+        [input_tensor(x, binary=False)],
+        request_id="t-1",
+        outputs=[triton.InferRequestedOutput("output", binary_data=True)],
+    )
     assert result.get_response()["id"] == "t-1"
     assert_demo_answer(result.as_numpy("output"), x)
 
@@ -97,7 +101,8 @@ def check_body_helpers(client: Client, server: ServerProcess) -> None:
     """generate_request_body and parse_response_body: the client's wire format, sent by hand."""
     x = rows(2, 3)
     body, json_size = Client.generate_request_body(
-        [input_tensor(x)], outputs=[triton.InferRequestedOutput("output", binary_data=True)])
+        [input_tensor(x)], outputs=[triton.InferRequestedOutput("output", binary_data=True)]
+    )
     headers = {"Authorization": f"Bearer {KEY}", "Inference-Header-Content-Length": str(json_size)}
     response = httpx.post(f"{server.url}/v2/models/demo/infer", content=body, headers=headers)
     assert response.status_code == 200, response.text
@@ -205,12 +210,13 @@ REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "get_trace_settings": (lambda c: c.get_trace_settings(model_name="demo"), "trace"),
     "update_trace_settings": (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
     "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),
-    "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64),
-                                      "system_shared_memory"),
+    "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64), "system_shared_memory"),
     "unregister_system_shared_memory": (lambda c: c.unregister_system_shared_memory(), "system_shared_memory"),
     "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
-    "register_cuda_shared_memory": (lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
-                                    "cuda_shared_memory"),
+    "register_cuda_shared_memory": (
+        lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
+        "cuda_shared_memory",
+    ),
     "unregister_cuda_shared_memory": (lambda c: c.unregister_cuda_shared_memory("r"), "cuda_shared_memory"),
 }
 
@@ -249,7 +255,7 @@ def test_last_inference_is_the_time_of_the_last_pass(client: Client) -> None:
 def docs_table() -> dict[str, str]:
     """docs/api.md's tritonclient table: method -> "works" or the extension it names."""
     text = DOCS.read_text()
-    table = text[text.index("<!-- tritonclient-table:start -->"):text.index("<!-- tritonclient-table:end -->")]
+    table = text[text.index("<!-- tritonclient-table:start -->") : text.index("<!-- tritonclient-table:end -->")]
     found = {}
     for method, verdict in re.findall(r"^\| `(\w+)` \| (.+?) \|", table, flags=re.MULTILINE):
         extension = re.search(r"400 naming `(\w+)`", verdict)

@@ -90,13 +90,20 @@ def split_binary_answer(response: httpx.Response) -> tuple[dict, bytes]:
 def test_wire_format_byte_for_byte(demo_server):
     x = np.random.default_rng(5).standard_normal((3, D)).astype(np.float32)
     blob = x.astype("<f4").tobytes()
-    header = json.dumps({
-        "id": "wire-1",
-        "inputs": [{"name": "input", "shape": [3, D], "datatype": "FP32", "parameters": {"binary_data_size": len(blob)}}],
-        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
-    }).encode()
-    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob, headers={
-        "Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "id": "wire-1",
+            "inputs": [
+                {"name": "input", "shape": [3, D], "datatype": "FP32", "parameters": {"binary_data_size": len(blob)}}
+            ],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    r = httpx.post(
+        f"{demo_server.url}/v2/models/demo/infer",
+        content=header + blob,
+        headers={"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     answer, raw = split_binary_answer(r)
     assert answer["model_name"] == "demo" and answer["id"] == "wire-1"
@@ -110,12 +117,19 @@ def test_wire_format_byte_for_byte(demo_server):
 def test_wire_bf16_binary_and_nested_json(demo_server):
     x = np.random.default_rng(6).standard_normal((2, D)).astype(np.float32)
     blob = bf16_bytes(x)
-    header = json.dumps({
-        "inputs": [{"name": "input", "shape": [2, D], "datatype": "BF16", "parameters": {"binary_data_size": len(blob)}}],
-        "parameters": {"binary_data_output": True},
-    }).encode()
-    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob,
-                   headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "input", "shape": [2, D], "datatype": "BF16", "parameters": {"binary_data_size": len(blob)}}
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    r = httpx.post(
+        f"{demo_server.url}/v2/models/demo/infer",
+        content=header + blob,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     answer, raw = split_binary_answer(r)
     assert answer["outputs"][0]["datatype"] == "BF16"
@@ -123,8 +137,10 @@ def test_wire_bf16_binary_and_nested_json(demo_server):
     np.testing.assert_allclose(y, demo_reference(bf16_round(x)), rtol=1e-2, atol=1e-2)
 
     # JSON tensors may be nested as well as flat; the JSON answer is flat, row-major.
-    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", json={
-        "inputs": [{"name": "input", "shape": [2, D], "datatype": "FP32", "data": x.tolist()}]})
+    r = httpx.post(
+        f"{demo_server.url}/v2/models/demo/infer",
+        json={"inputs": [{"name": "input", "shape": [2, D], "datatype": "FP32", "data": x.tolist()}]},
+    )
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/json")
     (output,) = r.json()["outputs"]
@@ -134,19 +150,31 @@ def test_wire_bf16_binary_and_nested_json(demo_server):
 @pytest.mark.parametrize(
     ("document", "blob", "header_length", "needle"),
     [
-        ({"inputs": [{"name": "input", "shape": [1, D], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]},
-         b"\0" * 8, None, "binary_data_size is 8"),
+        (
+            {"inputs": [{"name": "input", "shape": [1, D], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]},
+            b"\0" * 8,
+            None,
+            "binary_data_size is 8",
+        ),
         ({"inputs": [{"name": "x", "shape": [1, D], "datatype": "FP32", "data": [0.0] * D}]}, b"", None, "'x'"),
         ({"inputs": [{"name": "input", "shape": [1, D], "datatype": "INT8", "data": [0] * D}]}, b"", None, "datatype"),
-        ({"inputs": [{"name": "input", "shape": [2, D], "datatype": "FP32", "data": [0.0] * D}]}, b"", None, "holds 512"),
+        (
+            {"inputs": [{"name": "input", "shape": [2, D], "datatype": "FP32", "data": [0.0] * D}]},
+            b"",
+            None,
+            "holds 512",
+        ),
         ({"inputs": []}, b"", 10_000, "exceeds the body"),
     ],
 )
 def test_v2_errors(demo_server, document, blob, header_length, needle):
     header = json.dumps(document).encode()
     length = header_length if header_length is not None else len(header)
-    r = httpx.post(f"{demo_server.url}/v2/models/demo/infer", content=header + blob,
-                   headers={"Inference-Header-Content-Length": str(length)})
+    r = httpx.post(
+        f"{demo_server.url}/v2/models/demo/infer",
+        content=header + blob,
+        headers={"Inference-Header-Content-Length": str(length)},
+    )
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]
 
@@ -163,8 +191,10 @@ async def secured(start_app) -> httpx.AsyncClient:
 
 
 def v2_body(x: np.ndarray) -> dict:
-    return {"id": "versioned", "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
-                                           "data": x.ravel().tolist()}]}
+    return {
+        "id": "versioned",
+        "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}],
+    }
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", KEY])

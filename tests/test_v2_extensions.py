@@ -30,9 +30,15 @@ def swiglu_file(tmp_path: Path) -> Path:
 @pytest.fixture
 async def service(start_app, swiglu_file: Path) -> InProcessApp:
     settings = Settings(
-        max_batch_rows=64, max_wait_ms=2.5, default_timeout_ms=1500, max_queue_rows=256, warmup=False,
-        models=[ModelSpec(name="swiglu", weights=swiglu_file, dtype="float16"),
-                ModelSpec(name="plain", weights=swiglu_file, dropout=0.3)],
+        max_batch_rows=64,
+        max_wait_ms=2.5,
+        default_timeout_ms=1500,
+        max_queue_rows=256,
+        warmup=False,
+        models=[
+            ModelSpec(name="swiglu", weights=swiglu_file, dtype="float16"),
+            ModelSpec(name="plain", weights=swiglu_file, dropout=0.3),
+        ],
     )
     return await start_app(settings)
 
@@ -65,8 +71,13 @@ async def test_model_config_in_triton_shape(service: InProcessApp) -> None:
     assert batching["default_queue_policy"]["default_timeout_microseconds"] == 1_500_000
     assert config["instance_group"] == [{"name": "swiglu", "kind": "KIND_CPU", "count": 1, "gpus": []}]
     assert {key: value["string_value"] for key, value in config["parameters"].items()} == {
-        "d_ff": "64", "activation": "silu", "gated": "true", "variant": "swiglu", "dropout": "0.2",
-        "max_mc_passes": "64", "max_queue_rows": "256",
+        "d_ff": "64",
+        "activation": "silu",
+        "gated": "true",
+        "variant": "swiglu",
+        "dropout": "0.2",
+        "max_mc_passes": "64",
+        "max_queue_rows": "256",
     }
     assert (await service.client.get("/v2/models/swiglu/versions/1/config")).json() == config
 
@@ -77,8 +88,15 @@ async def test_model_config_dropout_from_the_table_over_the_file(service: InProc
     assert config["input"][0]["data_type"] == "TYPE_FP32"
 
 
-@pytest.mark.parametrize("path", ["/v2/models/nope/config", "/v2/models/swiglu/versions/2/config",
-                                  "/v2/models/nope/stats", "/v2/models/swiglu/versions/2/stats"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2/models/nope/config",
+        "/v2/models/swiglu/versions/2/config",
+        "/v2/models/nope/stats",
+        "/v2/models/swiglu/versions/2/stats",
+    ],
+)
 async def test_unknown_model_or_version_is_404(service: InProcessApp, path: str) -> None:
     r = await service.client.get(path)
     assert r.status_code == 404 and r.json()["error_type"] == "model_not_found", r.text
@@ -120,14 +138,19 @@ async def test_statistics_count_what_was_sent(service: InProcessApp) -> None:
 
     # The same numbers as /metrics: read from the same series.
     page = (await client.get("/metrics")).text
-    for key, series in (("success", "ffn_request_seconds"), ("queue", "ffn_queue_seconds"),
-                        ("fail", "ffn_failed_request_seconds")):
+    for key, series in (
+        ("success", "ffn_request_seconds"),
+        ("queue", "ffn_queue_seconds"),
+        ("fail", "ffn_failed_request_seconds"),
+    ):
         assert inference[key]["count"] == metric_value(page, f"{series}_count", model="swiglu")
         assert inference[key]["ns"] == round(metric_value(page, f"{series}_sum", model="swiglu") * 1e9)
     assert inference["compute_infer"]["ns"] == round(
-        metric_value(page, "ffn_request_compute_seconds_total", model="swiglu") * 1e9)
+        metric_value(page, "ffn_request_compute_seconds_total", model="swiglu") * 1e9
+    )
     assert stat["last_inference"] == round(
-        metric_value(page, "ffn_last_inference_timestamp_seconds", model="swiglu") * 1000)
+        metric_value(page, "ffn_last_inference_timestamp_seconds", model="swiglu") * 1000
+    )
 
     # The other model saw none of it; the versioned path and the all-models list agree.
     assert (await stats_of(client, "/v2/models/plain/stats"))["inference_count"] == 0
@@ -156,8 +179,10 @@ async def test_a_batch_counts_once_as_an_execution_and_per_request_in_compute(se
 
 async def test_repository_index(service: InProcessApp) -> None:
     client = service.client
-    everything = [{"name": "swiglu", "version": "1", "state": "READY", "reason": ""},
-                  {"name": "plain", "version": "1", "state": "READY", "reason": ""}]
+    everything = [
+        {"name": "swiglu", "version": "1", "state": "READY", "reason": ""},
+        {"name": "plain", "version": "1", "state": "READY", "reason": ""},
+    ]
     assert (await client.post("/v2/repository/index")).json() == everything  # tritonclient sends no body
     assert (await client.post("/v2/repository/index", json={"ready": True})).json() == everything
     bad = await client.post("/v2/repository/index", json={"ready": "maybe"})
@@ -203,24 +228,35 @@ def assert_unsupported(r: httpx.Response, extension: str) -> None:
 
 
 @pytest.mark.parametrize(("method", "path", "extension"), UNSUPPORTED_ROUTES)
-async def test_unsupported_extension_route_is_a_named_400(service: InProcessApp, method: str, path: str,
-                                                           extension: str) -> None:
+async def test_unsupported_extension_route_is_a_named_400(
+    service: InProcessApp, method: str, path: str, extension: str
+) -> None:
     assert_unsupported(await service.client.request(method, path, json={}), extension)
 
 
 SHARED_MEMORY = {"shared_memory_region": "r0", "shared_memory_byte_size": 64}
 
 
-@pytest.mark.parametrize(("change", "extension"), [
-    (lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY), "shared memory (system_shared_memory, cuda_shared_memory)"),
-    (lambda b: b.update(outputs=[{"name": "output", "parameters": SHARED_MEMORY}]),
-     "shared memory (system_shared_memory, cuda_shared_memory)"),
-    (lambda b: b.update(parameters={"sequence_id": 7, "sequence_start": True}), "sequence"),
-    (lambda b: b.update(parameters={"priority": 1}), "schedule_policy"),
-    (lambda b: b.update(outputs=[{"name": "output", "parameters": {"classification": 3}}]), "classification"),
-], ids=["input-shared-memory", "output-shared-memory", "sequence", "priority", "classification"])
-async def test_infer_relying_on_an_unsupported_extension_is_a_named_400(service: InProcessApp, change,
-                                                                        extension: str) -> None:
+@pytest.mark.parametrize(
+    ("change", "extension"),
+    [
+        (
+            lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY),
+            "shared memory (system_shared_memory, cuda_shared_memory)",
+        ),
+        (
+            lambda b: b.update(outputs=[{"name": "output", "parameters": SHARED_MEMORY}]),
+            "shared memory (system_shared_memory, cuda_shared_memory)",
+        ),
+        (lambda b: b.update(parameters={"sequence_id": 7, "sequence_start": True}), "sequence"),
+        (lambda b: b.update(parameters={"priority": 1}), "schedule_policy"),
+        (lambda b: b.update(outputs=[{"name": "output", "parameters": {"classification": 3}}]), "classification"),
+    ],
+    ids=["input-shared-memory", "output-shared-memory", "sequence", "priority", "classification"],
+)
+async def test_infer_relying_on_an_unsupported_extension_is_a_named_400(
+    service: InProcessApp, change, extension: str
+) -> None:
     document = body(1)
     change(document)
     assert_unsupported(await service.client.post("/v2/models/plain/infer", json=document), extension)

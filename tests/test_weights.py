@@ -161,7 +161,9 @@ def test_wrong_shape_names_key_and_both_shapes(tmp_path):
 def test_weights_must_agree_without_metadata(tmp_path):
     path = tmp_path / "bare.safetensors"
     save_file({"layer1.weight": torch.zeros(D_FF, D_MODEL), "layer2.weight": torch.zeros(D_MODEL + 2, D_FF)}, str(path))
-    with pytest.raises(WeightsError, match=rf"'layer2.weight' has shape \[{D_MODEL + 2}, {D_FF}\], expected \[{D_MODEL}, {D_FF}\]"):
+    with pytest.raises(
+        WeightsError, match=rf"'layer2.weight' has shape \[{D_MODEL + 2}, {D_FF}\], expected \[{D_MODEL}, {D_FF}\]"
+    ):
         load_ffn(path)
     save_file({"layer1.weight": torch.zeros(D_FF, D_MODEL)}, str(path))
     with pytest.raises(WeightsError, match=rf"missing key 'layer2.weight' \(expected shape \[{D_MODEL}, {D_FF}\]"):
@@ -190,12 +192,12 @@ def test_garbage_files(tmp_path, content):
     path = tmp_path / "junk.safetensors"
     path.write_bytes(content)
     for format in ("native", "torch"):
-        with pytest.raises(WeightsError, match="junk.safetensors"):
+        with pytest.raises(WeightsError, match=r"junk.safetensors"):
             load_ffn(path, format=format)
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(WeightsError, match="nope.safetensors"):
+    with pytest.raises(WeightsError, match=r"nope.safetensors"):
         load_ffn(tmp_path / "nope.safetensors")
 
 
@@ -205,7 +207,7 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(WeightsError, match="unknown format 'onnx'") as info:
         load_ffn(path, format="onnx")
     assert all(name in str(info.value) for name in FORMATS)
-    with pytest.raises(WeightsError, match="unsupported dtype.*float32.*float16.*bfloat16"):
+    with pytest.raises(WeightsError, match=r"unsupported dtype.*float32.*float16.*bfloat16"):
         load_ffn(path, dtype=torch.float64)
     with pytest.raises(WeightsError, match="layer is only for checkpoint families"):
         load_ffn(path, layer=0)
@@ -213,9 +215,9 @@ def test_arguments_are_checked(tmp_path):
         load_ffn(path, device="no-such-device")
     bare = tmp_path / "bare.safetensors"
     save_file({"layer1.weight": torch.zeros(4, 2), "layer2.weight": torch.zeros(2, 4)}, str(bare))
-    with pytest.raises(WeightsError, match="bare.safetensors: unknown activation 'swish'"):
+    with pytest.raises(WeightsError, match=r"bare.safetensors: unknown activation 'swish'"):
         load_ffn(bare, activation="swish")
-    with pytest.raises(WeightsError, match="bare.safetensors: activation 'identity' is only meaningful"):
+    with pytest.raises(WeightsError, match=r"bare.safetensors: activation 'identity' is only meaningful"):
         load_ffn(bare, activation="identity")
 
 
@@ -227,6 +229,7 @@ def test_formats_mixed_up_get_a_hint(tmp_path):
         load_ffn(tmp_path / "f.pt")
     with pytest.raises(WeightsError, match="format 'native'"):
         load_ffn(tmp_path / "f.safetensors", format="torch")
+
 
 # --- metadata: the file's to choose, so anything may be in it ----------------------------------------
 
@@ -251,8 +254,19 @@ DEEP = 100_000
         ('{"d_model": 8, "d_ff": 24, "is_gated": true}', "unknown FFN config keys: ['is_gated']"),
     ],
     ids=[
-        "deep-array", "deep-object", "garbage", "long-int", "null", "array", "string", "bool", "number",
-        "missing-field", "unhashable", "nan", "unknown-field",
+        "deep-array",
+        "deep-object",
+        "garbage",
+        "long-int",
+        "null",
+        "array",
+        "string",
+        "bool",
+        "number",
+        "missing-field",
+        "unhashable",
+        "nan",
+        "unknown-field",
     ],
 )
 def test_malformed_ffn_config_is_a_weights_error(tmp_path, config_json, reason):
@@ -317,14 +331,15 @@ def test_any_ffn_config_loads_or_is_a_weights_error(tmp_path, config_json):
         assert (values["d_model"], values["d_ff"]) == (D_MODEL, D_FF) == (model.config.d_model, model.config.d_ff)
 
 
-
 # --- PyTorch state dicts -----------------------------------------------------------------------------
 
 
 class SeedFeedForward(nn.Module):
     """The seeds' FeedForward (labml / darts), as small as it gets: its state dict must load as is."""
 
-    def __init__(self, d_model, d_ff, dropout=0.1, activation=None, is_gated=False, bias1=True, bias2=True, bias_gate=True):
+    def __init__(
+        self, d_model, d_ff, dropout=0.1, activation=None, is_gated=False, bias1=True, bias2=True, bias_gate=True
+    ):
         super().__init__()
         self.layer1 = nn.Linear(d_model, d_ff, bias=bias1)
         self.layer2 = nn.Linear(d_ff, d_model, bias=bias2)
@@ -388,7 +403,7 @@ def test_truncated_torch_file(tmp_path):
     path = tmp_path / "sd.pt"
     torch.save(SeedFeedForward(D_MODEL, D_FF).state_dict(), path)
     path.write_bytes(path.read_bytes()[:300])
-    with pytest.raises(WeightsError, match="sd.pt: not a readable PyTorch file"):
+    with pytest.raises(WeightsError, match=r"sd.pt: not a readable PyTorch file"):
         load_ffn(path, format="torch")
 
 
@@ -406,13 +421,17 @@ class _RunsCode:
 @pytest.mark.parametrize("format", ["torch", "gpt2"])
 def test_a_pickle_that_runs_code_is_refused_not_run(tmp_path, how, format):
     sentinel = tmp_path / "SENTINEL"
-    payload = {"layer1.weight": torch.zeros(D_FF, D_MODEL), "h.0.mlp.c_fc.weight": torch.zeros(2, 2), "x": _RunsCode(sentinel)}
+    payload = {
+        "layer1.weight": torch.zeros(D_FF, D_MODEL),
+        "h.0.mlp.c_fc.weight": torch.zeros(2, 2),
+        "x": _RunsCode(sentinel),
+    }
     path = tmp_path / "evil.bin"
     if how == "plain-pickle":
         path.write_bytes(pickle.dumps(payload))
     else:
         torch.save(payload, path, _use_new_zipfile_serialization=how == "zip")
-    with pytest.raises(WeightsError, match="evil.bin: refused") as info:
+    with pytest.raises(WeightsError, match=r"evil.bin: refused") as info:
         load_ffn(path, format=format, layer=0 if format == "gpt2" else None)
     assert "weights_only=False" not in str(info.value)  # no advice to load it unsafely
     assert not sentinel.exists()

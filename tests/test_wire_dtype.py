@@ -23,8 +23,10 @@ ROWS = 3
 TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3}
 
 
-@pytest.fixture(params=[("bfloat16", "off"), ("bfloat16", "on"), ("float16", "off"), ("float16", "on")],
-                ids=lambda p: f"{p[0]}-staging-{p[1]}")
+@pytest.fixture(
+    params=[("bfloat16", "off"), ("bfloat16", "on"), ("float16", "off"), ("float16", "on")],
+    ids=lambda p: f"{p[0]}-staging-{p[1]}",
+)
 async def served(request, start_app):
     """(client, model dtype, reference of x) for the demo model computing in a half-precision dtype."""
     dtype, staging = request.param
@@ -63,8 +65,11 @@ async def test_native_raw_float32(served, close):
 async def test_native_npy_float32(served, close):
     client, dtype, reference = served
     x = x_in(3)
-    r = await client.post("/v1/models/demo/transform", content=npy_bytes(x),
-                          headers={"content-type": "application/x-npy", "accept": "application/x-npy"})
+    r = await client.post(
+        "/v1/models/demo/transform",
+        content=npy_bytes(x),
+        headers={"content-type": "application/x-npy", "accept": "application/x-npy"},
+    )
     assert r.status_code == 200, r.text
     y = np.load(io.BytesIO(r.content))
     assert y.dtype == np.dtype("<f4") and y.shape == (ROWS, D)
@@ -74,8 +79,10 @@ async def test_native_npy_float32(served, close):
 async def test_v2_json_fp32(served, close):
     client, dtype, reference = served
     x = x_in(4)
-    r = await client.post("/v2/models/demo/infer", json={
-        "inputs": [{"name": "input", "shape": [ROWS, D], "datatype": "FP32", "data": x.ravel().tolist()}]})
+    r = await client.post(
+        "/v2/models/demo/infer",
+        json={"inputs": [{"name": "input", "shape": [ROWS, D], "datatype": "FP32", "data": x.ravel().tolist()}]},
+    )
     assert r.status_code == 200, r.text
     (output,) = r.json()["outputs"]
     assert output["datatype"] == "FP32"
@@ -86,12 +93,19 @@ async def test_v2_binary_fp32(served, close):
     client, dtype, reference = served
     x = x_in(5)
     blob = x.tobytes()
-    header = json.dumps({
-        "inputs": [{"name": "input", "shape": [ROWS, D], "datatype": "FP32", "parameters": {"binary_data_size": len(blob)}}],
-        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
-    }).encode()
-    r = await client.post("/v2/models/demo/infer", content=header + blob, headers={
-        "content-type": "application/octet-stream", "inference-header-content-length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "input", "shape": [ROWS, D], "datatype": "FP32", "parameters": {"binary_data_size": len(blob)}}
+            ],
+            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    r = await client.post(
+        "/v2/models/demo/infer",
+        content=header + blob,
+        headers={"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     answer, raw = split_binary_answer(r.content, int(r.headers["inference-header-content-length"]))
     (output,) = answer["outputs"]

@@ -70,7 +70,7 @@ async def send_checked(port: int, count: int, seed: int) -> int:
     rng = np.random.default_rng(seed)
     inputs = [rng.standard_normal((int(rng.integers(1, 9)), D_MODEL)).astype(np.float32) for _ in range(count)]
     outputs = await asyncio.gather(*(transform(port, x) for x in inputs))
-    for x, y in zip(inputs, outputs):
+    for x, y in zip(inputs, outputs, strict=True):
         np.testing.assert_allclose(y, demo_reference(x), rtol=1e-4, atol=1e-4)
     return sum(x.shape[0] for x in inputs)
 
@@ -94,14 +94,16 @@ def worker_pids(page: str) -> set[int]:
     """The worker pids the process metrics list."""
     return {
         int(sample.labels["pid"])
-        for family in text_string_to_metric_families(page) if family.name == "process_resident_memory_bytes"
-        for sample in family.samples if sample.labels["role"] == "worker"
+        for family in text_string_to_metric_families(page)
+        if family.name == "process_resident_memory_bytes"
+        for sample in family.samples
+        if sample.labels["role"] == "worker"
     }
 
 
 def replaced(logs: str, pid: int) -> bool:
     """Whether the log shows worker `pid` killed, then a worker ready after it."""
-    killed, _, after = logs.partition(f"(pid {pid}) was killed by SIGKILL")
+    _, _, after = logs.partition(f"(pid {pid}) was killed by SIGKILL")
     return bool(after) and re.search(r"worker \d \(pid \d+\) ready", after) is not None
 
 
@@ -135,8 +137,11 @@ async def test_metrics_count_every_request_on_every_scrape(workers: tuple[Server
         rows += await send_checked(server.port, 12, seed=100 + seed)
     for i in range(8):  # each scrape is answered by whichever worker accepts it
         page = scrape(metrics_url) if i % 2 else scrape(server.url, AUTH)
-        for name, expected in (("ffn_requests_total", sent), ("ffn_request_rows_count", sent),
-                               ("ffn_request_rows_sum", rows)):
+        for name, expected in (
+            ("ffn_requests_total", sent),
+            ("ffn_request_rows_count", sent),
+            ("ffn_request_rows_sum", rows),
+        ):
             labels = {"model": "demo", **({"outcome": "ok"} if name == "ffn_requests_total" else {})}
             delta = metric_value(page, name, **labels) - metric_value(before, name, **labels)
             assert delta == expected, f"scrape {i}: {name} grew by {delta}, {expected} were sent"
@@ -174,8 +179,9 @@ async def test_a_killed_worker_is_replaced_while_the_other_answers(workers: tupl
     page = scrape(server.url, AUTH)
     assert metric_value(page, "ffn_worker_restarts_total") == 1
     # The dead worker's counts are kept: the total is everything ever answered.
-    grown = (metric_value(page, "ffn_requests_total", model="demo", outcome="ok")
-             - metric_value(before, "ffn_requests_total", model="demo", outcome="ok"))
+    grown = metric_value(page, "ffn_requests_total", model="demo", outcome="ok") - metric_value(
+        before, "ffn_requests_total", model="demo", outcome="ok"
+    )
     assert grown == sent
 
 
@@ -197,8 +203,9 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
                     x = rng.standard_normal((int(rng.integers(1, 9)), D_MODEL)).astype(np.float32)
                     at = time.monotonic()
                     try:
-                        r = await client.post("/v1/models/demo/transform", content=x.tobytes(),
-                                              headers=raw_headers(x.shape))
+                        r = await client.post(
+                            "/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape)
+                        )
                     except httpx.TransportError as exc:
                         outcomes.append((at, type(exc).__name__))
                         return
@@ -218,10 +225,14 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
                 raise AssertionError(f"40 requests were never answered; log:\n{server.logs()}")
             # A slow request computing when the signal comes: the drain lasts at least its pass.
             slow_x = np.ones((4096, D_MODEL), dtype=np.float32)
-            slow = asyncio.create_task(probe.post("/v1/models/slow/transform", content=slow_x.tobytes(),
-                                                  headers=raw_headers(slow_x.shape)))
-            await wait_for_metrics(probe, lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") == 1,
-                                   "the slow request's pass started")
+            slow = asyncio.create_task(
+                probe.post("/v1/models/slow/transform", content=slow_x.tobytes(), headers=raw_headers(slow_x.shape))
+            )
+            await wait_for_metrics(
+                probe,
+                lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") == 1,
+                "the slow request's pass started",
+            )
             sigterm_at = time.monotonic()
             server.terminate()
             slow_answer = await slow
@@ -246,9 +257,21 @@ def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"TMPDIR": str(scratch)}
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml"), "--port", str(free_port()),
-         "--workers", "2"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "--config",
+            str(tmp_path / "bad.toml"),
+            "--port",
+            str(free_port()),
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert result.returncode == 1, result.stderr
     assert "missing.safetensors" in result.stderr and "broken" in result.stderr
@@ -264,9 +287,20 @@ def test_a_metrics_port_in_use_exits_3() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "app.cli", "--port", str(free_port()), "--metrics-port", str(port),
-             "--workers", "2"],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "--port",
+                str(free_port()),
+                "--metrics-port",
+                str(port),
+                "--workers",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 3
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr

@@ -252,8 +252,9 @@ class Batcher:
             self._slots.release()
 
     def _fail_after_bug(self, batch: list[Entry], exc: Exception) -> None:
-        log.error("model %s: batch of %d entries failed unexpectedly; this is a bug", self.name, len(batch),
-                  exc_info=exc)
+        log.error(
+            "model %s: batch of %d entries failed unexpectedly; this is a bug", self.name, len(batch), exc_info=exc
+        )
         for entry in batch:
             fail(entry, ModelError(f"the batch failed: {type(exc).__name__}"))
 
@@ -268,8 +269,9 @@ class Batcher:
             return
         error = None if task.cancelled() else task.exception()
         self.failure = f"the batcher stopped unexpectedly: {type(error).__name__ if error else 'cancelled'}"
-        log.error("model %s: %s; this model refuses work until the server restarts", self.name, self.failure,
-                  exc_info=error)
+        log.error(
+            "model %s: %s; this model refuses work until the server restarts", self.name, self.failure, exc_info=error
+        )
         self._accepting = False
         self._queue.fail_all(ModelError(self.failure))
 
@@ -322,8 +324,9 @@ class Batcher:
             fail(batch[0], InsufficientMemory(f"a request of {rows} rows does not fit in the device's memory"))
             return
         self._instruments.oom_splits.inc()
-        log.warning("model %s: out of memory at %d rows; splitting the batch, ceiling now %d",
-                    self.name, rows, self._ceiling)
+        log.warning(
+            "model %s: out of memory at %d rows; splitting the batch, ceiling now %d", self.name, rows, self._ceiling
+        )
         middle = len(batch) // 2
         await self._run(batch[:middle])
         await self._run(batch[middle:])

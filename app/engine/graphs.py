@@ -27,8 +27,17 @@ Forward = Callable[[torch.Tensor], torch.Tensor]  # (n, d_model) -> (n, d_model)
 class BucketedForward:
     """`forward` at the bucket sizes: pad, run the bucket's call, slice. Batches past the largest bucket run eager."""
 
-    def __init__(self, forward: Forward, buckets: Sequence[int], *, d_model: int, dtype: torch.dtype,
-                 device: torch.device, pad: bool, keep_shape: bool = False) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        buckets: Sequence[int],
+        *,
+        d_model: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pad: bool,
+        keep_shape: bool = False,
+    ) -> None:
         """`pad` false: every batch runs eager at its own size (no buckets). `keep_shape`: a bucket that fails
         its check falls back to the eager model at the padded size, never at the batch's own size
         (batch-invariant mode, where the shape is what makes rows bit-identical)."""
@@ -118,8 +127,13 @@ class BucketedForward:
                 continue
             failed.append(bucket)
             fallback = "eager at the padded size" if self.keep_shape else "eager"
-            log.warning("batch bucket %d differs from the eager model by %.3g (bound %.3g): it runs %s",
-                        bucket, worst, bound, fallback)
+            log.warning(
+                "batch bucket %d differs from the eager model by %.3g (bound %.3g): it runs %s",
+                bucket,
+                worst,
+                bound,
+                fallback,
+            )
             if bucket in self.graphed:
                 self.graphed.remove(bucket)
             if self.keep_shape:

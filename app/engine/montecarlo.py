@@ -64,8 +64,15 @@ class _Job:
 class MonteCarloLane:
     """One model's Monte Carlo dropout requests, run one at a time on its device thread."""
 
-    def __init__(self, model: FeedForward, *, executor: Executor | None, instruments: ModelInstruments,
-                 max_rows: int, max_queue_rows: int) -> None:
+    def __init__(
+        self,
+        model: FeedForward,
+        *,
+        executor: Executor | None,
+        instruments: ModelInstruments,
+        max_rows: int,
+        max_queue_rows: int,
+    ) -> None:
         self._model = model
         first = next(model.parameters())
         self._device, self._dtype = first.device, first.dtype
@@ -106,8 +113,9 @@ class MonteCarloLane:
             if not job.answer.done():
                 job.answer.set_exception(Unavailable("the server is shutting down"))
 
-    async def submit(self, rows: torch.Tensor, request: MonteCarloRequest, *,
-                     deadline: float | None = None) -> MonteCarloResult:
+    async def submit(
+        self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None = None
+    ) -> MonteCarloResult:
         """Mean and std of `request.passes` dropout passes over `rows` (n, d_model). `deadline`: loop.time()."""
         arrived = time.perf_counter()
         n = rows.shape[0]
@@ -116,11 +124,15 @@ class MonteCarloLane:
             raise Unavailable("the server is not accepting work (starting up or draining)")
         if n > self.max_rows:
             count_failure(self._instruments, arrived)
-            raise RequestTooLarge(f"a Monte Carlo dropout request may hold at most {self.max_rows} rows "
-                                  f"(max_batch_rows); this one has {n}")
+            raise RequestTooLarge(
+                f"a Monte Carlo dropout request may hold at most {self.max_rows} rows "
+                f"(max_batch_rows); this one has {n}"
+            )
         if self._waiting_rows + n > self.max_queue_rows:
             count_failure(self._instruments, arrived)
-            raise Overloaded(f"Monte Carlo dropout queue full: {self._waiting_rows} of {self.max_queue_rows} rows waiting")
+            raise Overloaded(
+                f"Monte Carlo dropout queue full: {self._waiting_rows} of {self.max_queue_rows} rows waiting"
+            )
         loop = asyncio.get_running_loop()
         job = _Job(rows, request, loop.create_future(), arrived)
         self._jobs.add(job)
@@ -186,10 +198,14 @@ class MonteCarloLane:
         if done.cancelled():  # the executor shut down before its turn
             job.answer.set_exception(Unavailable("the server is shutting down"))
         elif isinstance(error, OUT_OF_MEMORY):
-            log.warning("out of memory on a Monte Carlo dropout request of %d rows x %d passes",
-                        job.n_rows, job.request.passes)
-            job.answer.set_exception(InsufficientMemory(
-                f"{job.request.passes} passes over {job.n_rows} rows do not fit in the device's memory"))
+            log.warning(
+                "out of memory on a Monte Carlo dropout request of %d rows x %d passes", job.n_rows, job.request.passes
+            )
+            job.answer.set_exception(
+                InsufficientMemory(
+                    f"{job.request.passes} passes over {job.n_rows} rows do not fit in the device's memory"
+                )
+            )
         elif error is not None:
             log.error("Monte Carlo dropout failed (%d rows)", job.n_rows, exc_info=error)
             job.answer.set_exception(ModelError(f"the Monte Carlo dropout passes failed: {type(error).__name__}"))

@@ -63,8 +63,10 @@ class ServedModel:
         count = sum(p.numel() for p in self.model.parameters())
         size = self.weight_bytes
         source = str(self.spec.weights) if self.spec.weights else "built-in demo weights"
-        return (f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
-                f"on {self.runner.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}")
+        return (
+            f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
+            f"on {self.runner.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}"
+        )
 
     def describe(self) -> dict[str, Any]:
         config = self.model.config
@@ -75,7 +77,11 @@ class ServedModel:
             "activation": config.activation,
             "gated": config.gated,
             "variant": config.variant,
-            "bias": {"layer1": config.bias1, "layer2": config.bias2, "linear_v": config.bias_gate if config.gated else None},
+            "bias": {
+                "layer1": config.bias1,
+                "layer2": config.bias2,
+                "linear_v": config.bias_gate if config.gated else None,
+            },
             "dropout": self.dropout,
             "dtype": self.spec.dtype,
             "device": str(self.runner.device),
@@ -91,8 +97,13 @@ def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -
         model = demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
     else:
         model = load_ffn(
-            spec.weights, format=spec.format, layer=spec.layer, activation=spec.activation,
-            gated=spec.gated, dtype=dtype, device=device,
+            spec.weights,
+            format=spec.format,
+            layer=spec.layer,
+            activation=spec.activation,
+            gated=spec.gated,
+            dtype=dtype,
+            device=device,
         )
     return fuse_gate(model) if fuse and isinstance(model, GatedFeedForward) else model
 
@@ -100,9 +111,11 @@ def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -
 def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
     """The model's runner with the GPU path's switches from the settings."""
     return ModelRunner(
-        model, max_batch_rows=settings.max_batch_rows,
+        model,
+        max_batch_rows=settings.max_batch_rows,
         staging={"auto": None, "on": True, "off": False}[settings.staging],
-        cuda_graphs=settings.cuda_graphs, tf32=settings.tf32,
+        cuda_graphs=settings.cuda_graphs,
+        tf32=settings.tf32,
         batch_invariant_rows=settings.batch_invariant_rows if settings.batch_invariant else None,
     )
 
@@ -132,14 +145,23 @@ class Registry:
             executor = self.executors.setdefault(str(device), device_executor(device))
             runner = build_runner(model, s)
             batcher = Batcher(
-                runner, name=spec.name, max_batch_rows=s.max_batch_rows, max_wait_s=s.max_wait_ms / 1000.0,
-                max_queue_rows=s.max_queue_rows, executor=executor, metrics=self.metrics,
+                runner,
+                name=spec.name,
+                max_batch_rows=s.max_batch_rows,
+                max_wait_s=s.max_wait_ms / 1000.0,
+                max_queue_rows=s.max_queue_rows,
+                executor=executor,
+                metrics=self.metrics,
                 # Staged: the next batch is launched while the last one computes (double-buffered).
-                launch=runner.launch if runner.staged else None, max_in_flight=2,
+                launch=runner.launch if runner.staged else None,
+                max_in_flight=2,
             )
             monte_carlo = MonteCarloLane(
-                model, executor=executor, instruments=self.metrics.for_model(spec.name),
-                max_rows=s.max_batch_rows, max_queue_rows=s.max_queue_rows,
+                model,
+                executor=executor,
+                instruments=self.metrics.for_model(spec.name),
+                max_rows=s.max_batch_rows,
+                max_queue_rows=s.max_queue_rows,
             )
             served = ServedModel(spec, model, runner, batcher, monte_carlo)
             self.models[spec.name] = served

@@ -60,9 +60,17 @@ def set_tf32(enabled: bool) -> None:
 class ModelRunner:
     """Callable forward for the batcher: `runner(parts) -> output` for the rows of all parts."""
 
-    def __init__(self, model: FeedForward, *, max_batch_rows: int, staging: bool | None = None,
-                 cuda_graphs: bool = True, batch_invariant_rows: int | None = None, pad: bool | None = None,
-                 tf32: bool = False) -> None:
+    def __init__(
+        self,
+        model: FeedForward,
+        *,
+        max_batch_rows: int,
+        staging: bool | None = None,
+        cuda_graphs: bool = True,
+        batch_invariant_rows: int | None = None,
+        pad: bool | None = None,
+        tf32: bool = False,
+    ) -> None:
         """`staging` (default: on for CUDA) runs the double-buffered staged path; forced on the CPU, tests run it.
 
         `cuda_graphs`: capture a graph per bucket at warm-up (CUDA only). `batch_invariant_rows`:
@@ -81,14 +89,22 @@ class ModelRunner:
         buckets = [batch_invariant_rows] if batch_invariant_rows is not None else bucket_sizes(max_batch_rows)
         self.chunk_rows = buckets[-1]  # a batch larger than the largest bucket runs as several chunks
         self.bucketed = BucketedForward(
-            model, buckets, d_model=self.d_model, dtype=self.dtype, device=self.device,
-            pad=self.batch_invariant if pad is None else pad, keep_shape=self.batch_invariant,
+            model,
+            buckets,
+            d_model=self.d_model,
+            dtype=self.dtype,
+            device=self.device,
+            pad=self.batch_invariant if pad is None else pad,
+            keep_shape=self.batch_invariant,
         )
         self._host = torch.device("cpu")
         self._staging: HostStaging | None = None
         if staging if staging is not None else self.device.type == "cuda":
-            self._staging = (CudaStaging(self.d_model, self.chunk_rows, self.device) if self.device.type == "cuda"
-                             else HostStaging(self.d_model, self.chunk_rows))
+            self._staging = (
+                CudaStaging(self.d_model, self.chunk_rows, self.device)
+                if self.device.type == "cuda"
+                else HostStaging(self.d_model, self.chunk_rows)
+            )
 
     @property
     def staged(self) -> bool:
@@ -114,8 +130,10 @@ class ModelRunner:
         dtype = self._answer_dtype(x.dtype)
         if x.shape[0] <= self.chunk_rows:  # the common case, kept short: a one-row batch is ~150 µs in all
             return self.bucketed(x.to(self.device)).to(self._host, dtype)
-        answers = [self.bucketed(x[chunk].to(self.device)).to(self._host, dtype)
-                   for chunk in chunk_slices(len(x), self.chunk_rows)]
+        answers = [
+            self.bucketed(x[chunk].to(self.device)).to(self._host, dtype)
+            for chunk in chunk_slices(len(x), self.chunk_rows)
+        ]
         return torch.cat(answers)
 
     def _gather_on_host(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -162,9 +180,15 @@ class ModelRunner:
                     self([torch.zeros((rows, self.d_model), dtype=dtype)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # warm-up only: the request path waits on its own events
-        log.info("%s on %s: buckets %s; CUDA graphs at %s; padded without graphs at %s; staged %s",
-                 type(self.model).__name__, self.device, self.bucketed.buckets, self.bucketed.graphed or "none",
-                 [b for b in self.bucketed.padded if b not in self.bucketed.graphed] or "none", self.staged)
+        log.info(
+            "%s on %s: buckets %s; CUDA graphs at %s; padded without graphs at %s; staged %s",
+            type(self.model).__name__,
+            self.device,
+            self.bucketed.buckets,
+            self.bucketed.graphed or "none",
+            [b for b in self.bucketed.padded if b not in self.bucketed.graphed] or "none",
+            self.staged,
+        )
         return self.bucketed.buckets
 
     def _check_fused_gate(self, generator: torch.Generator, bound: float) -> None:
@@ -174,8 +198,9 @@ class ModelRunner:
         x = torch.randn((self.chunk_rows, self.d_model), generator=generator).to(self.device, self.dtype)
         error = relative_error(self.model(x), self.model.unfused_forward(x))
         if error > bound:
-            log.warning("the fused gate differs from the unfused one by %.3g (bound %.3g): running unfused",
-                        error, bound)
+            log.warning(
+                "the fused gate differs from the unfused one by %.3g (bound %.3g): running unfused", error, bound
+            )
             self.bucketed.forward = self.model.unfused_forward
 
     def _capture_graphs(self) -> None:
@@ -184,8 +209,13 @@ class ModelRunner:
         except RuntimeError as exc:  # an op that cannot be captured: stay eager rather than fail the start
             log.warning("CUDA graph capture failed, every batch runs eager: %s", exc)
             self.bucketed = BucketedForward(
-                self.bucketed.forward, self.bucketed.buckets, d_model=self.d_model, dtype=self.dtype,
-                device=self.device, pad=self.batch_invariant, keep_shape=self.batch_invariant,
+                self.bucketed.forward,
+                self.bucketed.buckets,
+                d_model=self.d_model,
+                dtype=self.dtype,
+                device=self.device,
+                pad=self.batch_invariant,
+                keep_shape=self.batch_invariant,
             )
 
 

@@ -74,8 +74,9 @@ class Engine:
         self.draining = True
         timeout = self.settings.drain_timeout_s
         models = list(self.registry.models.values())
-        finished = await asyncio.gather(*(m.batcher.drain(timeout) for m in models),
-                                        *(m.monte_carlo.drain(timeout) for m in models))
+        finished = await asyncio.gather(
+            *(m.batcher.drain(timeout) for m in models), *(m.monte_carlo.drain(timeout) for m in models)
+        )
         if not all(finished):
             # Out of time: answer what is left 503 now, while its clients are still connected
             # (after uvicorn's own grace period their requests would be cancelled instead).

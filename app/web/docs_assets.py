@@ -17,7 +17,9 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 ASSETS_URL = "/docs/assets"
-ASSETS_DIR = Path(str(files("fastapi_offline") / "static"))  # swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png
+ASSETS_DIR = Path(
+    str(files("fastapi_offline") / "static")
+)  # swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png
 
 
 def serve_docs_offline(app: FastAPI, docs_url: str = "/docs", redoc_url: str = "/redoc") -> None:

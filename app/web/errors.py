@@ -125,7 +125,9 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     engine.ModelError: ErrorKind(500, "model_error"),
     UnsupportedTransferEncoding: ErrorKind(501, "unsupported_transfer_encoding", _close_connection),
     engine.Unavailable: ErrorKind(503, "unavailable", _retry_after(lambda exc: 1)),
-    TooManyConnections: ErrorKind(503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}),
+    TooManyConnections: ErrorKind(
+        503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}
+    ),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded"),
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory"),
 }
@@ -157,8 +159,7 @@ def error_body(message: str, error_type: str) -> bytes:
 
 
 def raw_error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(error_body(message, error_type), status_code=status, media_type="application/json",
-                    headers=headers)
+    return Response(error_body(message, error_type), status_code=status, media_type="application/json", headers=headers)
 
 
 def error_response(exc: Exception) -> Response:

@@ -59,22 +59,25 @@ def bool_field(container: Mapping[str, Any], key: str, where: str) -> bool | Non
     return value
 
 
-def int_field(container: Mapping[str, Any], key: str, where: str, *, minimum: int | None = None,
-              maximum: int | None = None) -> int | None:
+def int_field(
+    container: Mapping[str, Any], key: str, where: str, *, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
     """The integer member `key` within [minimum, maximum], None when absent or null."""
     value = _numeric(container, key, where, integral=True, minimum=minimum, maximum=maximum)
     return None if value is None else int(value)
 
 
-def number_field(container: Mapping[str, Any], key: str, where: str, *, minimum: float | None = None,
-                 maximum: float | None = None) -> float | None:
+def number_field(
+    container: Mapping[str, Any], key: str, where: str, *, minimum: float | None = None, maximum: float | None = None
+) -> float | None:
     """The finite number member `key` within [minimum, maximum], None when absent or null."""
     value = _numeric(container, key, where, integral=False, minimum=minimum, maximum=maximum)
     return None if value is None else float(value)
 
 
-def _numeric(container: Mapping[str, Any], key: str, where: str, *, integral: bool,
-             minimum: float | None, maximum: float | None) -> int | float | None:
+def _numeric(
+    container: Mapping[str, Any], key: str, where: str, *, integral: bool, minimum: float | None, maximum: float | None
+) -> int | float | None:
     value = container.get(key)
     if value is None:
         return None
@@ -114,8 +117,9 @@ def header_int(value: str | None, name: str) -> int | None:
         return None
     digits = value.strip()
     if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_INT_DIGITS):
-        raise InvalidInput(f"{name} must be a non-negative integer of at most {_MAX_INT_DIGITS} ASCII digits, "
-                           f"got {value[:32]!r}")
+        raise InvalidInput(
+            f"{name} must be a non-negative integer of at most {_MAX_INT_DIGITS} ASCII digits, got {value[:32]!r}"
+        )
     return int(digits)
 
 

@@ -41,13 +41,18 @@ def head_size(scope: Scope) -> int:
 
 def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
     """Every Transfer-Encoding coding of the request, lower-case, in order."""
-    return [coding.strip().lower() for name, value in headers if name == b"transfer-encoding"
-            for coding in value.split(b",")]
+    return [
+        coding.strip().lower()
+        for name, value in headers
+        if name == b"transfer-encoding"
+        for coding in value.split(b",")
+    ]
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_header_bytes: int,
-                 metrics_port: int | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, api_key: str | None, max_header_bytes: int, metrics_port: int | None = None
+    ) -> None:
         """`metrics_port`: the port number the metrics socket is bound to (not 0), or None."""
         self.app = app
         self._key = api_key.encode() if api_key else None
@@ -71,7 +76,9 @@ class GuardMiddleware:
         codings = transfer_codings(headers)
         if codings and codings != [b"chunked"]:
             shown = b", ".join(codings).decode("latin-1")[:64]
-            return UnsupportedTransferEncoding(f"Transfer-Encoding {shown!r} is not supported; send chunked or Content-Length")
+            return UnsupportedTransferEncoding(
+                f"Transfer-Encoding {shown!r} is not supported; send chunked or Content-Length"
+            )
         server = scope.get("server")
         if self._metrics_port is not None and server is not None and server[1] == self._metrics_port:
             if scope["path"] == METRICS_PATH:

@@ -21,7 +21,9 @@ async def live() -> Response:
 async def ready(state: StateDep) -> Response:
     if state.engine.ready:
         return Response(status_code=200)
-    failed = [f"model {m.name!r}: {m.batcher.failure}" for m in state.engine.registry.models.values() if m.batcher.failure]
+    failed = [
+        f"model {m.name!r}: {m.batcher.failure}" for m in state.engine.registry.models.values() if m.batcher.failure
+    ]
     if failed:
         reason = "; ".join(failed)
     elif state.engine.draining:
@@ -36,18 +38,37 @@ async def metrics(state: StateDep) -> Response:
 
 
 ENDPOINTS = [
-    Endpoint("GET", HEALTH_PREFIX + "live", live, openapi={
-        "summary": "Liveness: the process answers", "response_class": Response,
-        "responses": {200: {"content": {}}}, "tags": ["health"],
-    }),
-    Endpoint("GET", HEALTH_PREFIX + "ready", ready, openapi={
-        "summary": "Readiness: every model loaded and warm, and not draining",
-        "response_class": Response,  # 200 has no body; without this the page would promise JSON
-        "responses": {200: {"content": {}}, **error_responses(503)}, "tags": ["health"],
-    }),
-    Endpoint("GET", METRICS_PATH, metrics, openapi={
-        "summary": "Prometheus metrics", "response_class": Response,
-        "responses": {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)},
-        "tags": ["metrics"],
-    }),
+    Endpoint(
+        "GET",
+        HEALTH_PREFIX + "live",
+        live,
+        openapi={
+            "summary": "Liveness: the process answers",
+            "response_class": Response,
+            "responses": {200: {"content": {}}},
+            "tags": ["health"],
+        },
+    ),
+    Endpoint(
+        "GET",
+        HEALTH_PREFIX + "ready",
+        ready,
+        openapi={
+            "summary": "Readiness: every model loaded and warm, and not draining",
+            "response_class": Response,  # 200 has no body; without this the page would promise JSON
+            "responses": {200: {"content": {}}, **error_responses(503)},
+            "tags": ["health"],
+        },
+    ),
+    Endpoint(
+        "GET",
+        METRICS_PATH,
+        metrics,
+        openapi={
+            "summary": "Prometheus metrics",
+            "response_class": Response,
+            "responses": {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)},
+            "tags": ["metrics"],
+        },
+    ),
 ]

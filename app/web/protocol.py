@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from app.settings import Settings
 from app.errors import ServiceError
+from app.settings import Settings
 from app.web.errors import (
     HeaderTooLarge,
     InvalidInput,
@@ -60,8 +60,13 @@ class ConnectionLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
-        return cls(settings.max_header_bytes, settings.header_timeout_s, settings.read_timeout_s,
-                   settings.send_timeout_s, settings.max_connections)
+        return cls(
+            settings.max_header_bytes,
+            settings.header_timeout_s,
+            settings.read_timeout_s,
+            settings.send_timeout_s,
+            settings.max_connections,
+        )
 
 
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
@@ -103,8 +108,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             now = time.monotonic()
             if now - LimitedHttpToolsProtocol._last_cap_warning > CAP_WARNING_EVERY_S:
                 LimitedHttpToolsProtocol._last_cap_warning = now
-                log.warning("%d connections open: refusing new ones with 503 (max_connections)",
-                            len(self.connections) - 1)
+                log.warning(
+                    "%d connections open: refusing new ones with 503 (max_connections)", len(self.connections) - 1
+                )
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -252,8 +258,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         body = error_body(error.message, kind.error_type)
         head = [STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                 b"connection: close\r\n\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+        ]
         self.transport.write(b"".join(head) + body)
         self._linger()
 

@@ -100,8 +100,9 @@ def loads_json(body: bytes | bytearray | memoryview) -> object:
         raise InvalidInput(f"malformed JSON: {exc}") from None
 
 
-def json_numbers_to_array(value: object, field: str, source: bytes | bytearray | memoryview,
-                          dtype: DType) -> np.ndarray:
+def json_numbers_to_array(
+    value: object, field: str, source: bytes | bytearray | memoryview, dtype: DType
+) -> np.ndarray:
     """Nested lists of JSON numbers -> a C-contiguous float32 array.
 
     Ragged lists, booleans, strings, null, integers beyond 64 bits and values that do not fit
@@ -125,8 +126,10 @@ def json_numbers_to_array(value: object, field: str, source: bytes | bytearray |
             raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
         largest = float(torch.finfo(dtype.torch).max)
         if peak > largest:
-            raise InvalidInput(f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
-                               f"(largest {largest:g})")
+            raise InvalidInput(
+                f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
+                f"(largest {largest:g})"
+            )
     return np.ascontiguousarray(array, dtype=np.float32)
 
 

@@ -29,8 +29,9 @@ from ffn_core import FFNConfig, build_ffn, save_ffn
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m bench.gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python3 -m bench.gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a tiny run of every part (CPU tests run it)")
     p.add_argument("--out", type=Path, default=Path("bench/gpu/results"), help="results folder")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
@@ -38,22 +39,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-ff", type=int, default=3072)
     p.add_argument("--activation", default="gelu")
     p.add_argument("--gated", action="store_true", help="gated (GLU) variant: the fused W1‖V path")
-    p.add_argument("--modes", default=",".join(inprocess.MODES), help="comma-separated, of " + ",".join(inprocess.MODES))
+    p.add_argument(
+        "--modes", default=",".join(inprocess.MODES), help="comma-separated, of " + ",".join(inprocess.MODES)
+    )
     p.add_argument("--max-rows", type=int, default=16384, help="in-process batch rows go 1, 2, 4, ... up to this")
     p.add_argument("--budget", type=float, default=0.2, help="seconds of timing per in-process cell")
     p.add_argument("--workers", default="1,2,4,8", help="comma-separated worker counts for the service")
     p.add_argument("--rows", default="1,16,256", help="comma-separated rows per request for the service")
     p.add_argument("--concurrency", type=int, default=64, help="connections of every throughput cell")
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per service cell")
-    p.add_argument("--service-dtype", default=None, help="compute dtype of the served model (default: bfloat16 "
-                   "on a GPU, float32 on a CPU); the clients send float32")
+    p.add_argument(
+        "--service-dtype",
+        default=None,
+        help="compute dtype of the served model (default: bfloat16 "
+        "on a GPU, float32 on a CPU); the clients send float32",
+    )
     p.add_argument("--cores", type=int, help="use only the first N cores: half serve, half load")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak, for a GPU the table does not know")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a bf16 forward at 8192 rows")
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--skip-service", action="store_true")
-    p.add_argument("--generator", choices=["auto", "wrk", "ffn-loadtest"], default="auto",
-                   help="load generator; auto: wrk where it is installed, else ffn-loadtest")
+    p.add_argument(
+        "--generator",
+        choices=["auto", "wrk", "ffn-loadtest"],
+        default="auto",
+        help="load generator; auto: wrk where it is installed, else ffn-loadtest",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.d_model, args.d_ff, args.max_rows, args.budget = 64, 256, 4, 0.01
@@ -67,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def environment(device: torch.device, generator: str) -> dict:
     cuda = device.type == "cuda"
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda else None,
@@ -80,7 +91,11 @@ def environment(device: torch.device, generator: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    device = (
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device == "auto"
+        else torch.device(args.device)
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     config = FFNConfig(args.d_model, args.d_ff, args.activation, gated=args.gated)
     torch.manual_seed(0)
@@ -96,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cells: list[inprocess.Cell] = []
     if not args.skip_inprocess:
-        cells = inprocess.measure(base, args.modes.split(","), rows_list, device, args.budget,
-                                  progress=lambda line: print(line, flush=True))
+        cells = inprocess.measure(
+            base, args.modes.split(","), rows_list, device, args.budget, progress=lambda line: print(line, flush=True)
+        )
         (args.out / "inprocess.json").write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
     drift: list[inprocess.Invariance] = []
     if not args.skip_inprocess:
@@ -114,9 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             weights = Path(tmp) / "ffn.safetensors"
             save_ffn(base, weights)
-            service_cells = service.measure(weights, dtype, args.d_model, workers, [int(r) for r in args.rows.split(",")],
-                                            args.concurrency, args.seconds, args.cores, args.generator,
-                                            progress=lambda line: print(line, flush=True))
+            service_cells = service.measure(
+                weights,
+                dtype,
+                args.d_model,
+                workers,
+                [int(r) for r in args.rows.split(",")],
+                args.concurrency,
+                args.seconds,
+                args.cores,
+                args.generator,
+                progress=lambda line: print(line, flush=True),
+            )
         env["service_dtype"] = dtype
         (args.out / "service.json").write_text(json.dumps([dataclasses.asdict(c) for c in service_cells], indent=1))
 
@@ -132,13 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render(args: argparse.Namespace, env: dict, config: FFNConfig, cells: list[inprocess.Cell],
-           drift: list[inprocess.Invariance], service_cells: list[service.ServiceCell], found: list[report.Target],
-           notes: list[str]) -> str:
+def render(
+    args: argparse.Namespace,
+    env: dict,
+    config: FFNConfig,
+    cells: list[inprocess.Cell],
+    drift: list[inprocess.Invariance],
+    service_cells: list[service.ServiceCell],
+    found: list[report.Target],
+    notes: list[str],
+) -> str:
     """report.md: what ran where, the tables, the targets."""
     server_cores, client_cores = service.split_cores(args.cores)
     parts = [
-        f"Machine: {env['device']}, torch {env['torch']}" + (f" (CUDA {env['cuda']})" if env["cuda"] else "")
+        f"Machine: {env['device']}, torch {env['torch']}"
+        + (f" (CUDA {env['cuda']})" if env["cuda"] else "")
         + f", {env['cpus']} CPUs, Python {env['python']}; {env['date']}; 1-min load average {env['load_average']} "
         "at the start.",
         f"Model: {config.variant} FFN, d_model {config.d_model}, d_ff {config.d_ff}.",

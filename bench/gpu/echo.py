@@ -20,7 +20,9 @@ Message = MutableMapping[str, Any]
 ECHOED_HEADERS = (b"content-type", b"x-shape", b"x-dtype")
 
 
-async def app(scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]) -> None:
+async def app(
+    scope: Scope, receive: Callable[[], Awaitable[Message]], send: Callable[[Message], Awaitable[None]]
+) -> None:
     """POST: the body back; GET: an empty 200; lifespan: accepted."""
     if scope["type"] == "lifespan":
         while True:

@@ -18,6 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -50,8 +51,9 @@ def flops_per_row(model: FeedForward) -> int:
     return 2 * c.d_model * c.d_ff * (3 if c.gated else 2)
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, budget_s: float, repeats: int = 5,
-                     *, host_clock: bool = False) -> float:
+def seconds_per_call(
+    fn: Callable[[], object], device: torch.device, budget_s: float, repeats: int = 5, *, host_clock: bool = False
+) -> float:
     """Median seconds per call of `fn` over `repeats` timed runs, after a warm-up; about `budget_s` in all.
 
     CUDA work is timed with events on the current stream; `host_clock` times with perf_counter
@@ -86,8 +88,9 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, budget_s: f
     return statistics.median(samples)
 
 
-def measure_mode(base: FeedForward, mode: str, rows_list: list[int], device: torch.device,
-                 budget_s: float) -> list[Cell]:
+def measure_mode(
+    base: FeedForward, mode: str, rows_list: list[int], device: torch.device, budget_s: float
+) -> list[Cell]:
     """Every (path, rows) cell of one precision mode."""
     dtype, tf32 = MODES[mode]
     set_tf32(tf32)
@@ -105,9 +108,9 @@ def measure_mode(base: FeedForward, mode: str, rows_list: list[int], device: tor
             host = torch.randn(rows, model.config.d_model, generator=generator)
             on_device = host.to(device, dtype)
             calls: dict[str, Callable[[], object]] = {
-                "eager": lambda: model(on_device),
-                "graphs": lambda: runner.bucketed(on_device),
-                "runner": lambda: runner([host]),
+                "eager": partial(model, on_device),
+                "graphs": partial(runner.bucketed, on_device),
+                "runner": partial(runner, [host]),
             }
             for path, fn in calls.items():
                 seconds = seconds_per_call(fn, device, budget_s, host_clock=path == "runner")
@@ -120,14 +123,22 @@ def measure_mode(base: FeedForward, mode: str, rows_list: list[int], device: tor
     return cells
 
 
-def measure(base: FeedForward, modes: list[str], rows_list: list[int], device: torch.device,
-            budget_s: float, progress: Callable[[str], None] = print) -> list[Cell]:
+def measure(
+    base: FeedForward,
+    modes: list[str],
+    rows_list: list[int],
+    device: torch.device,
+    budget_s: float,
+    progress: Callable[[str], None] = print,
+) -> list[Cell]:
     cells = []
     for mode in modes:
         mode_cells = measure_mode(base, mode, rows_list, device, budget_s)
         for cell in mode_cells:
-            progress(f"in-process {cell.mode:>8} {cell.path:>6} rows={cell.rows:<6} {cell.rows_per_s:>14,.0f} rows/s "
-                     f"{cell.tflops:8.1f} TFLOP/s")
+            progress(
+                f"in-process {cell.mode:>8} {cell.path:>6} rows={cell.rows:<6} {cell.rows_per_s:>14,.0f} rows/s "
+                f"{cell.tflops:8.1f} TFLOP/s"
+            )
         cells += mode_cells
     return cells
 
@@ -154,8 +165,9 @@ def profile_forward(base: FeedForward, mode: str, rows: int, device: torch.devic
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-            tables.append(f"## {mode}, {rows} rows, {name}, 20 calls\n\n"
-                          + prof.key_averages().table(sort_by=sort, row_limit=15))
+            tables.append(
+                f"## {mode}, {rows} rows, {name}, 20 calls\n\n" + prof.key_averages().table(sort_by=sort, row_limit=15)
+            )
     set_tf32(False)
     return "\n\n".join(tables)
 

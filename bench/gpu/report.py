@@ -38,23 +38,33 @@ class Target:
     met: bool | None  # None: not measured here
 
 
-def _cell(cells: list[ServiceCell], server: str, workers: int, rows: int, concurrency: int | None = None
-          ) -> ServiceCell | None:
+def _cell(
+    cells: list[ServiceCell], server: str, workers: int, rows: int, concurrency: int | None = None
+) -> ServiceCell | None:
     for c in cells:
-        if (c.server, c.workers, c.rows) == (server, workers, rows) and (concurrency is None or c.concurrency == concurrency):
+        if (c.server, c.workers, c.rows) == (server, workers, rows) and (
+            concurrency is None or c.concurrency == concurrency
+        ):
             return c
     return None
 
 
-def targets(inprocess: list[Cell], service: list[ServiceCell], device_name: str, peak: float | None,
-            concurrency: int) -> list[Target]:
+def targets(
+    inprocess: list[Cell], service: list[ServiceCell], device_name: str, peak: float | None, concurrency: int
+) -> list[Target]:
     """The issue's four targets, each measured or said to be missing."""
     result = []
     one, eight = _cell(service, "ffn", 1, 16, concurrency), _cell(service, "ffn", 8, 16, concurrency)
     if one and eight:
         ratio = eight.rows_per_s / one.rows_per_s
-        result.append(Target("8 workers vs 1, r=16", "≥ 6×", f"{ratio:.2f}× ({eight.rows_per_s:,.0f} vs "
-                             f"{one.rows_per_s:,.0f} rows/s)", ratio >= 6))
+        result.append(
+            Target(
+                "8 workers vs 1, r=16",
+                "≥ 6×",
+                f"{ratio:.2f}× ({eight.rows_per_s:,.0f} vs {one.rows_per_s:,.0f} rows/s)",
+                ratio >= 6,
+            )
+        )
     else:
         result.append(Target("8 workers vs 1, r=16", "≥ 6×", "not measured (no 8-worker cell)", None))
     shares = []
@@ -78,12 +88,24 @@ def targets(inprocess: list[Cell], service: list[ServiceCell], device_name: str,
     if at is None:
         result.append(Target("bf16 in-process at 8192 rows", "≥ 40 % of dense bf16 peak", "not measured", None))
     elif peak is None:
-        result.append(Target(f"bf16 in-process at {at.rows} rows", "≥ 40 % of dense bf16 peak",
-                             f"{at.tflops:.1f} TFLOP/s; no peak known for {device_name!r}", None))
+        result.append(
+            Target(
+                f"bf16 in-process at {at.rows} rows",
+                "≥ 40 % of dense bf16 peak",
+                f"{at.tflops:.1f} TFLOP/s; no peak known for {device_name!r}",
+                None,
+            )
+        )
     else:
         share = at.tflops / peak
-        result.append(Target(f"bf16 in-process at {at.rows} rows", "≥ 40 % of dense bf16 peak",
-                             f"{at.tflops:.1f} of {peak:g} TFLOP/s = {share:.0%}", share >= 0.4 and at.rows == 8192))
+        result.append(
+            Target(
+                f"bf16 in-process at {at.rows} rows",
+                "≥ 40 % of dense bf16 peak",
+                f"{at.tflops:.1f} of {peak:g} TFLOP/s = {share:.0%}",
+                share >= 0.4 and at.rows == 8192,
+            )
+        )
     return result
 
 
@@ -108,13 +130,18 @@ def invariance_table(drift: list[Invariance]) -> str:
 
 
 def service_table(cells: list[ServiceCell]) -> str:
-    lines = ["| server | workers | r | C | req/s | rows/s | MB/s (in+out) | p50 ms | p99 ms | errors | "
-             "server CPU ms/req | rows/batch |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| server | workers | r | C | req/s | rows/s | MB/s (in+out) | p50 ms | p99 ms | errors | "
+        "server CPU ms/req | rows/batch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in sorted(cells, key=lambda c: (c.workers, c.rows, c.concurrency, c.server)):
         batch = "" if math.isnan(c.mean_batch_rows) else f"{c.mean_batch_rows:.1f}"
-        lines.append(f"| {c.server} | {c.workers} | {c.rows} | {c.concurrency} | {c.requests_per_s:,.0f} | "
-                     f"{c.rows_per_s:,.0f} | {c.bytes_per_s / 1e6:,.1f} | {c.p50_ms:.3f} | {c.p99_ms:.3f} | "
-                     f"{c.errors} | {c.server_cpu_ms_per_request:.3f} | {batch} |")
+        lines.append(
+            f"| {c.server} | {c.workers} | {c.rows} | {c.concurrency} | {c.requests_per_s:,.0f} | "
+            f"{c.rows_per_s:,.0f} | {c.bytes_per_s / 1e6:,.1f} | {c.p50_ms:.3f} | {c.p99_ms:.3f} | "
+            f"{c.errors} | {c.server_cpu_ms_per_request:.3f} | {batch} |"
+        )
     return "\n".join(lines)
 
 
@@ -139,21 +166,37 @@ def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
         for path_name in PATHS:
             sel = sorted((c for c in inprocess if (c.mode, c.path) == (mode, path_name)), key=lambda c: c.rows)
             if sel:
-                left.plot([c.rows for c in sel], [c.rows_per_s for c in sel], styles[path_name], marker=".",
-                          label=f"{mode} {path_name}")
+                left.plot(
+                    [c.rows for c in sel],
+                    [c.rows_per_s for c in sel],
+                    styles[path_name],
+                    marker=".",
+                    label=f"{mode} {path_name}",
+                )
     left.set_xscale("log", base=2)
     left.set(yscale="log", xlabel="batch rows", ylabel="rows/s", title="In-process, by precision and path")
     for server, marker in (("ffn", "o"), ("echo", "s")):
         for rows in sorted({c.rows for c in service if c.concurrency > 1}):
-            by_workers = sorted((c for c in service if (c.server, c.rows) == (server, rows) and c.concurrency > 1),
-                                key=lambda c: c.workers)
+            by_workers = sorted(
+                (c for c in service if (c.server, c.rows) == (server, rows) and c.concurrency > 1),
+                key=lambda c: c.workers,
+            )
             if by_workers:
-                right.plot([c.workers for c in by_workers], [c.bytes_per_s / 1e6 for c in by_workers], marker=marker,
-                           linestyle="-" if server == "ffn" else "--", label=f"{server} r={rows}")
+                right.plot(
+                    [c.workers for c in by_workers],
+                    [c.bytes_per_s / 1e6 for c in by_workers],
+                    marker=marker,
+                    linestyle="-" if server == "ffn" else "--",
+                    label=f"{server} r={rows}",
+                )
     right.set_xscale("log", base=2)
     right.set_xticks(sorted({c.workers for c in service}) or [1])
-    right.set(yscale="log", xlabel="workers", ylabel="MB/s, request + answer bodies",
-              title="Service against the echo baseline")
+    right.set(
+        yscale="log",
+        xlabel="workers",
+        ylabel="MB/s, request + answer bodies",
+        title="Service against the echo baseline",
+    )
     for ax in (left, right):
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 1024, not 2^10
         ax.grid(True, which="both", alpha=0.3)

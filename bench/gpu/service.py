@@ -62,7 +62,9 @@ class ServiceCell:
 def split_cores(count: int | None = None, available: list[int] | None = None) -> tuple[list[int], list[int]]:
     """(server cores, client cores): the first half of the first `count` cores this process may use, and the rest."""
     if available is None:
-        available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        available = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
     cores = available[: count or len(available)]
     if len(cores) < 2:
         return cores, cores
@@ -105,15 +107,30 @@ def model_config(folder: Path, weights: str, dtype: str) -> Path:
 def serving(server: str, workers: int, cores: list[int], config: Path, torch_threads: int) -> Iterator[ServerProcess]:
     """A ready server of `server` kind with `workers` processes, pinned to `cores`."""
     if server == "ffn":
-        env = {"FFN_WORKERS": str(workers), "FFN_TORCH_THREADS": str(torch_threads), "FFN_LOG_LEVEL": "warning",
-               "OMP_NUM_THREADS": str(torch_threads), "FFN_MAX_QUEUE_ROWS": str(1 << 20)}
+        env = {
+            "FFN_WORKERS": str(workers),
+            "FFN_TORCH_THREADS": str(torch_threads),
+            "FFN_LOG_LEVEL": "warning",
+            "OMP_NUM_THREADS": str(torch_threads),
+            "FFN_MAX_QUEUE_ROWS": str(1 << 20),
+        }
         if workers == 1:
             env.pop("FFN_WORKERS")  # also where the setting does not exist yet
         with start_server(env, config, prefix=pinned(cores), ready_timeout=300.0) as process:
             yield process
     else:
-        command = [sys.executable, "-m", "uvicorn", "bench.gpu.echo:app", "--workers", str(workers),
-                   "--no-server-header", "--no-access-log", "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "bench.gpu.echo:app",
+            "--workers",
+            str(workers),
+            "--no-server-header",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
         root = Path(__file__).resolve().parents[2]  # `python -m` imports bench.gpu.echo from the working folder
         with start_server({}, None, prefix=pinned(cores), command=command, cwd=root, ready_timeout=120.0) as process:
             yield process
@@ -128,24 +145,50 @@ def prepared_body(rows: int, d_model: int, folder: Path) -> tuple[Path, dict[str
     return path, dict(request.headers), len(request.body)
 
 
-def load(generator: str, url: str, body: Path, headers: dict[str, str], rows: int, d_model: int, concurrency: int,
-         seconds: float, cores: list[int]) -> LoadResult:
+def load(
+    generator: str,
+    url: str,
+    body: Path,
+    headers: dict[str, str],
+    rows: int,
+    d_model: int,
+    concurrency: int,
+    seconds: float,
+    cores: list[int],
+) -> LoadResult:
     """Closed-loop load for `seconds` with `concurrency` connections, from `cores`, by wrk or ffn-loadtest."""
     if generator == "wrk":
         return _wrk(url, body, headers, concurrency, seconds, cores)
     return _loadtest(url, rows, d_model, concurrency, seconds, cores)
 
 
-def _wrk(url: str, body: Path, headers: dict[str, str], concurrency: int, seconds: float,
-         cores: list[int]) -> LoadResult:
+def _wrk(
+    url: str, body: Path, headers: dict[str, str], concurrency: int, seconds: float, cores: list[int]
+) -> LoadResult:
     threads = max(1, min(len(cores), concurrency))
     env = os.environ | {"BENCH_BODY": str(body), "BENCH_HEADERS": "|".join(f"{k}: {v}" for k, v in headers.items())}
-    command = [*pinned(cores), "wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(seconds))}s",
-               "--timeout", "10s", "-s", str(LUA), f"{url}/v1/models/{MODEL}/transform"]
+    command = [
+        *pinned(cores),
+        "wrk",
+        f"-t{threads}",
+        f"-c{concurrency}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "10s",
+        "-s",
+        str(LUA),
+        f"{url}/v1/models/{MODEL}/transform",
+    ]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    return LoadResult(result["requests"], result["duration_us"] / 1e6, result["p50_us"] / 1000,
-                      result["p99_us"] / 1000, result["status_errors"] + result["socket_errors"], "wrk")
+    return LoadResult(
+        result["requests"],
+        result["duration_us"] / 1e6,
+        result["p50_us"] / 1000,
+        result["p99_us"] / 1000,
+        result["status_errors"] + result["socket_errors"],
+        "wrk",
+    )
 
 
 def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: float, cores: list[int]) -> LoadResult:
@@ -154,21 +197,52 @@ def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: floa
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     procs = [
         subprocess.Popen(
-            [*pinned([cores[i % len(cores)]]), sys.executable, "-m", "ffn_client.loadtest", "--url", url,
-             "--model", MODEL, "--d-model", str(d_model), "--encoding", "binary", "--rows", str(rows),
-             "--concurrency", str(share), "--duration", str(seconds), "--warmup", "0.5", "--json", "-", "--quiet"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [
+                *pinned([cores[i % len(cores)]]),
+                sys.executable,
+                "-m",
+                "ffn_client.loadtest",
+                "--url",
+                url,
+                "--model",
+                MODEL,
+                "--d-model",
+                str(d_model),
+                "--encoding",
+                "binary",
+                "--rows",
+                str(rows),
+                "--concurrency",
+                str(share),
+                "--duration",
+                str(seconds),
+                "--warmup",
+                "0.5",
+                "--json",
+                "-",
+                "--quiet",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         for i, share in enumerate(shares)
     ]
     reports = []
     for proc in procs:
         out, _ = proc.communicate(timeout=seconds + 120)
-        reports.append(json.loads(out[out.index("{"):]))
+        reports.append(json.loads(out[out.index("{") :]))
     ok = sum(r["counts"]["ok"] for r in reports)
     errors = sum(sum(r["counts"]["errors"].values()) for r in reports)
     # Percentiles do not add up: the worst process's is the conservative figure.
-    return LoadResult(ok + errors, max(r["duration_s"] for r in reports), max(r["latency_ms"]["p50"] for r in reports),
-                      max(r["latency_ms"]["p99"] for r in reports), errors, "ffn-loadtest")
+    return LoadResult(
+        ok + errors,
+        max(r["duration_s"] for r in reports),
+        max(r["latency_ms"]["p50"] for r in reports),
+        max(r["latency_ms"]["p99"] for r in reports),
+        errors,
+        "ffn-loadtest",
+    )
 
 
 def batch_counts(url: str) -> tuple[float, float]:
@@ -177,11 +251,23 @@ def batch_counts(url: str) -> tuple[float, float]:
         page = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return math.nan, math.nan
-    return metric_value(page, "ffn_batch_rows_sum", model=MODEL), metric_value(page, "ffn_batch_rows_count", model=MODEL)
+    return metric_value(page, "ffn_batch_rows_sum", model=MODEL), metric_value(
+        page, "ffn_batch_rows_count", model=MODEL
+    )
 
 
-def measure_cell(server: str, process: ServerProcess, workers: int, rows: int, concurrency: int, seconds: float,
-                 d_model: int, folder: Path, client_cores: list[int], generator: str) -> ServiceCell:
+def measure_cell(
+    server: str,
+    process: ServerProcess,
+    workers: int,
+    rows: int,
+    concurrency: int,
+    seconds: float,
+    d_model: int,
+    folder: Path,
+    client_cores: list[int],
+    generator: str,
+) -> ServiceCell:
     body, headers, nbytes = prepared_body(rows, d_model, folder)
     send = functools.partial(load, generator, process.url, body, headers, rows, d_model, concurrency)
     send(1.0, client_cores)  # warm-up, not counted
@@ -194,15 +280,34 @@ def measure_cell(server: str, process: ServerProcess, workers: int, rows: int, c
     batches = after_batches - before_batches
     per_s = ok / result.seconds
     return ServiceCell(
-        server, workers, rows, concurrency, per_s, per_s * rows, per_s * 2 * nbytes, result.p50_ms, result.p99_ms,
-        result.errors, 1000 * cpu / max(result.requests, 1),
-        (after_rows - before_rows) / batches if batches and batches > 0 else math.nan, result.generator,
+        server,
+        workers,
+        rows,
+        concurrency,
+        per_s,
+        per_s * rows,
+        per_s * 2 * nbytes,
+        result.p50_ms,
+        result.p99_ms,
+        result.errors,
+        1000 * cpu / max(result.requests, 1),
+        (after_rows - before_rows) / batches if batches and batches > 0 else math.nan,
+        result.generator,
     )
 
 
-def measure(weights: Path, dtype: str, d_model: int, workers_list: list[int], rows_list: list[int],
-            concurrency: int, seconds: float, cores: int | None, generator: str,
-            progress: Callable[[str], None] = print) -> list[ServiceCell]:
+def measure(
+    weights: Path,
+    dtype: str,
+    d_model: int,
+    workers_list: list[int],
+    rows_list: list[int],
+    concurrency: int,
+    seconds: float,
+    cores: int | None,
+    generator: str,
+    progress: Callable[[str], None] = print,
+) -> list[ServiceCell]:
     """Every cell: each worker count, ffn then echo, each rows; plus r=1 with one client at one worker."""
     server_cores, client_cores = split_cores(cores)
     cells: list[ServiceCell] = []
@@ -217,12 +322,15 @@ def measure(weights: Path, dtype: str, d_model: int, workers_list: list[int], ro
                     if workers == workers_list[0]:
                         plan.insert(0, (1, 1))  # the latency cell: one client, one row
                     for rows, c in plan:
-                        cell = measure_cell(server, process, workers, rows, c, seconds, d_model, folder, client_cores,
-                                            generator)
+                        cell = measure_cell(
+                            server, process, workers, rows, c, seconds, d_model, folder, client_cores, generator
+                        )
                         cells.append(cell)
-                        progress(f"service {server:>4} workers={workers} r={rows:<4} C={c:<4} "
-                                 f"{cell.requests_per_s:>10,.0f} req/s {cell.rows_per_s:>12,.0f} rows/s "
-                                 f"{cell.bytes_per_s / 1e6:>9,.1f} MB/s p50 {cell.p50_ms:.3f} ms "
-                                 f"p99 {cell.p99_ms:.3f} ms errors {cell.errors} "
-                                 f"cpu {cell.server_cpu_ms_per_request:.3f} ms/req ({cell.generator})")
+                        progress(
+                            f"service {server:>4} workers={workers} r={rows:<4} C={c:<4} "
+                            f"{cell.requests_per_s:>10,.0f} req/s {cell.rows_per_s:>12,.0f} rows/s "
+                            f"{cell.bytes_per_s / 1e6:>9,.1f} MB/s p50 {cell.p50_ms:.3f} ms "
+                            f"p99 {cell.p99_ms:.3f} ms errors {cell.errors} "
+                            f"cpu {cell.server_cpu_ms_per_request:.3f} ms/req ({cell.generator})"
+                        )
     return cells

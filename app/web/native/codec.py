@@ -143,7 +143,7 @@ def decode_npy(body: bytearray, d_model: int) -> DecodedInput:
 
 def _read_npy_header(body: bytearray) -> tuple[object, int]:
     """Parse the .npy header ourselves with ast.literal_eval: never np.load, so never pickle."""
-    stream = io.BytesIO(memoryview(body)[:NPY_MAX_HEADER + 12].tobytes())
+    stream = io.BytesIO(memoryview(body)[: NPY_MAX_HEADER + 12].tobytes())
     try:
         major, _ = np.lib.format.read_magic(stream)
         if major not in (1, 2, 3):
@@ -162,12 +162,17 @@ def _read_npy_header(body: bytearray) -> tuple[object, int]:
 
 def _npy_fields(header: object) -> tuple[DType, tuple[int, ...]]:
     """The dtype and shape of a .npy header dict, every field type-checked."""
-    if not isinstance(header, dict) or not all(isinstance(key, str) for key in header) \
-            or set(header) != {"descr", "fortran_order", "shape"}:
+    if (
+        not isinstance(header, dict)
+        or not all(isinstance(key, str) for key in header)
+        or set(header) != {"descr", "fortran_order", "shape"}
+    ):
         raise InvalidInput("body is not a valid .npy file: the header must be a dict of descr, fortran_order, shape")
     descr, fortran_order, shape = header["descr"], header["fortran_order"], header["shape"]
     if not isinstance(descr, str) or descr not in BY_NUMPY:
-        raise InvalidInput(f".npy dtype must be one of {sorted(BY_NUMPY)} (little-endian float), got {str(descr)[:32]!r}")
+        raise InvalidInput(
+            f".npy dtype must be one of {sorted(BY_NUMPY)} (little-endian float), got {str(descr)[:32]!r}"
+        )
     if fortran_order is not False:
         raise InvalidInput(".npy array must be in C order (fortran_order False)")
     if not isinstance(shape, tuple) or not all(type(dim) is int for dim in shape):  # bool is not a dimension
@@ -186,7 +191,7 @@ def decode_json(body: bytearray, d_model: int, max_rows: int) -> DecodedInput:
         raise InvalidInput('JSON body must be an object {"inputs": [[...], ...]}')
     unknown = set(document) - {"inputs"}
     if unknown:
-        raise InvalidInput(f"unknown fields {sorted(unknown)}; the body is {{\"inputs\": [[...], ...]}}")
+        raise InvalidInput(f'unknown fields {sorted(unknown)}; the body is {{"inputs": [[...], ...]}}')
     if body.count(b'"inputs"') > 1:
         raise InvalidInput('duplicate key "inputs" in the JSON body')
     array = json_numbers_to_array(document["inputs"], "inputs", body, FLOAT32)
@@ -201,12 +206,12 @@ def decode_json(body: bytearray, d_model: int, max_rows: int) -> DecodedInput:
 def check_answerable(encoding: Encoding, dtype: DType) -> None:
     """Refuse, before any compute, an answer the encoding cannot carry (.npy has no bfloat16)."""
     if encoding == "npy" and dtype.numpy is None:
-        raise NotAcceptable(
-            f"numpy has no {dtype.name}: Accept application/octet-stream for a {dtype.name} answer"
-        )
+        raise NotAcceptable(f"numpy has no {dtype.name}: Accept application/octet-stream for a {dtype.name} answer")
 
 
-def encode(model: str, output: torch.Tensor, decoded: DecodedInput, encoding: Encoding) -> tuple[bytes | memoryview, dict[str, str]]:
+def encode(
+    model: str, output: torch.Tensor, decoded: DecodedInput, encoding: Encoding
+) -> tuple[bytes | memoryview, dict[str, str]]:
     """The answer's body and headers (Content-Type included) in `encoding`."""
     if encoding == "json":
         array = to_wire_dtype(output, FLOAT32).numpy().reshape(decoded.shape)

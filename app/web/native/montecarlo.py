@@ -40,16 +40,19 @@ def query_parameters(query: bytes) -> dict[str, str]:
     return values
 
 
-def encode(model: str, result: MonteCarloResult, request: MonteCarloRequest, decoded: DecodedInput,
-           encoding: Encoding) -> tuple[bytes | memoryview, dict[str, str]]:
+def encode(
+    model: str, result: MonteCarloResult, request: MonteCarloRequest, decoded: DecodedInput, encoding: Encoding
+) -> tuple[bytes | memoryview, dict[str, str]]:
     """The answer's body and headers in `encoding`: JSON with mean and std, or the two stacked."""
     parameters = montecarlo.echoed(request)
     headers = {HEADERS[name]: str(value) for name, value in parameters.items()}
     if encoding == "json":
         # Through to_wire_dtype like the plain answer: inf or NaN is a 422, never written as null.
         mean, std = (to_wire_dtype(t, FLOAT32).numpy().reshape(decoded.shape) for t in (result.mean, result.std))
-        body = orjson.dumps({"model": model, "shape": list(decoded.shape), "dtype": "float32", **parameters,
-                             "mean": mean, "std": std}, option=orjson.OPT_SERIALIZE_NUMPY)
+        body = orjson.dumps(
+            {"model": model, "shape": list(decoded.shape), "dtype": "float32", **parameters, "mean": mean, "std": std},
+            option=orjson.OPT_SERIALIZE_NUMPY,
+        )
         return body, {"content-type": MEDIA_TYPE_OF["json"], **headers}
     stacked = to_wire_dtype(torch.stack([result.mean, result.std]), decoded.dtype)  # (2, rows, d_model)
     shape = (2, *decoded.shape)
@@ -58,6 +61,8 @@ def encode(model: str, result: MonteCarloResult, request: MonteCarloRequest, dec
         np.save(buffer, stacked.numpy().reshape(shape), allow_pickle=False)
         return buffer.getvalue(), {"content-type": MEDIA_TYPE_OF["npy"], **headers}
     return raw_bytes(stacked), {
-        "content-type": MEDIA_TYPE_OF["raw"], "x-shape": ",".join(map(str, shape)), "x-dtype": decoded.dtype.name,
+        "content-type": MEDIA_TYPE_OF["raw"],
+        "x-shape": ",".join(map(str, shape)),
+        "x-dtype": decoded.dtype.name,
         **headers,
     }

@@ -13,7 +13,7 @@ from app.web.errors import InvalidInput
 from app.web.http import TIMEOUT_HEADER, deadline_from, read_body, unless_disconnected
 from app.web.native import codec
 from app.web.native import montecarlo as native_montecarlo
-from app.web.native.schemas import MonteCarloResponse, ModelList, TransformRequest, TransformResponse
+from app.web.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.web.openapi import error_responses
 from app.web.state import ServiceState, StateDep, service_state
 from ffn_core.dtypes import DTYPE_NAMES
@@ -47,8 +47,14 @@ def _negotiate(headers: Headers, state: ServiceState) -> tuple[codec.Encoding, c
     return encoding_in, encoding_out, deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
 
 
-def _decode(body: bytearray, headers: Headers, encoding_in: codec.Encoding, encoding_out: codec.Encoding,
-            served: ServedModel, max_rows: int) -> codec.DecodedInput:
+def _decode(
+    body: bytearray,
+    headers: Headers,
+    encoding_in: codec.Encoding,
+    encoding_out: codec.Encoding,
+    served: ServedModel,
+    max_rows: int,
+) -> codec.DecodedInput:
     """The request's rows, refused here if anything is wrong, and checked answerable in `encoding_out`."""
     if encoding_in == "raw":
         decoded = codec.decode_raw(body, headers.get("x-shape"), headers.get("x-dtype"), served.d_model)
@@ -83,7 +89,7 @@ _BINARY = {"schema": {"type": "string", "format": "binary"}}
 _TRANSFORM_DOC = {
     "summary": "Run the FFN on a batch of embeddings",
     "description": (
-        "The body is JSON `{\"inputs\": [[...]]}`, raw little-endian bytes (`application/octet-stream` "
+        'The body is JSON `{"inputs": [[...]]}`, raw little-endian bytes (`application/octet-stream` '
         "with `X-Shape` and `X-Dtype`), or an `.npy` file (`application/x-npy`). `Accept` picks the "
         "answer's encoding among the same three; the answer keeps the request's shape and dtype."
     ),
@@ -97,30 +103,59 @@ _TRANSFORM_DOC = {
             "headers": {
                 "X-Shape": {"schema": {"type": "string"}, "description": "Raw answers: the shape, e.g. 7,512."},
                 "X-Dtype": {"schema": {"type": "string"}, "description": "Raw answers: the dtype of the request."},
-                **{header: {"schema": {"type": "string"}, "description": "Monte Carlo answers: the parameter used."}
-                   for header in ("X-MC-Passes", "X-MC-Dropout", "X-MC-Seed")},
+                **{
+                    header: {"schema": {"type": "string"}, "description": "Monte Carlo answers: the parameter used."}
+                    for header in ("X-MC-Passes", "X-MC-Dropout", "X-MC-Seed")
+                },
             },
         },
         **error_responses(400, 401, 404, 406, 413, 415, 429, 503, 504, 507),
     },
     "openapi_extra": {
         "parameters": [
-            {"name": "X-Shape", "in": "header", "required": False, "schema": {"type": "string"},
-             "description": "Raw bodies: the shape, e.g. `7,512` or `2,5,512`."},
-            {"name": "X-Dtype", "in": "header", "required": False,
-             "schema": {"type": "string", "enum": list(DTYPE_NAMES)},
-             "description": "Raw bodies: the dtype, little-endian; `float32` by default."},
-            {"name": "X-Timeout-Ms", "in": "header", "required": False, "schema": {"type": "number"},
-             "description": "Deadline in ms; a request still queued then is answered 504."},
-            {"name": montecarlo.PASSES, "in": "query", "required": False, "schema": {"type": "integer", "minimum": 2},
-             "description": "Monte Carlo dropout: this many stochastic passes (at most max_mc_passes); "
-             "the answer is their mean and standard deviation."},
-            {"name": montecarlo.SEED, "in": "query", "required": False,
-             "schema": {"type": "integer", "minimum": 0, "maximum": montecarlo.MAX_SEED},
-             "description": "Monte Carlo dropout: the masks' seed; one is drawn (and answered) when absent."},
-            {"name": montecarlo.DROPOUT, "in": "query", "required": False,
-             "schema": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-             "description": "Monte Carlo dropout: the rate, instead of the model's."},
+            {
+                "name": "X-Shape",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "Raw bodies: the shape, e.g. `7,512` or `2,5,512`.",
+            },
+            {
+                "name": "X-Dtype",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string", "enum": list(DTYPE_NAMES)},
+                "description": "Raw bodies: the dtype, little-endian; `float32` by default.",
+            },
+            {
+                "name": "X-Timeout-Ms",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "number"},
+                "description": "Deadline in ms; a request still queued then is answered 504.",
+            },
+            {
+                "name": montecarlo.PASSES,
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 2},
+                "description": "Monte Carlo dropout: this many stochastic passes (at most max_mc_passes); "
+                "the answer is their mean and standard deviation.",
+            },
+            {
+                "name": montecarlo.SEED,
+                "in": "query",
+                "required": False,
+                "schema": {"type": "integer", "minimum": 0, "maximum": montecarlo.MAX_SEED},
+                "description": "Monte Carlo dropout: the masks' seed; one is drawn (and answered) when absent.",
+            },
+            {
+                "name": montecarlo.DROPOUT,
+                "in": "query",
+                "required": False,
+                "schema": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                "description": "Monte Carlo dropout: the rate, instead of the model's.",
+            },
         ],
         "requestBody": {
             "required": True,
@@ -138,8 +173,15 @@ _TRANSFORM_DOC = {
 
 ENDPOINTS = [
     Endpoint("POST", "/v1/models/{name}/transform", transform, fast=True, openapi=_TRANSFORM_DOC),
-    Endpoint("GET", "/v1/models", list_models, openapi={
-        "summary": "List the served models", "response_model": ModelList, "responses": error_responses(401),
-        "tags": ["native"],
-    }),
+    Endpoint(
+        "GET",
+        "/v1/models",
+        list_models,
+        openapi={
+            "summary": "List the served models",
+            "response_model": ModelList,
+            "responses": error_responses(401),
+            "tags": ["native"],
+        },
+    ),
 ]

@@ -100,7 +100,9 @@ SHARED_MEMORY_REGION = "shared_memory_region"
 # Request parameters of extensions this server does not implement: refused, never ignored.
 _SEQUENCE = ("sequence", "an FFN is position-wise and keeps no sequence state")
 _EXTENSION_PARAMETERS = {
-    "sequence_id": _SEQUENCE, "sequence_start": _SEQUENCE, "sequence_end": _SEQUENCE,
+    "sequence_id": _SEQUENCE,
+    "sequence_start": _SEQUENCE,
+    "sequence_end": _SEQUENCE,
     "priority": ("schedule_policy", "each model has one first-come queue; of its parameters only 'timeout' is served"),
 }
 
@@ -115,8 +117,10 @@ def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, A
 
 
 def _shared_memory_unsupported() -> UnsupportedExtension:
-    return UnsupportedExtension("shared memory (system_shared_memory, cuda_shared_memory)",
-                                "send tensors in the request body (binary_tensor_data)")
+    return UnsupportedExtension(
+        "shared memory (system_shared_memory, cuda_shared_memory)",
+        "send tensors in the request body (binary_tensor_data)",
+    )
 
 
 def _json_length(header_length: str | None, body_length: int) -> int:
@@ -134,8 +138,9 @@ def _shape(value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _binary_tensor(body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int,
-                   d_model: int, dtype: DType) -> torch.Tensor:
+def _binary_tensor(
+    body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+) -> torch.Tensor:
     expected = rows * d_model * dtype.itemsize
     if size != expected:
         raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
@@ -144,8 +149,9 @@ def _binary_tensor(body: bytearray, json_end: int, size: int, shape: tuple[int, 
     return tensors.view_rows(body, dtype, rows, d_model, json_end)
 
 
-def _json_tensor(data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int,
-                 dtype: DType) -> torch.Tensor:
+def _json_tensor(
+    data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
     array = tensors.json_numbers_to_array(data, "data", source, dtype)
@@ -165,11 +171,15 @@ def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carl
     for output in outputs:
         name = str_field(output, "name", "output")
         if name not in OUTPUT_NAMES:
-            raise InvalidInput(f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
-                               f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)")
+            raise InvalidInput(
+                f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
+                f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
+            )
         if name == STD_OUTPUT_NAME and not monte_carlo:
-            raise InvalidInput(f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
-                               f"add parameters.{montecarlo.PASSES}")
+            raise InvalidInput(
+                f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
+                f"add parameters.{montecarlo.PASSES}"
+            )
         output_parameters = object_field(output, "parameters", "output")
         if "classification" in output_parameters:
             raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
@@ -180,8 +190,9 @@ def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carl
     return wanted
 
 
-def encode(model: str, request: V2Request, answers: dict[str, torch.Tensor],
-           parameters: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+def encode(
+    model: str, request: V2Request, answers: dict[str, torch.Tensor], parameters: dict[str, Any] | None = None
+) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary outputs.
 
     `answers` holds every output the answer has, by name; the request's `outputs` pick among them.

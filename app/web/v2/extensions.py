@@ -41,8 +41,13 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
     tensor = {"data_type": f"TYPE_{served.dtype.v2}", "dims": [served.d_model]}
     on_gpu = device.type == "cuda"
     details = {
-        "d_ff": config.d_ff, "activation": config.activation, "gated": config.gated, "variant": config.variant,
-        "dropout": served.dropout, "max_mc_passes": settings.max_mc_passes, "max_queue_rows": settings.max_queue_rows,
+        "d_ff": config.d_ff,
+        "activation": config.activation,
+        "gated": config.gated,
+        "variant": config.variant,
+        "dropout": served.dropout,
+        "max_mc_passes": settings.max_mc_passes,
+        "max_queue_rows": settings.max_queue_rows,
     }
     return {
         "name": served.name,
@@ -52,8 +57,16 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
         # Rows are the batch dimension. A request may hold more (up to max_queue_rows): it is cut
         # into chunks of this size and reassembled.
         "max_batch_size": settings.max_batch_rows,
-        "input": [{"name": codec.INPUT_NAME, **tensor, "format": "FORMAT_NONE", "is_shape_tensor": False,
-                   "allow_ragged_batch": False, "optional": False}],
+        "input": [
+            {
+                "name": codec.INPUT_NAME,
+                **tensor,
+                "format": "FORMAT_NONE",
+                "is_shape_tensor": False,
+                "allow_ragged_batch": False,
+                "optional": False,
+            }
+        ],
         "output": [{"name": codec.OUTPUT_NAME, **tensor, "label_filename": "", "is_shape_tensor": False}],
         "dynamic_batching": {
             "preferred_batch_size": [],
@@ -65,10 +78,18 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
                 "allow_timeout_override": True,
             },
         },
-        "instance_group": [{"name": served.name, "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
-                            "gpus": [device.index or 0] if on_gpu else []}],
-        "parameters": {key: {"string_value": str(value).lower() if isinstance(value, bool) else str(value)}
-                       for key, value in details.items()},
+        "instance_group": [
+            {
+                "name": served.name,
+                "kind": "KIND_GPU" if on_gpu else "KIND_CPU",
+                "count": 1,
+                "gpus": [device.index or 0] if on_gpu else [],
+            }
+        ],
+        "parameters": {
+            key: {"string_value": str(value).lower() if isinstance(value, bool) else str(value)}
+            for key, value in details.items()
+        },
     }
 
 
@@ -133,38 +154,58 @@ def _unsupported(extension: str, detail: str) -> Handler:
 _SHARED_MEMORY = "send tensors in the request body (binary_tensor_data)"
 _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
     ("system_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/systemsharedmemory/status", "GET /v2/systemsharedmemory/region/{region}/status",
-        "POST /v2/systemsharedmemory/region/{region}/register", "POST /v2/systemsharedmemory/unregister",
+        "GET /v2/systemsharedmemory/status",
+        "GET /v2/systemsharedmemory/region/{region}/status",
+        "POST /v2/systemsharedmemory/region/{region}/register",
+        "POST /v2/systemsharedmemory/unregister",
         "POST /v2/systemsharedmemory/region/{region}/unregister",
     ],
     ("cuda_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/cudasharedmemory/status", "GET /v2/cudasharedmemory/region/{region}/status",
-        "POST /v2/cudasharedmemory/region/{region}/register", "POST /v2/cudasharedmemory/unregister",
+        "GET /v2/cudasharedmemory/status",
+        "GET /v2/cudasharedmemory/region/{region}/status",
+        "POST /v2/cudasharedmemory/region/{region}/register",
+        "POST /v2/cudasharedmemory/unregister",
         "POST /v2/cudasharedmemory/region/{region}/unregister",
     ],
     ("trace", "requests are not traced; /metrics has queue, compute and total latency histograms"): [
-        "GET /v2/trace/setting", "POST /v2/trace/setting",
-        "GET /v2/models/{name}/trace/setting", "POST /v2/models/{name}/trace/setting",
+        "GET /v2/trace/setting",
+        "POST /v2/trace/setting",
+        "GET /v2/models/{name}/trace/setting",
+        "POST /v2/models/{name}/trace/setting",
     ],
     ("logging", "the log level and format are settings fixed at start (FFN_LOG_LEVEL, FFN_LOG_FORMAT)"): [
-        "GET /v2/logging", "POST /v2/logging",
+        "GET /v2/logging",
+        "POST /v2/logging",
     ],
-    ("model_repository", "the models are fixed at start by the config file, so load and unload are refused; "
-                         "POST /v2/repository/index lists them"): [
-        "POST /v2/repository/models/{name}/load", "POST /v2/repository/models/{name}/unload",
+    (
+        "model_repository",
+        "the models are fixed at start by the config file, so load and unload are refused; "
+        "POST /v2/repository/index lists them",
+    ): [
+        "POST /v2/repository/models/{name}/load",
+        "POST /v2/repository/models/{name}/unload",
     ],
     ("generate", "the FFN maps embeddings to embeddings, not text to text; use /infer"): [
-        "POST /v2/models/{name}/generate", "POST /v2/models/{name}/generate_stream",
+        "POST /v2/models/{name}/generate",
+        "POST /v2/models/{name}/generate_stream",
         "POST /v2/models/{name}/versions/{version}/generate",
         "POST /v2/models/{name}/versions/{version}/generate_stream",
     ],
 }
 
 _TAGS = {"tags": ["v2 extensions"]}
-_CONFIG = {"summary": "Model configuration (Triton's ModelConfig JSON)", "response_model": ModelConfiguration,
-           "responses": error_responses(401, 404), **_TAGS}
-_STATS = {"summary": "Inference statistics (Triton's statistics extension)", "response_model": StatisticsResponse,
-          "responses": error_responses(401, 404), **_TAGS}
+_CONFIG = {
+    "summary": "Model configuration (Triton's ModelConfig JSON)",
+    "response_model": ModelConfiguration,
+    "responses": error_responses(401, 404),
+    **_TAGS,
+}
+_STATS = {
+    "summary": "Inference statistics (Triton's statistics extension)",
+    "response_model": StatisticsResponse,
+    "responses": error_responses(401, 404),
+    **_TAGS,
+}
 
 ENDPOINTS = [
     Endpoint("GET", "/v2/models/stats", all_stats, openapi={**_STATS, "summary": "Statistics of every model"}),
@@ -172,13 +213,24 @@ ENDPOINTS = [
     Endpoint("GET", "/v2/models/{name}/versions/{version}/stats", version_stats, openapi=_STATS),
     Endpoint("GET", "/v2/models/{name}/config", config, openapi=_CONFIG),
     Endpoint("GET", "/v2/models/{name}/versions/{version}/config", version_config, openapi=_CONFIG),
-    Endpoint("POST", "/v2/repository/index", repository_index, openapi={
-        "summary": "The models and their state (model repository index)", "response_model": list[RepositoryModel],
-        "responses": error_responses(400, 401), **_TAGS,
-    }),
+    Endpoint(
+        "POST",
+        "/v2/repository/index",
+        repository_index,
+        openapi={
+            "summary": "The models and their state (model repository index)",
+            "response_model": list[RepositoryModel],
+            "responses": error_responses(400, 401),
+            **_TAGS,
+        },
+    ),
     *(
-        Endpoint(route.split(" ")[0], route.split(" ")[1], _unsupported(extension, detail),
-                 openapi={"include_in_schema": False})
+        Endpoint(
+            route.split(" ")[0],
+            route.split(" ")[1],
+            _unsupported(extension, detail),
+            openapi={"include_in_schema": False},
+        )
         for (extension, detail), routes in _UNSUPPORTED.items()
         for route in routes
     ),

@@ -28,11 +28,15 @@ async def server_metadata() -> ServerMetadata:
 def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
     served = served_model(state, name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
-    return ModelMetadata.model_validate({
-        "name": name, "versions": [MODEL_VERSION], "platform": PLATFORM,
-        "inputs": [{"name": codec.INPUT_NAME, **tensor}],
-        "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
-    })
+    return ModelMetadata.model_validate(
+        {
+            "name": name,
+            "versions": [MODEL_VERSION],
+            "platform": PLATFORM,
+            "inputs": [{"name": codec.INPUT_NAME, **tensor}],
+            "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
+        }
+    )
 
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
@@ -63,8 +67,9 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         return Response(content, headers=headers)
 
 
-async def _infer_monte_carlo(request: Request, state: ServiceState, served: ServedModel, decoded: codec.V2Request,
-                             deadline: float) -> Response:
+async def _infer_monte_carlo(
+    request: Request, state: ServiceState, served: ServedModel, decoded: codec.V2Request, deadline: float
+) -> Response:
     """`output` is the mean over the passes, `output_std` their spread; the parameters used are echoed."""
     asked = montecarlo.monte_carlo_request(decoded.parameters, served, state.settings.max_mc_passes)
     assert asked is not None, "called without mc_passes; this is a bug."
@@ -104,10 +109,18 @@ async def infer_version(name: str, version: str, request: Request) -> Response:
 
 
 _V2_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507)
-_METADATA = {"summary": "Model metadata", "response_model": ModelMetadata,
-             "responses": error_responses(401, 404), "tags": ["v2"]}
-_READY = {"summary": "Model readiness", "response_class": Response,  # 200 has no body
-          "responses": {200: {"content": {}}, **error_responses(401, 404, 503)}, "tags": ["v2"]}
+_METADATA = {
+    "summary": "Model metadata",
+    "response_model": ModelMetadata,
+    "responses": error_responses(401, 404),
+    "tags": ["v2"],
+}
+_READY = {
+    "summary": "Model readiness",
+    "response_class": Response,  # 200 has no body
+    "responses": {200: {"content": {}}, **error_responses(401, 404, 503)},
+    "tags": ["v2"],
+}
 _INFER: dict[str, Any] = {
     "summary": "Run the FFN (Open Inference Protocol)",
     "response_model": None,
@@ -121,9 +134,13 @@ _INFER: dict[str, Any] = {
     },
     "openapi_extra": {
         "parameters": [
-            {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
-             "schema": {"type": "integer"},
-             "description": "Binary extension: length of the JSON header at the body's start."},
+            {
+                "name": "Inference-Header-Content-Length",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "integer"},
+                "description": "Binary extension: length of the JSON header at the body's start.",
+            },
         ],
         "requestBody": {
             "required": True,
@@ -143,10 +160,17 @@ _INFER: dict[str, Any] = {
 ENDPOINTS = [
     # The extensions first: /v2/models/stats must match before /v2/models/{name} does.
     *extensions.ENDPOINTS,
-    Endpoint("GET", "/v2", server_metadata, openapi={
-        "summary": "Server metadata", "response_model": ServerMetadata, "responses": error_responses(401),
-        "tags": ["v2"],
-    }),
+    Endpoint(
+        "GET",
+        "/v2",
+        server_metadata,
+        openapi={
+            "summary": "Server metadata",
+            "response_model": ServerMetadata,
+            "responses": error_responses(401),
+            "tags": ["v2"],
+        },
+    ),
     # KServe's V2 REST spec writes this path as `/v2/`: answered as such, never by a redirect.
     Endpoint("GET", "/v2/", server_metadata, openapi={"response_model": ServerMetadata, "include_in_schema": False}),
     Endpoint("GET", "/v2/models/{name}", model_metadata, openapi=_METADATA),

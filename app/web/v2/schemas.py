@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from ffn_core.dtypes import BY_V2
 
 
-
 def _datatype() -> Any:
     """A required `datatype` field, its choices from the one dtype table."""
     choices: list[JsonValue] = [*sorted(BY_V2)]
@@ -52,8 +51,9 @@ class InferRequestedOutput(BaseModel):
 class InferRequest(BaseModel):
     id: str | None = None
     parameters: dict[str, Any] | None = Field(
-        default=None, description="binary_data_output: true for binary outputs; timeout in microseconds; "
-        "Monte Carlo dropout: mc_passes (2..max_mc_passes), mc_seed, mc_dropout (a rate in [0, 1))."
+        default=None,
+        description="binary_data_output: true for binary outputs; timeout in microseconds; "
+        "Monte Carlo dropout: mc_passes (2..max_mc_passes), mc_seed, mc_dropout (a rate in [0, 1)).",
     )
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
     outputs: list[InferRequestedOutput] | None = None

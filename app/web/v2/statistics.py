@@ -79,4 +79,8 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
 def _memory_usage(served: ServedModel) -> dict[str, Any]:
     """The weights' bytes on their device, as Triton reports a model's memory at load."""
     device = served.runner.device
-    return {"type": "GPU" if device.type == "cuda" else "CPU", "id": device.index or 0, "byte_size": served.weight_bytes}
+    return {
+        "type": "GPU" if device.type == "cuda" else "CPU",
+        "id": device.index or 0,
+        "byte_size": served.weight_bytes,
+    }
