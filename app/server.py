@@ -18,6 +18,7 @@ import uvicorn
 
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
+from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
@@ -25,7 +26,6 @@ from app.web.protocol import uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
-EXIT_OK, EXIT_START_FAILED, EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND = 0, 1, 2, 3
 # uvicorn waits this long for open connections once the batchers have drained.
 CONNECTION_CLOSE_GRACE_S = 3
 BACKLOG = 2048  # uvicorn's default
