@@ -7,6 +7,14 @@ with Client("http://127.0.0.1:8000") as client:
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ffn_client.calls import (
+    ModelConfig,
+    ModelInfo,
+    ModelMetadata,
+    ModelStatistics,
+    RepositoryModel,
+    ServerMetadata,
+)
 from ffn_client.client import AsyncClient, Client
 from ffn_client.encodings import DTYPES, ENCODINGS, EncodedRequest, decode_response, encode_request
 from ffn_client.errors import (
@@ -26,6 +34,7 @@ from ffn_client.errors import (
     Unavailable,
     UnsupportedMediaType,
 )
+from ffn_client.montecarlo import MonteCarloResult
 
 
 def _version() -> str:
@@ -49,13 +58,20 @@ __all__ = [
     "DeadlineExceeded",
     "EncodedRequest",
     "FFNError",
+    "ModelConfig",
+    "ModelInfo",
+    "ModelMetadata",
     "ModelNotFound",
+    "ModelStatistics",
+    "MonteCarloResult",
     "NotAcceptable",
     "OutOfMemory",
     "Overloaded",
     "PayloadTooLarge",
     "ProtocolError",
+    "RepositoryModel",
     "ServerError",
+    "ServerMetadata",
     "Timeout",
     "TransportError",
     "Unauthorized",
