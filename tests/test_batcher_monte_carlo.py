@@ -138,7 +138,7 @@ async def test_plain_rows_take_turns_with_the_slices(setup: Setup) -> None:
 
 async def test_admitted_by_rows_times_passes(setup: Setup) -> None:
     with pytest.raises(
-        errors.RequestTooLarge, match="4 rows × 12 passes = 48 row-passes; this model queues at most 40"
+        errors.RequestTooLarge, match="4 rows × 12 passes = 48; this model queues at most 40 row-passes"
     ):
         await setup.batcher.submit_monte_carlo(rows(4), MonteCarloRequest(12, 0.25, 1))
     with pytest.raises(errors.RequestTooLarge, match="at most 4 rows"):

@@ -205,8 +205,10 @@ class Batcher:
         if not self._accepting:
             error = Unavailable(self.failure or "the server is not accepting work (starting up or draining)")
         elif cost > self.max_queue_rows:
-            what = f"{n} rows" if passes == 1 else f"{n} rows × {passes} passes = {cost} row-passes"
-            error = RequestTooLarge(f"request has {what}; this model queues at most {self.max_queue_rows}")
+            what, unit = (
+                (f"{n} rows", "rows") if passes == 1 else (f"{n} rows × {passes} passes = {cost}", "row-passes")
+            )
+            error = RequestTooLarge(f"request has {what}; this model queues at most {self.max_queue_rows} {unit}")
         elif self._queue.work + cost > self.max_queue_rows:
             error = Overloaded(
                 f"queue full for model {self.name!r}: {self._queue.work} of {self.max_queue_rows} rows waiting",
