@@ -8,8 +8,8 @@ collectors (Loki, CloudWatch, Elasticsearch); access-log records keep their fiel
 A record made while a request is served (the access log's line among them) carries that
 request's id (X-Request-Id) and, for a V2 request that sent one, its `id`: `request_id` and `id`
 in JSON, ` request_id=... id="..."` at the end of a text line. The V2 id is the client's own
-text, so a text line shows it JSON-quoted (no newline or quote of it can forge a line) and cut
-to MAX_LOGGED_ID characters.
+text: a line holds at most MAX_LOGGED_ID characters of it, and a text line JSON-quotes it (no
+newline or quote of it can forge a line).
 """
 
 from __future__ import annotations
