@@ -13,6 +13,7 @@ server failed while starting; 2 invalid settings or command line; 3 the address 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
 from app.logs import configure_logging
 from app.settings import Settings, command_line, load_settings, misspelt_variables
 from app.settings_problems import SettingsError
+from app.tracing import config as tracing_config
 
 log = logging.getLogger("ffn_serve")
 
@@ -32,6 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         for problem in exc.problems:
             print(f"ffn-serve: {problem}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    tracing_problems = tracing_config.problems(settings.otlp_endpoint, os.environ)
+    for problem in tracing_problems:
+        print(f"ffn-serve: {problem}", file=sys.stderr)
+    if tracing_problems:
         return EXIT_BAD_SETTINGS
     configure_logging(settings.log_level, settings.log_format)
     for warning in misspelt_variables():
@@ -54,6 +61,9 @@ def serve(settings: Settings) -> int:
         torch.version.cuda or "none",
         _devices(settings),
     )
+    export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
+    if export is not None:
+        log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
     # Bound before the models load: a port in use is reported at once, not after a long load.
     main_socket = _bind_or_none(settings.host, settings.port)
     if main_socket is None:

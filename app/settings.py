@@ -30,6 +30,7 @@ from app.settings_problems import (
     unknown_arguments,
     validation_problems,
 )
+from app.tracing.config import endpoint_problem
 
 ENV_PREFIX = "FFN_"
 
@@ -176,6 +177,12 @@ class Settings(BaseSettings):
         ge=1,
         description="The row count of every forward pass in batch-invariant mode; larger batches run as several.",
     )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="Trace requests with OpenTelemetry, sending spans as OTLP/HTTP to this collector "
+        "(http://host:4318; spans go to its path /v1/traces), as TEI's --otlp-endpoint. Unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 
     @model_validator(mode="after")
@@ -197,6 +204,16 @@ class Settings(BaseSettings):
         if not all("!" <= char <= "~" for char in value):
             raise ValueError("the API key must be visible ASCII characters without spaces (a Bearer token)")
         return key
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        problem = endpoint_problem(url)
+        if problem is not None:
+            raise ValueError(f"the OTLP endpoint {problem}")
+        return url
 
     @field_validator("models")
     @classmethod

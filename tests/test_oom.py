@@ -155,7 +155,7 @@ async def test_http_request_too_big_alone_is_507(served: InProcessApp, monkeypat
     r = await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
     assert r.status_code == 507, r.text
     assert r.json()["error_type"] == "insufficient_memory"
-    assert set(r.json()) == {"error", "error_type"}
+    assert set(r.json()) == {"error", "error_type", "request_id"}
 
     # The ceiling is now 3 rows: the same 6 rows run as two 3-row chunks and are answered.
     v2_body = {"inputs": [{"name": "input", "shape": [6, D_MODEL], "datatype": "FP32", "data": x.ravel().tolist()}]}

@@ -50,7 +50,7 @@ def body(rows: int, name: str = "input") -> dict:
 
 async def test_server_metadata_lists_exactly_the_extensions_implemented(service: InProcessApp) -> None:
     r = await service.client.get("/v2")
-    assert r.json()["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    assert r.json()["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace"]
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -207,10 +207,6 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/cudasharedmemory/region/r0/register", "cuda_shared_memory"),
     ("POST", "/v2/cudasharedmemory/region/r0/unregister", "cuda_shared_memory"),
     ("POST", "/v2/cudasharedmemory/unregister", "cuda_shared_memory"),
-    ("GET", "/v2/trace/setting", "trace"),
-    ("POST", "/v2/trace/setting", "trace"),
-    ("GET", "/v2/models/plain/trace/setting", "trace"),
-    ("POST", "/v2/models/plain/trace/setting", "trace"),
     ("GET", "/v2/logging", "logging"),
     ("POST", "/v2/logging", "logging"),
     ("POST", "/v2/repository/models/plain/load", "model_repository"),

@@ -3,7 +3,9 @@
 Engine errors (app.engine.errors) are kinds without statuses; the edge adds its own (bad input,
 auth, negotiation, limits). `ERRORS` maps both to `{"error": ..., "error_type": ...}` answers,
 the way TEI's router maps ErrorType to StatusCode. Every error answer of the service, whether
-from a route, the fast path, the guard or a health probe, is rendered by `error_response`.
+from a route, the fast path, the guard or a health probe, is rendered by `error_response`, and
+carries the request's id (`request_id`, also its X-Request-Id header) and, for a V2 request that
+sent one, its `id`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from app import request_context
 from app.engine import errors as engine
 from app.errors import ServiceError
 
@@ -153,9 +156,21 @@ def kind_of(exc: Exception) -> ErrorKind:
     return INTERNAL
 
 
-def error_body(message: str, error_type: str) -> bytes:
-    """The one JSON error shape: {"error": what was wrong, "error_type": its kind}."""
-    return orjson.dumps({"error": message, "error_type": error_type})
+def error_body(message: str, error_type: str, request_id: str | None = None) -> bytes:
+    """The one JSON error shape: {"error": what was wrong, "error_type": its kind, "request_id": ...}.
+
+    `request_id`: the current request's (app/request_context.py) unless given; a fresh one for an
+    answer given outside any request (the protocol's own refusals). A V2 request's `id` is added
+    as "id" once its body has been read. Clients that read "error" and "error_type" read on.
+    """
+    body: dict[str, str] = {"error": message, "error_type": error_type}
+    context = request_context.current()
+    if request_id is None:
+        request_id = context.request_id if context is not None else request_context.new_request_id()
+    body["request_id"] = request_id
+    if context is not None and context.v2_id is not None:
+        body["id"] = context.v2_id
+    return orjson.dumps(body)
 
 
 def raw_error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> Response:

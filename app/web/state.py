@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -13,7 +13,11 @@ from app.control import Control
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
+from app.tracing.trace_settings import TraceSettings
 from app.web.errors import error_type_of
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.tracing.spans import Tracing
 
 
 @dataclass
@@ -22,6 +26,8 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
+    tracing: Tracing | None = None  # None: requests are not traced
 
     @contextmanager
     def count(self, model: str) -> Iterator[None]:

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 import torch
 
+from app import request_context
 from app.web import mc_parameters, tensors
 from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
 from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
@@ -65,6 +66,7 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
+    request_context.named(request_id)  # from here on, an error answer carries the request's `id` too
     parameters = object_field(document, "parameters", "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     inputs = list_field(document, "inputs", "request")
