@@ -429,6 +429,7 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
         "MODELS_DIR": str(tmp_path),  # empty: the built-in demo model
         "FFN_HOST": "127.0.0.1",  # the image says 0.0.0.0; a test stays on loopback
         "FFN_PORT": str(port),
+        "FFN_GRPC_PORT": "0",  # any free port: 8001 may be taken on a shared machine
         "FFN_TORCH_THREADS": "1",
     }
     log = tmp_path / "server.log"
