@@ -2,7 +2,7 @@
 
 The requests of one stream are decoded and queued concurrently, so they batch with each other
 and with every other request, and each answer (or error, in `error_message`, as Triton sends
-it) carries its request's id. What a stream may hold is bounded: requests in flight and answers
+it, with the error_type in the parameter `error_type`) carries its request's id. What a stream may hold is bounded: requests in flight and answers
 not yet written count against `max_rows` rows (a batch's worth; one request alone may be larger),
 and while the budget is spent the stream is not read, so a client that sends without reading its
 answers is held back by HTTP/2 flow control instead of filling the server's memory. When the
@@ -89,12 +89,13 @@ class StreamInfer:
                 raise
             except Exception as exc:
                 log_if_internal(exc)
+                error = grpc_error(exc)
                 infer_response = pb.ModelInferResponse(
                     id=getattr(request, "id", ""), model_name=getattr(request, "model_name", "")
                 )
-                response = pb.ModelStreamInferResponse(
-                    error_message=grpc_error(exc).details, infer_response=infer_response
-                )
+                # The error_type a unary call gets in its trailers: a stream's answers have none of their own.
+                infer_response.parameters["error_type"].string_param = error.error_type
+                response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)
             async with writing:
                 await context.write(response)
         finally:
