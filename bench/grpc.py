@@ -13,6 +13,11 @@ taking turns within each repeat (so that drift on a busy machine hits all three 
 gives each one's median rows/s, p50 and p99, and gRPC's rows/s as a ratio of HTTP's in the same
 run, and its p50 as a difference from HTTP's. The tester's own CPU per request is printed too:
 a Python gRPC client costs more than the raw HTTP one, and on a busy core that shows in latency.
+
+Then, where the time goes, in CPU time (which a busy machine disturbs far less than latency):
+the server's CPU per request for each protocol over `--cpu-requests` sequential requests (read
+from /proc), and what the gRPC door costs HTTP: the server's idle CPU, and HTTP's p50 at r=1,
+C=1, with gRPC on and off (`FFN_GRPC=false`), `--off-repeats` runs each, in turn.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--server-cpus", default="0", help="taskset list for the server")
     p.add_argument("--client-cpus", default="1", help="CPUs of this process, the load generator")
+    p.add_argument("--cpu-requests", type=int, default=1500, help="sequential requests per CPU figure; 0: none")
+    p.add_argument("--off-repeats", type=int, default=4, help="runs each with gRPC on and off; 0: none")
     p.add_argument("--json", type=Path, help="write the cells as JSON here")
     return p.parse_args(argv)
 
@@ -140,6 +147,47 @@ def goals(cells: list[Cell]) -> list[str]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux: /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def server_cpu_per_request(server: ServerProcess, requests: int) -> list[str]:
+    lines = []
+    for protocol in PROTOCOLS:
+        for rows in (1, 16):
+            load = config(server, protocol, rows, 1, 1.0)
+            load.duration, load.requests, load.warmup = None, requests, 0.0
+            before = cpu_seconds(server.pid)
+            report = await run_load(load)
+            spent = cpu_seconds(server.pid) - before
+            lines.append(
+                f"server CPU per request, {LABELS[protocol]:<12} r={rows:<3} {1e6 * spent / report.sent:7.0f} µs "
+                f"(tester {1e6 * report.client_cpu_s / report.sent:5.0f} µs)"
+            )
+    return lines
+
+
+async def grpc_on_and_off(args: argparse.Namespace, env: dict[str, str]) -> list[str]:
+    p50s: dict[str, list[float]] = {"true": [], "false": []}
+    idle: dict[str, list[float]] = {"true": [], "false": []}
+    for i in range(2 * args.off_repeats):
+        on = "true" if i % 4 in (1, 2) else "false"  # off, on, on, off, ...: drift hits both alike
+        with start_server(env={**env, "FFN_GRPC": on}, prefix=pinned(args.server_cpus)) as server:
+            before = cpu_seconds(server.pid)
+            await asyncio.sleep(3.0)
+            idle[on].append(100 * (cpu_seconds(server.pid) - before) / 3.0)
+            report = await run_load(config(server, "http", 1, 1, args.seconds))
+            p50s[on].append(report.latency_ms["p50"])
+    return [
+        f"gRPC {'on ' if on == 'true' else 'off'}: server idle CPU {min(idle[on]):.1f}-{max(idle[on]):.1f} %, "
+        f"HTTP binary p50 at r=1, C=1 {min(p50s[on]):.2f}-{max(p50s[on]):.2f} ms (median {statistics.median(p50s[on]):.2f})"
+        for on in ("true", "false")
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if shutil.which("taskset"):
@@ -147,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {"FFN_TORCH_THREADS": "1", "FFN_LOG_LEVEL": "warning", "FFN_MAX_QUEUE_ROWS": str(256 * 64 * 2)}
     with start_server(env=env, prefix=pinned(args.server_cpus)) as server:
         cells = asyncio.run(measure(server, args))
+        cpu_lines = asyncio.run(server_cpu_per_request(server, args.cpu_requests)) if args.cpu_requests else []
+    off_lines = asyncio.run(grpc_on_and_off(args, env)) if args.off_repeats else []
     print(table(cells))
-    for line in goals(cells):
+    for line in [*goals(cells), *cpu_lines, *off_lines]:
         print(line)
     errors = sum(c.errors for c in cells)
     if errors:
