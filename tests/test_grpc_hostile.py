@@ -49,6 +49,7 @@ async def test_malformed_protobuf_is_invalid_argument(server: ServerProcess) -> 
         INFER,
         "/inference.GRPCInferenceService/ServerMetadata",
         "/inference.GRPCInferenceService/ModelReady",
+        "/grpc.health.v1.Health/Check",
     ):
         for body in (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x2a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80"):
             error = await raw_call(server.grpc_target, method, body)

@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.engine.service import Engine
+from app.grpc.malformed import Malformed
+from app.grpc.status import abort
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -40,6 +42,8 @@ class Health(health_pb2_grpc.HealthServicer):
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> health_pb2.HealthCheckResponse:
+        if isinstance(request, Malformed):
+            await abort(context, request.error)
         status = self.status(request.service)
         if status is None:
             await context.abort(
@@ -50,6 +54,8 @@ class Health(health_pb2_grpc.HealthServicer):
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Malformed):
+            await abort(context, request.error)
         last = None
         while True:
             status = self.status(request.service)

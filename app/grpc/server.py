@@ -28,8 +28,9 @@ from app.errors import ServiceError
 from app.grpc import wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
+from app.grpc.malformed import Malformed
 from app.grpc.ports import target
-from app.grpc.service import InferenceServicer, Malformed
+from app.grpc.service import InferenceServicer
 from app.web.errors import InvalidInput
 from app.web.state import ServiceState
 
@@ -62,10 +63,14 @@ class GrpcServer:
             ],
             maximum_concurrent_rpcs=settings.max_connections,
         )
-        handlers = _tolerant_handlers(InferenceServicer(self._state))
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(INFERENCE_SERVICE, handlers),))
-        server.add_registered_method_handlers(INFERENCE_SERVICE, handlers)
-        health_pb2_grpc.add_HealthServicer_to_server(Health(self._state.engine), server)
+        services = (
+            (INFERENCE_SERVICE, add_GRPCInferenceServiceServicer_to_server, InferenceServicer(self._state)),
+            (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine)),
+        )
+        for name, register, servicer in services:
+            handlers = _tolerant_handlers(register, servicer)
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+            server.add_registered_method_handlers(name, handlers)
         reflection.enable_server_reflection((INFERENCE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
         server.add_insecure_port(self._address)  # RuntimeError when it cannot bind
         await server.start()
@@ -91,15 +96,15 @@ class _Capture:
         self.handlers = handlers
 
 
-def _tolerant_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The generated method handlers of `servicer`, each parsing its requests without ever failing.
+def _tolerant_handlers(register: Callable[[Any, Any], None], servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers that the generated `register` gives `servicer`, each parsing its requests without failing.
 
     A request that does not parse (or, for the tensor methods, is over wire.py's budget) becomes a
     Malformed, which its method answers INVALID_ARGUMENT (or RESOURCE_EXHAUSTED) naming what was
     wrong: grpc's own handling would answer UNKNOWN with the parser's exception.
     """
     capture = _Capture()
-    add_GRPCInferenceServiceServicer_to_server(servicer, capture)
+    register(servicer, capture)
     return {
         name: handler._replace(
             request_deserializer=_tolerant(handler.request_deserializer, checked=name in _TENSOR_METHODS)

@@ -26,6 +26,7 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 from app import __version__
 from app.engine.registry import ServedModel
 from app.grpc import codec
+from app.grpc.malformed import Malformed
 from app.grpc.status import abort
 from app.grpc.stream import StreamInfer
 from app.web import mc_parameters
@@ -39,13 +40,6 @@ PROTOCOL = "grpc"  # the protocol label of ffn_requests_total
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
-
-
-class Malformed:
-    """What a request that could not be parsed becomes (app/grpc/server.py), so that its method can refuse it."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
 
 
 def answered(

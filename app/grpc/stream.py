@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal
 
 Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
@@ -82,7 +83,7 @@ class StreamInfer:
     ) -> None:
         try:
             try:
-                if hasattr(request, "error"):  # Malformed: a message of this stream that did not parse
+                if isinstance(request, Malformed):  # a message of this stream that did not parse
                     raise request.error
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except asyncio.CancelledError:
