@@ -50,6 +50,7 @@ def serve(settings: Settings) -> int:
     # Imported here, once the settings are valid: torch, which the server imports, takes seconds.
     import torch
 
+    from app.grpc.ports import reserve
     from app.metrics import Metrics
     from app.server import Listeners, serve_here
     from app.supervisor import Supervisor
@@ -75,6 +76,15 @@ def serve(settings: Settings) -> int:
             listeners.main.close()
             return EXIT_CANNOT_BIND
         listeners.metrics = metrics_socket
+    if settings.grpc:
+        try:
+            listeners.grpc = reserve(settings.host, settings.grpc_port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d (gRPC): %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            listeners.close()
+            return EXIT_CANNOT_BIND
+        # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
+        settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
     if settings.workers > 1:
         return Supervisor(settings, listeners).run()
     try:

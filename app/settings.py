@@ -81,6 +81,17 @@ class Settings(BaseSettings):
         le=65535,
         description="Also serve /metrics here, without the API key (like Triton's 8002); unset = main port only.",
     )
+    grpc: bool = Field(
+        default=True,
+        description="Also serve the Open Inference Protocol over gRPC (Triton's inference.GRPCInferenceService, "
+        "grpc.health.v1 and server reflection) on grpc_port; --no-grpc (FFN_GRPC=false) turns it off.",
+    )
+    grpc_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description="TCP port of the gRPC service (Triton's 8001); 0 = a free port the system picks.",
+    )
     workers: int = Field(
         default=1,
         ge=1,
@@ -131,7 +142,8 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="Open connections per process; past it, 503 and close.",
+        description="Open HTTP connections per process (past it, 503 and close); also the most gRPC calls in "
+        "flight per process (past it, RESOURCE_EXHAUSTED).",
     )
     api_key: SecretStr | None = Field(
         default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
@@ -189,6 +201,8 @@ class Settings(BaseSettings):
     def _ports_differ(self) -> Settings:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
+        if self.grpc and self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
+            raise ValueError(f"grpc_port must differ from port and metrics_port (it is {self.grpc_port})")
         return self
 
     @field_validator("api_key")

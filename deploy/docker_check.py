@@ -153,7 +153,15 @@ class Checker:
     def check_container(self) -> None:
         port = free_port()
         name = self.run_replica(
-            f"{self.prefix}-one", "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}"
+            f"{self.prefix}-one",
+            "--network",
+            "host",
+            "-e",
+            "FFN_HOST=127.0.0.1",
+            "-e",
+            f"FFN_PORT={port}",
+            "-e",
+            f"FFN_GRPC_PORT={free_port()}",  # the host's network: 8001 may be taken
         )
         self.results["image_size_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", self.image)) / 2**20)
         self.results["healthy_after_s"] = self.wait_healthy(name)

@@ -169,7 +169,7 @@ async def test_http_request_too_big_alone_is_507(served: InProcessApp, monkeypat
     assert v2.json()["error_type"] == "insufficient_memory"
     page = (await client.get("/metrics")).text
     assert 'ffn_max_batch_rows{model="demo"} 1.0' in page
-    assert 'ffn_requests_total{model="demo",outcome="insufficient_memory"} 2.0' in page
+    assert 'ffn_requests_total{model="demo",outcome="insufficient_memory",protocol="http"} 2.0' in page
 
 
 async def test_http_split_batch_all_answered(served: InProcessApp, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,14 +30,14 @@ class ServiceState:
     tracing: Tracing | None = None  # None: requests are not traced
 
     @contextmanager
-    def count(self, model: str) -> Iterator[None]:
-        """Count one request's outcome in ffn_requests_total{model, outcome}: ok or its error_type."""
+    def count(self, model: str, protocol: str = "http") -> Iterator[None]:
+        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type."""
         try:
             yield
         except Exception as exc:
-            self.metrics.requests.labels(model=model, outcome=error_type_of(exc)).inc()
+            self.metrics.requests.labels(model=model, outcome=error_type_of(exc), protocol=protocol).inc()
             raise
-        self.metrics.requests.labels(model=model, outcome="ok").inc()
+        self.metrics.requests.labels(model=model, outcome="ok", protocol=protocol).inc()
 
 
 def service_state(request: Request) -> ServiceState:

@@ -131,11 +131,14 @@ def _repository_entry(served: ServedModel) -> RepositoryModel:
     )
 
 
+def repository_models(models: list[ServedModel], ready_only: bool) -> list[RepositoryModel]:
+    """The repository index (both doors): every model and its state, or only the READY ones."""
+    entries = [_repository_entry(served) for served in models]
+    return [entry for entry in entries if entry.state == "READY"] if ready_only else entries
+
+
 async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
-    entries = [_repository_entry(served) for served in state.engine.models()]
-    if body is not None and body.ready:
-        entries = [entry for entry in entries if entry.state == "READY"]
-    return entries
+    return repository_models(state.engine.models(), body is not None and body.ready)
 
 
 # ----- the extensions not implemented ----------------------------------------------------------
@@ -183,6 +186,14 @@ _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
         "POST /v2/models/{name}/versions/{version}/generate_stream",
     ],
 }
+
+_DETAILS = {extension: detail for extension, detail in _UNSUPPORTED}
+
+
+def unsupported(extension: str) -> UnsupportedExtension:
+    """The refusal of an extension this server does not implement, as its HTTP routes give it (both doors)."""
+    return UnsupportedExtension(extension, _DETAILS[extension])
+
 
 _TAGS = {"tags": ["v2 extensions"]}
 _CONFIG = {

@@ -24,7 +24,8 @@ async def server_metadata() -> ServerMetadata:
     return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
 
 
-def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+def metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+    """A model's metadata (both doors); ModelNotFound (404) for an unknown name or version."""
     served = state.engine.model(name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
     return ModelMetadata.model_validate(
@@ -80,11 +81,11 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
 
 
 async def model_metadata(name: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, None)
+    return metadata(state, name, None)
 
 
 async def model_version_metadata(name: str, version: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, version)
+    return metadata(state, name, version)
 
 
 async def model_ready(name: str, state: StateDep) -> Response:
