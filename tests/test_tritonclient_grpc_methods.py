@@ -27,6 +27,7 @@ import tritonclient.grpc as triton
 from tritonclient._plugin import InferenceServerClientPlugin
 from tritonclient.utils import InferenceServerException
 
+from bench.otlp_receiver import OtlpReceiver
 from ffn_client.encodings import as_wire_values
 from ffn_client.testing import ServerProcess, start_server
 from tests.reference import demo_reference
@@ -46,10 +47,13 @@ class Bearer(InferenceServerClientPlugin):
 
 @pytest.fixture(scope="module", params=["key", "no key"])
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    env = {"FFN_LOG_LEVEL": "warning", **({"FFN_API_KEY": KEY} if request.param == "key" else {})}
-    with start_server(env=env) as srv:
-        srv.keyed = request.param == "key"  # type: ignore[attr-defined]
-        yield srv
+    # Traced to a real OTLP receiver, so that the trace settings it is given take effect.
+    with OtlpReceiver() as receiver:
+        env = {"FFN_LOG_LEVEL": "warning", "FFN_OTLP_ENDPOINT": receiver.url}
+        env |= {"FFN_API_KEY": KEY} if request.param == "key" else {}
+        with start_server(env=env) as srv:
+            srv.keyed = request.param == "key"  # type: ignore[attr-defined]
+            yield srv
 
 
 def new_client(server: ServerProcess, *, authorized: bool = True) -> Client:
@@ -134,7 +138,7 @@ def check_stream(client: Client, server: ServerProcess) -> None:
 def check_metadata(client: Client, server: ServerProcess) -> None:
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "ffn-serve"
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace"]
 
 
 def check_model_metadata(client: Client, server: ServerProcess) -> None:
@@ -205,6 +209,36 @@ def check_close(client: Client, server: ServerProcess) -> None:
         fresh.is_server_live()
 
 
+def check_trace_settings(client: Client, server: ServerProcess) -> None:
+    """TraceSetting, the twin of /v2/trace/setting: the server's, a model's over them, an empty value clearing one."""
+
+    def settings(answer: Any) -> dict[str, list[str]]:
+        return {key: list(value.value) for key, value in answer.settings.items()}
+
+    defaults = {
+        "trace_level": ["TIMESTAMPS"],
+        "trace_rate": ["1"],
+        "trace_count": ["-1"],
+        "log_frequency": ["0"],
+        "trace_mode": ["opentelemetry"],
+    }
+    assert settings(client.get_trace_settings()) == defaults
+    try:
+        changed = settings(client.update_trace_settings(settings={"trace_rate": "2", "trace_count": "5"}))
+        assert changed == {**defaults, "trace_rate": ["2"], "trace_count": ["5"]}
+        assert settings(client.get_trace_settings(model_name="demo")) == changed  # the model follows the server
+        off = settings(client.update_trace_settings(model_name="demo", settings={"trace_level": ["OFF"]}))
+        assert off == {**changed, "trace_level": ["OFF"]}
+        assert settings(client.get_trace_settings())["trace_level"] == ["TIMESTAMPS"]
+        assert settings(client.update_trace_settings(model_name="demo", settings={"trace_level": None})) == changed
+        with pytest.raises(InferenceServerException, match="unknown trace setting 'trace_speed'") as info:
+            client.update_trace_settings(settings={"trace_speed": "9"})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    finally:
+        cleared = client.update_trace_settings(settings=dict.fromkeys(["trace_rate", "trace_count"]))
+    assert settings(cleared) == defaults
+
+
 Check = Callable[[Client, ServerProcess], None]
 WORKS: dict[str, Check] = {
     "infer": check_infer,
@@ -224,6 +258,8 @@ WORKS: dict[str, Check] = {
     "plugin": check_plugins,
     "unregister_plugin": check_plugins,
     "close": check_close,
+    "get_trace_settings": check_trace_settings,
+    "update_trace_settings": check_trace_settings,
 }
 
 # ----- the methods of extensions this server does not implement: UNIMPLEMENTED, naming them -------
@@ -233,8 +269,6 @@ REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
     "get_log_settings": (lambda c: c.get_log_settings(), "logging"),
     "update_log_settings": (lambda c: c.update_log_settings({"log_verbose_level": 1}), "logging"),
-    "get_trace_settings": (lambda c: c.get_trace_settings(model_name="demo"), "trace"),
-    "update_trace_settings": (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
     "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),
     "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64), "system_shared_memory"),
     "unregister_system_shared_memory": (lambda c: c.unregister_system_shared_memory(), "system_shared_memory"),
@@ -286,6 +320,8 @@ def without_key_calls() -> dict[str, Callable[[Client], Any]]:
         "is_server_live": lambda c: c.is_server_live(),
         "is_server_ready": lambda c: c.is_server_ready(),
         "is_model_ready": lambda c: c.is_model_ready("demo"),
+        "get_trace_settings": lambda c: c.get_trace_settings(),
+        "update_trace_settings": lambda c: c.update_trace_settings(settings={"trace_rate": "3"}),
         **{name: call for name, (call, _) in REFUSED.items()},
     }
 

@@ -32,7 +32,7 @@ from app.grpc.stream import StreamInfer
 from app.web import mc_parameters
 from app.web.http import deadline_from
 from app.web.state import ServiceState
-from app.web.v2 import extensions, statistics
+from app.web.v2 import extensions, statistics, trace_extension
 from app.web.v2 import routes as v2_routes
 from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
 
@@ -187,8 +187,24 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         raise extensions.unsupported("cuda_shared_memory")
 
     @answered
-    async def TraceSetting(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("trace")
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
+        """The twin of GET and POST /v2[/models/{name}]/trace/setting: no settings in the request reads them."""
+        name = request.model_name or None
+        if request.settings:
+            # Triton's gRPC shape: each setting a list of strings; an empty list puts it back (JSON null).
+            document = {
+                key: (
+                    (list(value.value) or None) if key == "trace_level" else (value.value[0] if value.value else None)
+                )
+                for key, value in request.settings.items()
+            }
+            settings = await trace_extension.update_settings(self._state, name, document)
+        else:
+            settings = await trace_extension.settings_of(self._state, name)
+        answer = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            answer.settings[key].value.extend(value if isinstance(value, list) else [str(value)])
+        return answer
 
     @answered
     async def LogSettings(self, request: Any, context: Context) -> Any:

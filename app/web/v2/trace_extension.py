@@ -101,11 +101,20 @@ async def _settings(state: ServiceState, name: str | None) -> dict[str, Any]:
 
 
 async def _update(request: Request, name: str | None) -> dict[str, Any]:
-    state = service_state(request)
+    body = await read_body(request, MAX_BODY_BYTES)
+    return await update_settings(service_state(request), name, loads_json(body) if body.strip() else {})
+
+
+async def settings_of(state: ServiceState, name: str | None) -> dict[str, Any]:
+    """The trace settings of the server (`name` None) or of a model: what GET answers (and gRPC's twin)."""
+    return await _settings(state, name)
+
+
+async def update_settings(state: ServiceState, name: str | None, document: object) -> dict[str, Any]:
+    """Apply a POST's settings (`document`, Triton's JSON) in every serving process; the settings after."""
     if name is not None:
         state.engine.model(name)
-    body = await read_body(request, MAX_BODY_BYTES)
-    update = parse_update(loads_json(body)) if body.strip() else {}
+    update = parse_update(document)
     if update and state.tracing is None:
         raise InvalidInput(
             "tracing is off: start the server with an OTLP endpoint (--otlp-endpoint, FFN_OTLP_ENDPOINT or "
