@@ -130,7 +130,10 @@ async def test_statistics_count_what_was_sent(service: InProcessApp) -> None:
     assert inference["fail"]["count"] == 1
     assert all(inference[key]["ns"] > 0 for key in ("success", "queue", "compute_infer", "fail"))
     assert inference["compute_infer"]["ns"] < inference["success"]["ns"]  # compute is part of each request's time
-    for key in ("compute_input", "compute_output", "cache_hit", "cache_miss"):
+    # perf_analyzer needs the three compute counts equal; the copies are timed inside compute_infer.
+    for key in ("compute_input", "compute_output"):
+        assert inference[key] == {"count": 3, "ns": 0}
+    for key in ("cache_hit", "cache_miss"):
         assert inference[key] == {"count": 0, "ns": 0}
     assert stat["batch_stats"] == [] and stat["response_stats"] == {}
     parameters = D_FF * D_MODEL * 3 + D_FF * 2 + D_MODEL  # layer1, linear_v, layer2 and their biases
