@@ -20,6 +20,7 @@ from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
+from app.web.request_timer import RequestTimer, route_templates
 from app.web.state import ServiceState
 from app.web.v2 import routes as v2
 
@@ -49,6 +50,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        for served in engine.models():
+            state.count_from_zero(served.name)
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
@@ -92,4 +95,9 @@ def create_app(
                 "X-MC-Seed",
             ],
         )
+    # Outermost: the whole request, the guard's and CORS's answers included.
+    hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
+    app.add_middleware(
+        RequestTimer, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot)
+    )
     return app

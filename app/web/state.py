@@ -13,7 +13,10 @@ from app.control import Control
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
-from app.web.errors import error_type_of
+from app.web.errors import ERRORS, INTERNAL, error_type_of
+
+# Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
+OUTCOMES = ("ok", *sorted({kind.error_type for kind in ERRORS.values()} | {INTERNAL.error_type}))
 
 
 @dataclass
@@ -22,6 +25,15 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+
+    def count_from_zero(self, model: str) -> None:
+        """Create the model's ffn_requests_total series for every outcome, at 0.
+
+        Labelled series appear on first use otherwise, and `increase()` over the first error of a
+        kind reads 0: an alert on it would never fire. (The model's histograms are created with it.)
+        """
+        for outcome in OUTCOMES:
+            self.metrics.requests.labels(model=model, outcome=outcome)
 
     @contextmanager
     def count(self, model: str) -> Iterator[None]:
