@@ -56,7 +56,7 @@ class RequestTimer:
         self.app = app
         self._histogram = histogram
         self._routes = routes
-        self._children: dict[tuple[str, int], Histogram] = {}  # (template, status // 100): bounded by the routes
+        self._children: dict[tuple[str, str, int], Histogram] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,11 +82,12 @@ class RequestTimer:
 
     def _child(self, path: str, status: int) -> Histogram:
         template = next((template for pattern, template in self._routes if pattern.match(path)), UNMATCHED)
-        key = (template, status // 100)
+        # An unmatched path's protocol comes from the path itself; a template's is fixed.
+        protocol = protocol_of(path if template == UNMATCHED else template)
+        key = (protocol, template, status // 100)  # bounded: the routes (and unmatched) x 3 protocols x 5 classes
         child = self._children.get(key)
         if child is None:
-            protocol = protocol_of(path) if template == UNMATCHED else protocol_of(template)
-            child = self._histogram.labels(protocol=protocol, route=template, status=f"{status // 100}xx")
-            if template != UNMATCHED:  # an unmatched path's protocol varies: looked up each time
-                self._children[key] = child
+            child = self._children[key] = self._histogram.labels(
+                protocol=protocol, route=template, status=f"{status // 100}xx"
+            )
         return child
