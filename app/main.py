@@ -22,6 +22,7 @@ from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.request_timer import RequestTimer, route_templates
 from app.web.state import ServiceState
+from app.web.v2 import log_settings
 from app.web.v2 import routes as v2
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
@@ -46,6 +47,7 @@ def create_app(
     engine = Engine(settings, registry)
     control = control or Control()
     state = ServiceState(settings, engine, registry.metrics, control)
+    control.register(log_settings.COMMAND, log_settings.apply_command)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -133,7 +133,9 @@ class Settings(BaseSettings):
         description="Open connections per process; past it, 503 and close.",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
+        default=None,
+        description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
+        "visible ASCII, no spaces.",
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(

@@ -114,7 +114,7 @@ def check_body_helpers(client: Client, server: ServerProcess) -> None:
 def check_metadata(client: Client, server: ServerProcess) -> None:
     meta = client.get_server_metadata()
     assert meta["name"] == "ffn-serve"
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters", "logging"]
 
 
 def check_model_metadata(client: Client, server: ServerProcess) -> None:
@@ -149,6 +149,25 @@ def check_health(client: Client, server: ServerProcess) -> None:
     assert client.is_server_live() is True and client.is_server_ready() is True
     assert client.is_model_ready("demo") is True and client.is_model_ready("demo", "1") is True
     assert client.is_model_ready("no-such-model") is False
+
+
+def check_log_settings(client: Client, server: ServerProcess) -> None:
+    before = client.get_log_settings()
+    assert before == {
+        "log_file": "",
+        "log_info": False,  # the server runs at FFN_LOG_LEVEL=warning
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "text",
+    }
+    after = client.update_log_settings({"log_info": True, "log_verbose_level": 2})
+    assert after == {**before, "log_info": True, "log_verbose_level": 2}
+    assert client.get_log_settings() == after
+    assert client.update_log_settings(before) == before
+    with pytest.raises(InferenceServerException) as info:
+        client.update_log_settings({"log_file": "/tmp/elsewhere.log"})
+    assert info.value.status() == "400" and "log_file cannot be changed" in info.value.message()
 
 
 def check_plugins(client: Client, server: ServerProcess) -> None:
@@ -198,6 +217,8 @@ WORKS: dict[str, Check] = {
     "plugin": check_plugins,
     "unregister_plugin": check_plugins,
     "close": check_close,
+    "get_log_settings": check_log_settings,
+    "update_log_settings": check_log_settings,
 }
 
 # ----- the methods of extensions this server does not implement: a 400 that names them ----------
@@ -205,8 +226,6 @@ WORKS: dict[str, Check] = {
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "load_model": (lambda c: c.load_model("demo"), "model_repository"),
     "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
-    "get_log_settings": (lambda c: c.get_log_settings(), "logging"),
-    "update_log_settings": (lambda c: c.update_log_settings({"log_verbose_level": 1}), "logging"),
     "get_trace_settings": (lambda c: c.get_trace_settings(model_name="demo"), "trace"),
     "update_trace_settings": (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
     "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from app.control import Unanswered
 from app.engine import errors as engine
 from app.errors import ServiceError
 
@@ -85,6 +86,14 @@ class TooManyConnections(EdgeError):
     """The server holds its maximum of open connections; this one is answered and closed."""
 
 
+class NotApplied(EdgeError):
+    """A change every serving process must apply did not reach them all (one exited, or refused it)."""
+
+
+class RegionNotFound(EdgeError):
+    """No shared-memory region of that name is registered."""
+
+
 def _close_connection(exc: Exception) -> dict[str, str]:
     """Answers after which the connection cannot be trusted (framing, a half-read head): close it."""
     return {"Connection": "close"}
@@ -108,6 +117,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     UnsupportedExtension: ErrorKind(400, "unsupported_extension"),
     Unauthorized: ErrorKind(401, "unauthorized", lambda exc: {"WWW-Authenticate": "Bearer"}),
     engine.ModelNotFound: ErrorKind(404, "model_not_found"),
+    RegionNotFound: ErrorKind(404, "region_not_found"),
     NotFound: ErrorKind(404, "not_found"),
     NotAcceptable: ErrorKind(406, "not_acceptable"),
     RequestTimeout: ErrorKind(408, "request_timeout", _close_connection),
@@ -128,6 +138,8 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     TooManyConnections: ErrorKind(
         503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}
     ),
+    NotApplied: ErrorKind(503, "unavailable", _retry_after(lambda exc: 1)),
+    Unanswered: ErrorKind(503, "unavailable", _retry_after(lambda exc: 1)),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded"),
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory"),
 }

@@ -1,6 +1,6 @@
 """Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
 
-The extensions this server does not implement (shared memory, trace, logging, repository
+Logging is in log_settings.py. The extensions this server does not implement (trace, repository
 load/unload, generate) have their routes too, so that a client calling one learns which
 extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
 `EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
@@ -18,7 +18,7 @@ from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
 from app.web.openapi import error_responses
 from app.web.state import ServiceState, StateDep
-from app.web.v2 import codec, statistics
+from app.web.v2 import codec, log_settings, statistics
 from app.web.v2.codec import PLATFORM
 from app.web.v2.schemas import (
     ModelConfiguration,
@@ -29,7 +29,7 @@ from app.web.v2.schemas import (
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
 # model_repository is not listed: of its three APIs only the index is served.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", "logging"]
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -169,10 +169,6 @@ _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
         "GET /v2/models/{name}/trace/setting",
         "POST /v2/models/{name}/trace/setting",
     ],
-    ("logging", "the log level and format are settings fixed at start (FFN_LOG_LEVEL, FFN_LOG_FORMAT)"): [
-        "GET /v2/logging",
-        "POST /v2/logging",
-    ],
     (
         "model_repository",
         "the models are fixed at start by the config file, so load and unload are refused; "
@@ -204,6 +200,7 @@ _STATS = {
 }
 
 ENDPOINTS = [
+    *log_settings.ENDPOINTS,
     Endpoint("GET", "/v2/models/stats", all_stats, openapi={**_STATS, "summary": "Statistics of every model"}),
     Endpoint("GET", "/v2/models/{name}/stats", stats, openapi=_STATS),
     Endpoint("GET", "/v2/models/{name}/versions/{version}/stats", version_stats, openapi=_STATS),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -17,7 +18,7 @@ from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
 from app.web.v2 import codec, extensions
 from app.web.v2.codec import PLATFORM, SERVER_NAME
-from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
+from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
 
 async def server_metadata() -> ServerMetadata:
@@ -40,8 +41,8 @@ def _model_metadata(state: ServiceState, name: str, version: str | None) -> Mode
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
     status = state.engine.model(name, version).status
-    if status.ready:
-        return Response(status_code=200)
+    if status.ready:  # KServe's body: its SDK may read it (tritonclient reads the status alone)
+        return Response(orjson.dumps({"name": name, "ready": True}), media_type="application/json")
     return error_response(Unavailable(f"model {name!r} is not ready: {status.reason}"))
 
 
@@ -110,9 +111,9 @@ _METADATA = {
     "tags": ["v2"],
 }
 _READY = {
-    "summary": "Model readiness",
-    "response_class": Response,  # 200 has no body
-    "responses": {200: {"content": {}}, **error_responses(401, 404, 503)},
+    "summary": "Model readiness (a probe: needs no API key)",
+    "response_model": ModelReady,
+    "responses": error_responses(404, 503),
     "tags": ["v2"],
 }
 _INFER: dict[str, Any] = {
