@@ -21,8 +21,9 @@ from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.request_timer import RequestTimer, route_templates
+from app.web.shared_memory import SharedMemoryRegions
 from app.web.state import ServiceState
-from app.web.v2 import log_settings
+from app.web.v2 import log_settings, system_shared_memory
 from app.web.v2 import routes as v2
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
@@ -46,8 +47,12 @@ def create_app(
     registry = registry or Registry(settings, Metrics())
     engine = Engine(settings, registry)
     control = control or Control()
-    state = ServiceState(settings, engine, registry.metrics, control)
+    regions = SharedMemoryRegions() if settings.shared_memory else None
+    state = ServiceState(settings, engine, registry.metrics, control, regions)
     control.register(log_settings.COMMAND, log_settings.apply_command)
+    if regions is not None:
+        for command, handler in system_shared_memory.control_handlers(regions).items():
+            control.register(command, handler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,6 +66,8 @@ def create_app(
             yield
         finally:
             await engine.stop()
+            if regions is not None:
+                regions.close_all()
 
     app = FastAPI(
         title="ffn-serve",

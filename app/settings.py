@@ -178,6 +178,12 @@ class Settings(BaseSettings):
         ge=1,
         description="The row count of every forward pass in batch-invariant mode; larger batches run as several.",
     )
+    shared_memory: bool = Field(
+        default=False,
+        description="Turn on the system shared-memory extension: clients on this host register POSIX shared-memory "
+        "regions (/dev/shm) and infer with tensors in them, sending no tensor bytes over the socket. A region may "
+        "be any object this server's user can open: give the API key to trusted local clients only.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 
     @model_validator(mode="after")

@@ -9,13 +9,10 @@ series at 0 in multiprocess mode.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import re
 import signal
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -25,6 +22,7 @@ from app.logs import LogSettings, apply_log_settings, configure_logging, current
 from app.settings import Settings
 from app.web.errors import ERRORS
 from ffn_client.testing import ServerProcess, start_server
+from tests.worker_logs import pids_that_served, records, replaced, worker_pids
 
 DEFAULT = {
     "log_file": "",
@@ -116,29 +114,6 @@ def two_workers() -> Iterator[ServerProcess]:
         yield server
 
 
-def records(server: ServerProcess, since: int = 0) -> list[dict]:
-    """The server's JSON log records from character `since` on (a partial last line is left out)."""
-    found = []
-    for line in server.logs()[since:].splitlines():
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return found
-
-
-def pids_that_served(server: ServerProcess, path: str, since: int) -> set[int]:
-    return {r["pid"] for r in records(server, since) if r["logger"] == "uvicorn.access" and r.get("path") == path}
-
-
-def until(condition, what: str, timeout: float = 120.0) -> None:
-    """Wait, polling, for `condition()`; a bounded wait that fails naming `what`."""
-    give_up = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < give_up, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def settings_from_every_worker(server: ServerProcess, workers: set[int], expected: dict) -> None:
     """GET /v2/logging on new connections until each of `workers` (pids) has answered; every answer is `expected`."""
     since = len(server.logs())
@@ -148,16 +123,6 @@ def settings_from_every_worker(server: ServerProcess, workers: set[int], expecte
         if workers <= pids_that_served(server, "/v2/logging", since):
             return
     pytest.fail(f"workers {workers} did not all answer; served by {pids_that_served(server, '/v2/logging', since)}")
-
-
-def worker_pids(server: ServerProcess) -> dict[int, int]:
-    """Worker number -> the pid of the latest process the supervisor started in that slot."""
-    pids: dict[int, int] = {}
-    for record in records(server):
-        match = re.fullmatch(r"worker (\d+) started \(pid (\d+)\)", record["message"])
-        if match:
-            pids[int(match[1])] = int(match[2])
-    return pids
 
 
 def test_a_fresh_two_worker_server_has_every_outcome_at_zero(two_workers: ServerProcess) -> None:
@@ -185,12 +150,7 @@ def test_a_change_reaches_every_worker_and_a_replacement(two_workers: ServerProc
 
     since = len(server.logs())
     os.kill(pids[1], signal.SIGKILL)
-    until(lambda: worker_pids(server)[1] != pids[1], "the supervisor to start a replacement for worker 1")
-    replacement = worker_pids(server)[1]
-    until(
-        lambda: any(r["message"] == f"worker 1 (pid {replacement}) ready" for r in records(server, since)),
-        "the replacement to be ready",
-    )
+    replacement = replaced(server, 1, pids[1], since)
     # The change was replayed to it before it took traffic: it logged the new settings, and answers them.
     applied = [
         r for r in records(server, since) if r.get("pid") == replacement and r["message"].startswith("log settings now")

@@ -14,6 +14,7 @@ from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from app.web.errors import ERRORS, INTERNAL, error_type_of
+from app.web.shared_memory import SharedMemoryRegions
 
 # Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
 OUTCOMES = ("ok", *sorted({kind.error_type for kind in ERRORS.values()} | {INTERNAL.error_type}))
@@ -25,6 +26,7 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off
 
     def count_from_zero(self, model: str) -> None:
         """Create the model's ffn_requests_total series for every outcome, at 0.

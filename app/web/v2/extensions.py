@@ -1,6 +1,7 @@
 """Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
 
-Logging is in log_settings.py. The extensions this server does not implement (trace, repository
+Logging is in log_settings.py, system shared memory in system_shared_memory.py (with CUDA shared
+memory's refusal). The extensions this server does not implement (trace, repository
 load/unload, generate) have their routes too, so that a client calling one learns which
 extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
 `EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
@@ -18,7 +19,7 @@ from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
 from app.web.openapi import error_responses
 from app.web.state import ServiceState, StateDep
-from app.web.v2 import codec, log_settings, statistics
+from app.web.v2 import codec, log_settings, statistics, system_shared_memory
 from app.web.v2.codec import PLATFORM
 from app.web.v2.schemas import (
     ModelConfiguration,
@@ -30,6 +31,11 @@ from app.web.v2.schemas import (
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
 # model_repository is not listed: of its three APIs only the index is served.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", "logging"]
+
+
+def extensions(settings: Settings) -> list[str]:
+    """GET /v2's list: exactly the extensions this server answers, system shared memory when it is on."""
+    return [*EXTENSIONS, system_shared_memory.EXTENSION] if settings.shared_memory else list(EXTENSIONS)
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -147,22 +153,7 @@ def _unsupported(extension: str, detail: str) -> Handler:
     return refuse
 
 
-_SHARED_MEMORY = "send tensors in the request body (binary_tensor_data)"
 _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
-    ("system_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/systemsharedmemory/status",
-        "GET /v2/systemsharedmemory/region/{region}/status",
-        "POST /v2/systemsharedmemory/region/{region}/register",
-        "POST /v2/systemsharedmemory/unregister",
-        "POST /v2/systemsharedmemory/region/{region}/unregister",
-    ],
-    ("cuda_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/cudasharedmemory/status",
-        "GET /v2/cudasharedmemory/region/{region}/status",
-        "POST /v2/cudasharedmemory/region/{region}/register",
-        "POST /v2/cudasharedmemory/unregister",
-        "POST /v2/cudasharedmemory/region/{region}/unregister",
-    ],
     ("trace", "requests are not traced; /metrics has queue, compute and total latency histograms"): [
         "GET /v2/trace/setting",
         "POST /v2/trace/setting",
@@ -201,6 +192,7 @@ _STATS = {
 
 ENDPOINTS = [
     *log_settings.ENDPOINTS,
+    *system_shared_memory.ENDPOINTS,
     Endpoint("GET", "/v2/models/stats", all_stats, openapi={**_STATS, "summary": "Statistics of every model"}),
     Endpoint("GET", "/v2/models/{name}/stats", stats, openapi=_STATS),
     Endpoint("GET", "/v2/models/{name}/versions/{version}/stats", version_stats, openapi=_STATS),

@@ -21,8 +21,8 @@ from app.web.v2.codec import PLATFORM, SERVER_NAME
 from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
 
-async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
+async def server_metadata(state: StateDep) -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.extensions(state.settings))
 
 
 def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
@@ -56,7 +56,14 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
         body = await read_body(request, state.settings.max_body_bytes)
-        decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
+        decoded = codec.decode(
+            body,
+            header_length,
+            served.d_model,
+            state.settings.max_queue_rows,
+            state.shared_memory,
+            state.settings.max_body_bytes,
+        )
         del body  # the decoded rows keep what they need of it (a view, for binary data)
         timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
