@@ -156,7 +156,9 @@ def test_a_shrunk_object_is_a_short_read_not_a_crash(tmp_path: Path, objects) ->
 def test_unregister_closes_the_descriptor(tmp_path: Path, objects) -> None:
     regions = SharedMemoryRegions(folder=tmp_path)
     obj = make(objects, 64, tmp_path)
-    region = regions.register("r", obj.key, 0, 64)
+    region = regions.register("r", obj.key, 0, 64, registration="first")
+    assert obj.descriptors_open_here() == 1
+    assert regions.unregister("r", registration="another") is False  # an undo of another registration
     assert obj.descriptors_open_here() == 1
     assert regions.unregister("r") is True and regions.unregister("r") is False
     assert obj.descriptors_open_here() == 0

@@ -50,7 +50,14 @@ def body(rows: int, name: str = "input") -> dict:
 
 async def test_server_metadata_lists_exactly_the_extensions_implemented(service: InProcessApp) -> None:
     r = await service.client.get("/v2")
-    assert r.json()["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    # system_shared_memory only when the setting turns it on (tests/test_system_shared_memory.py)
+    assert r.json()["extensions"] == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+        "parameters",
+        "logging",
+    ]
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -198,7 +205,8 @@ async def test_repository_index(service: InProcessApp) -> None:
 
 # ----- extensions not implemented ---------------------------------------------------------------
 
-# Every route of the extensions in Triton's protocol documents that this server does not implement.
+# Every route of the extensions in Triton's protocol documents that this server does not implement,
+# and system shared memory's while it is off (as it is by default).
 UNSUPPORTED_ROUTES = [
     ("GET", "/v2/systemsharedmemory/status", "system_shared_memory"),
     ("GET", "/v2/systemsharedmemory/region/r0/status", "system_shared_memory"),
@@ -214,8 +222,6 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/trace/setting", "trace"),
     ("GET", "/v2/models/plain/trace/setting", "trace"),
     ("POST", "/v2/models/plain/trace/setting", "trace"),
-    ("GET", "/v2/logging", "logging"),
-    ("POST", "/v2/logging", "logging"),
     ("POST", "/v2/repository/models/plain/load", "model_repository"),
     ("POST", "/v2/repository/models/plain/unload", "model_repository"),
     ("POST", "/v2/models/plain/generate", "generate"),
@@ -243,14 +249,8 @@ SHARED_MEMORY = {"shared_memory_region": "r0", "shared_memory_byte_size": 64}
 @pytest.mark.parametrize(
     ("change", "extension"),
     [
-        (
-            lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY),
-            "shared memory (system_shared_memory, cuda_shared_memory)",
-        ),
-        (
-            lambda b: b.update(outputs=[{"name": "output", "parameters": SHARED_MEMORY}]),
-            "shared memory (system_shared_memory, cuda_shared_memory)",
-        ),
+        (lambda b: b["inputs"][0].update(parameters=SHARED_MEMORY), "system_shared_memory"),  # while it is off
+        (lambda b: b.update(outputs=[{"name": "output", "parameters": SHARED_MEMORY}]), "system_shared_memory"),
         (lambda b: b.update(parameters={"sequence_id": 7, "sequence_start": True}), "sequence"),
         (lambda b: b.update(parameters={"priority": 1}), "schedule_policy"),
         (lambda b: b.update(outputs=[{"name": "output", "parameters": {"classification": 3}}]), "classification"),

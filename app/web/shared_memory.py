@@ -62,6 +62,7 @@ class Region:
     offset: int
     byte_size: int
     fd: int | None = field(default=None, repr=False)
+    registration: str = ""  # which registration made it: an undo names it, and leaves another alone
 
     def status(self) -> dict[str, Any]:
         """Triton's status entry."""
@@ -121,6 +122,9 @@ class SharedMemoryRegions:
     def names(self) -> list[str]:
         return list(self._regions)
 
+    def find(self, name: str) -> Region | None:
+        return self._regions.get(name)
+
     def get(self, name: str) -> Region:
         region = self._regions.get(name)
         if region is None:
@@ -137,16 +141,20 @@ class SharedMemoryRegions:
         """Everything register would refuse, refused (400) without keeping anything open."""
         os.close(self._open(name, key, offset, byte_size))
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> Region:
-        region = Region(name, key, offset, byte_size, self._open(name, key, offset, byte_size))
+    def register(self, name: str, key: str, offset: int, byte_size: int, registration: str = "") -> Region:
+        region = Region(name, key, offset, byte_size, self._open(name, key, offset, byte_size), registration)
         self._regions[name] = region
         return region
 
-    def unregister(self, name: str) -> bool:
-        """Close the region's descriptor; False if no region has that name (not an error, as in Triton)."""
-        region = self._regions.pop(name, None)
-        if region is None:
+    def unregister(self, name: str, registration: str | None = None) -> bool:
+        """Close the region's descriptor; False if no region has that name (not an error, as in Triton).
+
+        `registration`: only the region that registration made (None: whichever has the name).
+        """
+        region = self._regions.get(name)
+        if region is None or (registration is not None and region.registration != registration):
             return False
+        del self._regions[name]
         region.close()
         return True
 

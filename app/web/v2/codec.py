@@ -109,6 +109,8 @@ def decode(
     _refuse_extensions(parameters, input_parameters)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if SHARED_MEMORY_REGION in input_parameters:
+        if shared_memory is None:  # the extension is named first: nothing else about it matters then
+            raise turned_off()
         if "data" in tensor or binary_size is not None:
             raise InvalidInput("an input must set only one of 'data', 'binary_data_size' and 'shared_memory_region'")
         if json_end != len(body):

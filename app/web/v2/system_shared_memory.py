@@ -7,14 +7,15 @@ inputs and outputs name the region (`shared_memory_region`, `shared_memory_offse
 
 Every worker must hold the same regions: a registration is checked here first (a client's
 mistake is a 400 before anything is applied), then broadcast as a control command sticky per
-region, so a worker started later opens it too; an unregistration is broadcast under the same
-key and forgets it. `status`, `register` and `unregister` are the whole extension, for each
+registration (its name and a fresh id), so a worker started later opens it too; an
+unregistration is broadcast under the same key and forgets it. `status`, `register` and `unregister` are the whole extension, for each
 protocol's door to call. CUDA shared memory is answered with a 400 naming it and why.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 import torch
@@ -40,8 +41,9 @@ MAX_BODY_BYTES = 4096  # a key and two numbers
 _REGISTER_FIELDS = ("key", "offset", "byte_size")
 
 
-def sticky_key(name: str) -> str:
-    return f"{EXTENSION}:{name}"
+def sticky_key(name: str, registration: str) -> str:
+    """One registration's key: replayed to later workers until that registration is undone."""
+    return f"{EXTENSION}:{name}:{registration}"
 
 
 def regions_of(state: ServiceState) -> SharedMemoryRegions:
@@ -62,12 +64,16 @@ def status(state: ServiceState, name: str | None = None) -> list[dict[str, Any]]
 async def register(state: ServiceState, name: str, key: str, offset: int, byte_size: int) -> None:
     """Register a region in every serving process; 400 for a mistake, with nothing registered anywhere."""
     regions_of(state).check(name, key, offset, byte_size)
-    args = {"name": name, "key": key, "offset": offset, "byte_size": byte_size}
+    registration = uuid.uuid4().hex
+    args = {"name": name, "key": key, "offset": offset, "byte_size": byte_size, "registration": registration}
+    sticky = sticky_key(name, registration)
     try:
-        await apply_everywhere(state.control, REGISTER, args, sticky=sticky_key(name))
+        await apply_everywhere(state.control, REGISTER, args, sticky=sticky)
     except NotApplied:
-        # All or nothing: a process that could not open it (it vanished meanwhile) undoes the rest.
-        await state.control.broadcast(UNREGISTER, {"name": name}, sticky=sticky_key(name), forget=True)
+        # All or nothing: where this registration was applied it is undone. Only this one: the
+        # same name registered at the same moment through another worker stays as it is.
+        undo = {"name": name, "registration": registration}
+        await state.control.broadcast(UNREGISTER, undo, sticky=sticky, forget=True)
         raise
 
 
@@ -75,7 +81,14 @@ async def unregister(state: ServiceState, name: str | None = None) -> None:
     """Unregister the named region, or all of them, in every serving process. An unknown name is no error."""
     regions = regions_of(state)
     for each in [check_name(name)] if name is not None else regions.names():
-        await apply_everywhere(state.control, UNREGISTER, {"name": each}, sticky=sticky_key(each), forget=True)
+        region = regions.find(each)
+        if region is None:  # not here, so nowhere (every worker holds the same): nothing to forget
+            await apply_everywhere(state.control, UNREGISTER, {"name": each})
+            continue
+        args = {"name": each, "registration": region.registration}
+        await apply_everywhere(
+            state.control, UNREGISTER, args, sticky=sticky_key(each, region.registration), forget=True
+        )
 
 
 # ----- the control handlers, in each process --------------------------------------------------
@@ -85,12 +98,12 @@ def control_handlers(regions: SharedMemoryRegions) -> dict[str, Any]:
     """Command name -> handler, for create_app to register."""
 
     async def on_register(args: dict[str, Any]) -> dict[str, Any]:
-        region = regions.register(args["name"], args["key"], args["offset"], args["byte_size"])
+        region = regions.register(args["name"], args["key"], args["offset"], args["byte_size"], args["registration"])
         log.info("registered system shared memory region %s", region.status())
         return region.status()
 
     async def on_unregister(args: dict[str, Any]) -> dict[str, Any]:
-        removed = regions.unregister(args["name"])
+        removed = regions.unregister(args["name"], args.get("registration"))
         if removed:
             log.info("unregistered system shared memory region %r", args["name"])
         return {"unregistered": removed}
