@@ -115,9 +115,7 @@ def decode(
             raise InvalidInput("an input must set only one of 'data', 'binary_data_size' and 'shared_memory_region'")
         if json_end != len(body):
             raise InvalidInput("binary data follows the JSON header but the input is in shared memory")
-        values = _shared_memory_tensor(
-            input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes
-        )
+        values = shared_memory_tensor(input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes)
     elif binary_size is not None:
         if "data" in tensor:
             raise InvalidInput("an input with binary_data_size must not also carry 'data'")
@@ -151,10 +149,11 @@ def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, A
             raise UnsupportedExtension(extension, f"parameter {name!r} was sent, but {detail}")
 
 
-def _shared_memory_span(
-    parameters: dict[str, Any], regions: SharedMemoryRegions | None, where: str
-) -> SharedMemorySpan:
-    """The registered region, offset and size a tensor's parameters name, checked to lie in the region."""
+def shared_memory_span(parameters: dict[str, Any], regions: SharedMemoryRegions | None, where: str) -> SharedMemorySpan:
+    """The registered region, offset and size a tensor's parameters name, checked to lie in the region.
+
+    `parameters` is the tensor's parameters as a dict: the gRPC door reads its own into one and calls this.
+    """
     if regions is None:
         raise turned_off()
     name = str_field(parameters, SHARED_MEMORY_REGION, f"{where} parameter")
@@ -167,7 +166,7 @@ def _shared_memory_span(
     return SharedMemorySpan(region, offset, size)
 
 
-def _shared_memory_tensor(
+def shared_memory_tensor(
     parameters: dict[str, Any],
     regions: SharedMemoryRegions | None,
     shape: tuple[int, ...],
@@ -178,7 +177,7 @@ def _shared_memory_tensor(
     max_bytes: int,
 ) -> torch.Tensor:
     """The input's rows, copied out of its region (the client cannot change them under the batch)."""
-    span = _shared_memory_span(parameters, regions, "input")
+    span = shared_memory_span(parameters, regions, "input")
     expected = rows * d_model * dtype.itemsize
     if span.byte_size != expected:
         raise InvalidInput(
@@ -265,7 +264,7 @@ def _requested_outputs(
         if SHARED_MEMORY_REGION in output_parameters:
             if chosen:
                 raise InvalidInput(f"output {name!r} cannot set both shared_memory_region and binary_data")
-            span = _shared_memory_span(output_parameters, regions, f"output {name!r}")
+            span = shared_memory_span(output_parameters, regions, f"output {name!r}")
             if span.byte_size < output_bytes:
                 raise InvalidInput(
                     f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
