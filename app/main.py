@@ -24,9 +24,11 @@ from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.request_ids import RequestIds
+from app.web.request_timer import RequestTimer, route_templates
+from app.web.shared_memory import SharedMemoryRegions
 from app.web.state import ServiceState
+from app.web.v2 import log_settings, system_shared_memory, trace_extension
 from app.web.v2 import routes as v2
-from app.web.v2 import trace_extension
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
 
@@ -52,14 +54,22 @@ def create_app(
     export = traces_export(settings.otlp_endpoint, os.environ)
     trace_settings = TraceSettings(tracing=export is not None)
     tracing = start_tracing(export, trace_settings)
-    state = ServiceState(settings, engine, registry.metrics, control, trace_settings, tracing)
+    regions = SharedMemoryRegions() if settings.shared_memory else None
+    state = ServiceState(
+        settings, engine, registry.metrics, control, trace_settings, tracing=tracing, shared_memory=regions
+    )
     control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
+    control.register(log_settings.COMMAND, log_settings.apply_command)
+    if regions is not None:
+        for command, handler in system_shared_memory.control_handlers(regions).items():
+            control.register(command, handler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        if tracing is not None:  # the models are loaded now: each one's batches are traced
-            for served in engine.models():
+        for served in engine.models():
+            state.count_from_zero(served.name)
+            if tracing is not None:  # the models are loaded now: each one's batches are traced
                 served.set_observer(tracing.observer(served))
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
@@ -70,6 +80,8 @@ def create_app(
             await engine.stop()
             if tracing is not None:
                 await tracing.shutdown()  # what is still collected is sent now
+            if regions is not None:
+                regions.close_all()
 
     app = FastAPI(
         title="ffn-serve",
@@ -109,6 +121,11 @@ def create_app(
                 "tracestate",
             ],
         )
+    # The whole request, the guard's and CORS's answers included.
+    hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
+    app.add_middleware(
+        RequestTimer, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot)
+    )
     # Outermost, around Starlette's own error middleware too: every answer, an unexpected 500's
     # included, carries the request's id (app/web/request_ids.py).
     build_middleware_stack = app.build_middleware_stack

@@ -14,7 +14,12 @@ from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tracing.trace_settings import TraceSettings
-from app.web.errors import error_type_of
+from app.web.errors import ERRORS, INTERNAL, error_type_of
+from app.web.shared_memory import SharedMemoryRegions
+
+# Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
+OUTCOMES = ("ok", *sorted({kind.error_type for kind in ERRORS.values()} | {INTERNAL.error_type}))
+PROTOCOLS = ("http", "grpc")  # ffn_requests_total's protocol label: the two doors
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import Tracing
@@ -28,6 +33,17 @@ class ServiceState:
     control: Control  # commands every serving process applies (app/control.py)
     trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
     tracing: Tracing | None = None  # None: requests are not traced
+    shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off
+
+    def count_from_zero(self, model: str) -> None:
+        """Create the model's ffn_requests_total series for every outcome and door, at 0.
+
+        Labelled series appear on first use otherwise, and `increase()` over the first error of a
+        kind reads 0: an alert on it would never fire. (The model's histograms are created with it.)
+        """
+        for outcome in OUTCOMES:
+            for protocol in PROTOCOLS:
+                self.metrics.requests.labels(model=model, outcome=outcome, protocol=protocol)
 
     @contextmanager
     def count(self, model: str, protocol: str = "http") -> Iterator[None]:
