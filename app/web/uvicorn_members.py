@@ -62,7 +62,7 @@ def missing() -> list[str]:
     try:
         protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
         cycle = httptools_impl.RequestResponseCycle(
-            scope={},  # type: ignore[arg-type]
+            scope={},  # type: ignore[typeddict-item]
             transport=None,  # type: ignore[arg-type]
             flow=None,  # type: ignore[arg-type]
             logger=logging.getLogger("uvicorn.error"),
