@@ -42,6 +42,8 @@ from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
 
+pytestmark = pytest.mark.server  # every test here starts ffn-serve processes
+
 KEY = "workers-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 D_MODEL = 512
