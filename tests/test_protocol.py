@@ -490,7 +490,10 @@ def test_a_uvicorn_without_a_member_stops_the_start_with_one_line_and_exit_2(
     assert uvicorn_members.missing() == [member]
     from importlib.metadata import version
 
-    assert cli.serve(Settings(port=1)) == 2  # before binding: port 1 would fail with 3
+    with socket.socket() as taken:  # were the check to pass, serve() would stop at this port, exit 3
+        taken.bind((HOST, 0))
+        taken.listen()
+        assert cli.serve(Settings(host=HOST, port=taken.getsockname()[1])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ffn-serve: ")
     assert f"uvicorn {version('uvicorn')} lacks {member}" in err
