@@ -3,7 +3,7 @@
 The protocol subclasses uvicorn's `HttpToolsProtocol` and reads private members of it and of its
 `RequestResponseCycle`. pyproject pins uvicorn to the releases the tests ran on; a uvicorn
 installed outside that range (by hand, or by another package's needs) would otherwise fail
-mid-request with an AttributeError. `mismatch()` names the first missing member instead, once,
+mid-request with an AttributeError. `mismatch()` names the missing members instead, once,
 at start-up.
 """
 
