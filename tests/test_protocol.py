@@ -4,8 +4,8 @@ timeout, a send timeout and a connection cap.
 The protocol serves a few-line ASGI app in this process: on a real loopback socket (asyncio's
 create_server, as uvicorn runs it) or fed by hand through a fake transport where the test must
 choose how the bytes are cut. Timeouts are short, and each test waits for the answer or for the
-server's own state (its open connections), never for a fixed time: a slow machine only makes a
-test take longer.
+server's own state (its open connections), never for a fixed time; a request's bytes are sent
+before the server accepts its connection. A slow machine only makes a test take longer.
 """
 
 from __future__ import annotations
@@ -102,8 +102,17 @@ class Served:
     state: ServerState
     app: EchoApp
 
-    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection(HOST, self.port)
+    async def connect(self, first: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection whose `first` bytes are sent before the server can accept it.
+
+        The connect and send block (on loopback the kernel completes both at once), so the bytes
+        are waiting when the server's timers start: however slow the machine, no short timeout
+        can fire between the accept and their arrival (the event loop reads before it runs timers).
+        """
+        sock = socket.create_connection((HOST, self.port))
+        sock.sendall(first)
+        sock.setblocking(False)
+        return await asyncio.open_connection(sock=sock)
 
     async def until_connections(self, count: int) -> None:
         """Wait until the server holds `count` open connections (it sees opens and closes a moment late)."""
@@ -270,8 +279,7 @@ async def test_a_head_within_the_limit_fed_a_few_bytes_at_a_time_is_served(fed) 
 
 async def test_a_head_over_the_limit_on_a_socket_gets_431_before_it_ends() -> None:
     async with serving() as served:
-        reader, writer = await served.connect()
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        reader, writer = await served.connect(b"GET / HTTP/1.1\r\nHost: x\r\n")
         pieces = (b"X-%04d: %s\r\n" % (i, b"a" * 20) for i in range(1000))  # 30 KB, the limit is 1 KB
         answered = asyncio.ensure_future(answer(reader))
         for piece in pieces:
@@ -289,8 +297,7 @@ async def test_a_head_over_the_limit_on_a_socket_gets_431_before_it_ends() -> No
 
 async def test_a_malformed_head_gets_the_json_400() -> None:
     async with serving() as served:
-        reader, writer = await served.connect()
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n")
+        reader, writer = await served.connect(b"GET / HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n")
         body = json_error(await answer(reader), 400, "invalid_input")
         assert "malformed HTTP request" in body["error"]
         writer.close()
@@ -302,8 +309,7 @@ async def test_a_malformed_head_gets_the_json_400() -> None:
 async def test_a_head_that_stops_arriving_gets_408() -> None:
     limits = ConnectionLimits(1024, header_timeout_s=SHORT, read_timeout_s=LONG, send_timeout_s=LONG, max_connections=8)
     async with serving(limits) as served:
-        reader, writer = await served.connect()
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... and no end
+        reader, writer = await served.connect(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... and no end
         body = json_error(await answer(reader), 408, "request_timeout")
         assert "head" in body["error"]
         assert await until_closed(reader) == b""
@@ -321,8 +327,7 @@ async def test_a_connection_that_never_speaks_is_closed_quietly() -> None:
 async def test_the_head_timeout_restarts_after_each_answer_on_a_kept_alive_connection() -> None:
     limits = ConnectionLimits(1024, header_timeout_s=SHORT, read_timeout_s=LONG, send_timeout_s=LONG, max_connections=8)
     async with serving(limits) as served:
-        reader, writer = await served.connect()
-        writer.write(request("GET", "/first"))
+        reader, writer = await served.connect(request("GET", "/first"))
         r = await answer(reader)
         assert r.status == 200 and r.keep_alive
         assert await until_closed(reader) == b"", "an idle kept-alive connection is closed, without an answer"
@@ -332,8 +337,9 @@ async def test_the_head_timeout_restarts_after_each_answer_on_a_kept_alive_conne
 async def test_a_body_that_stops_arriving_gets_408_and_the_app_sees_a_disconnect() -> None:
     limits = ConnectionLimits(1024, header_timeout_s=LONG, read_timeout_s=SHORT, send_timeout_s=LONG, max_connections=8)
     async with serving(limits) as served:
-        reader, writer = await served.connect()
-        writer.write(request("POST", "/body", b"0123456789", Content_Length="100"))  # 90 bytes never come
+        reader, writer = await served.connect(
+            request("POST", "/body", b"0123456789", Content_Length="100")
+        )  # 90 bytes never come
         body = json_error(await answer(reader), 408, "request_timeout")
         assert "body" in body["error"]
         await asyncio.wait_for(served.app.disconnected.wait(), BOUND_S)
@@ -364,8 +370,7 @@ async def test_the_body_timeout_does_not_count_while_the_server_stopped_reading(
 
 async def test_a_body_in_pieces_within_the_read_timeout_is_served() -> None:
     async with serving() as served:
-        reader, writer = await served.connect()
-        writer.write(request("POST", "/body", b"", Content_Length="3000"))
+        reader, writer = await served.connect(request("POST", "/body", b"", Content_Length="3000"))
         for _ in range(3):
             writer.write(b"z" * 1000)
             await writer.drain()
@@ -380,9 +385,8 @@ async def test_a_body_in_pieces_within_the_read_timeout_is_served() -> None:
 async def test_pipelined_requests_are_answered_in_order_and_the_connection_stays_open() -> None:
     limits = ConnectionLimits(1024, header_timeout_s=SHORT, read_timeout_s=LONG, send_timeout_s=LONG, max_connections=8)
     async with serving(limits) as served:
-        reader, writer = await served.connect()
         paths = ["/slow0", "/1", "/slow2", "/3"]
-        writer.write(b"".join(request("POST", p, b"b" * i) for i, p in enumerate(paths)))  # one write
+        reader, writer = await served.connect(b"".join(request("POST", p, b"b" * i) for i, p in enumerate(paths)))
         answers = [await answer(reader) for _ in paths]
         assert [r.json() for r in answers] == [{"path": p, "body_bytes": i} for i, p in enumerate(paths)]
         assert all(r.keep_alive for r in answers)
@@ -428,15 +432,13 @@ async def test_past_max_connections_a_new_connection_gets_503_then_is_served_onc
     async with serving(limits) as served:
         idle = [await served.connect() for _ in range(2)]
         await served.until_connections(2)
-        reader, writer = await served.connect()
-        writer.write(request("GET", "/over"))
+        reader, writer = await served.connect(request("GET", "/over"))
         json_error(await answer(reader), 503, "too_many_connections")
         writer.close()
         _, first = idle.pop()
         first.close()
         await served.until_connections(1)
-        reader, writer = await served.connect()
-        writer.write(request("GET", "/again"))
+        reader, writer = await served.connect(request("GET", "/again"))
         r = await answer(reader)
         assert r.status == 200 and r.json() == {"path": "/again", "body_bytes": 0}
         writer.close()
