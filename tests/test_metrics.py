@@ -166,6 +166,7 @@ async def test_the_metrics_port_needs_no_key_and_serves_nothing_else(start_app) 
     assert (await served.client.get("/metrics", headers={"Authorization": "Bearer secret"})).status_code == 200
 
 
+@pytest.mark.server
 def test_a_single_process_serves_its_metrics_port_without_the_key() -> None:
     port = free_port()
     with start_server(env={"FFN_API_KEY": "secret", "FFN_METRICS_PORT": str(port)}) as server:

@@ -148,8 +148,8 @@ def slow(request):
 def test_open_loop_warns_when_the_rate_was_not_offered():
     with StubServer(slow).in_thread() as stub:
         config = LoadConfig(
-            url=stub.url, rate=200.0, concurrency=2, duration=1.0, d_model=4, metrics_url="", timeout=60
-        )
+            url=stub.url, rate=200.0, concurrency=2, duration=0.25, d_model=4, metrics_url="", timeout=60
+        )  # 50 requests: 2.5 s at the stub's 20/s
         report = asyncio.run(run_load(config))
     offered = report.offered
     assert offered is not None and not offered.reached

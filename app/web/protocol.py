@@ -9,7 +9,8 @@ connections. Each connection here:
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
 - must not pause for `read_timeout_s` inside a body: 408 (the timer runs only while a body is
-  incomplete, so a request that arrives in one piece, the common case, never arms it);
+  incomplete, so a request that arrives in one piece, the common case, never arms it; and it
+  does not count the time the server itself stopped reading because the app was behind);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
 
@@ -18,6 +19,9 @@ the service's JSON error body instead of uvicorn's text/plain, with a request id
 (body and X-Request-Id), as every answer has. After an error answer the
 connection lingers briefly, reading and discarding, so that a client still sending reads the
 answer instead of a reset.
+
+It relies on private members of uvicorn's protocol; app/web/uvicorn_members.py lists them, and
+ffn-serve checks them before serving.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Any, ClassVar
 
 import httptools
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import ServiceError
 from app.request_context import new_request_id
@@ -231,9 +236,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
-        if not self.transport.is_closing():
-            # The app, still reading the body, sees the client gone; the client gets this answer.
-            self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            # The server stopped reading (the app has not yet taken what came, as on a busy
+            # machine): the pause is ours, not the client's. The timeout counts again from now.
+            self._arm_body_timer()
+            return
+        # The app, still reading the body, sees the client gone; the client gets this answer.
+        self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
@@ -265,7 +276,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         kind = kind_of(error)
         request_id = new_request_id()
         body = error_body(error.message, kind.error_type, request_id)
-        head = [STATUS_LINE[kind.status]]
+        head = [httptools_impl.STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [
             b"content-type: application/json\r\n",
