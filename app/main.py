@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-
 from app import __version__
 from app.control import Control
 from app.engine.registry import Registry
@@ -15,7 +13,7 @@ from app.metrics import Metrics
 from app.settings import Settings
 from app.web import ops
 from app.web.docs_assets import serve_docs_offline
-from app.web.endpoints import register
+from app.web.endpoints import ServiceApp, register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
@@ -33,7 +31,7 @@ def create_app(
     fast_path: bool = True,
     warm_before_serving: bool = False,
     control: Control | None = None,
-) -> FastAPI:
+) -> ServiceApp:
     """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
 
     `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
@@ -47,7 +45,7 @@ def create_app(
     state = ServiceState(settings, engine, registry.metrics, control)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: ServiceApp) -> AsyncIterator[None]:
         await engine.start()
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
@@ -57,7 +55,7 @@ def create_app(
         finally:
             await engine.stop()
 
-    app = FastAPI(
+    app = ServiceApp(
         title="ffn-serve",
         version=__version__,
         summary="A transformer's position-wise feed-forward network over HTTP, micro-batched.",
@@ -74,11 +72,11 @@ def create_app(
     register(app, ENDPOINTS, fast_path=fast_path)
     serve_docs_offline(app)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(
+    app.add_edge_middleware(
         GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes, metrics_port=settings.metrics_port
     )
     if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
-        app.add_middleware(
+        app.add_edge_middleware(
             JsonCORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
