@@ -31,26 +31,30 @@ def refuse_content_encoding(content_encoding: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The whole body into one writable buffer, refused with 413 as soon as it passes `limit`.
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused with 413 as soon as it passes `limit`.
 
     Content-Length is checked before reading; a chunked body is counted as it streams in. A
     client that hangs up is a 499, not a failure of ours; one that stalls mid-body is answered
-    408 by the protocol (app/web/protocol.py), which this read then sees as a hang-up. The
-    buffer is a bytearray so binary tensors can be viewed without a copy.
+    408 by the protocol (app/web/protocol.py), which this read then sees as a hang-up. A body
+    that came in one piece (every small one) is that piece itself, not a copy; a larger one is
+    joined once at the end. Binary tensors are viewed in it without a copy, read-only.
     """
     declared = header_int(request.headers.get("content-length"), "Content-Length")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
+    chunks: list[bytes] = []
+    size = 0
     try:
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
+            size += len(chunk)
+            if size > limit:
                 raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+            if chunk:
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection while sending its body") from None
-    return body
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:

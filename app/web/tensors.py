@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import warnings
 
 import numpy as np
 import orjson
@@ -19,6 +20,12 @@ import torch
 from app.web.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
 from app.web.fields import json_type
 from ffn_core.dtypes import DType
+
+# torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
+# that it cannot protect it. Request rows are only read: spend that one warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
 
 MAX_RANK = 3
 # Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
@@ -62,10 +69,12 @@ def check_finite_output(output: torch.Tensor) -> None:
         )
 
 
-def view_rows(buffer: bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
+def view_rows(buffer: bytes | bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
     """(rows, d_model) of `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
 
     The caller has checked that the buffer holds exactly rows * d_model elements from `offset`.
+    A `bytes` buffer gives a tensor torch cannot mark read-only; nothing on the way to the model
+    writes into its input (the runner reads it, or copies it into a staging slot).
     """
     tensor = torch.frombuffer(buffer, dtype=dtype.torch, offset=offset, count=rows * d_model).view(rows, d_model)
     check_finite(tensor)

@@ -53,7 +53,7 @@ def check_content(content_type: str | None, content_encoding: str | None) -> Non
         raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
 
 
-def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: int) -> V2Request:
+def decode(body: bytes | bytearray, header_length: str | None, d_model: int, max_rows: int) -> V2Request:
     """An infer request's one input tensor and its options; every field type-checked (400).
 
     A JSON part with more arrays or values than `max_rows` rows is refused before it is parsed.
@@ -139,7 +139,7 @@ def _shape(value: object) -> tuple[int, ...]:
 
 
 def _binary_tensor(
-    body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    body: bytes | bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     expected = rows * d_model * dtype.itemsize
     if size != expected:
@@ -150,7 +150,7 @@ def _binary_tensor(
 
 
 def _json_tensor(
-    data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    data: object, source: bytes | bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
