@@ -14,6 +14,9 @@ from app.web.fields import header_int, header_number
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "x-timeout-ms"
+# A scope key set (to None) by a protocol that calls the callback stored under it, with no
+# argument, when the connection is lost before the answer is complete (app/web/protocol.py).
+ON_DISCONNECT = "ffn.on_disconnect"
 
 
 def media_type(content_type: str | None) -> str | None:
@@ -73,20 +76,31 @@ def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, but cancel it if the client disconnects first (its queued rows are dropped).
 
-    Call only after the body has been read: the next ASGI message is then http.disconnect.
+    Call only after the body has been read: the next ASGI message is then http.disconnect. Under
+    our protocol (app/web/protocol.py), which calls the scope's ON_DISCONNECT callback when the
+    connection is lost, that is one callback and no task; under any other server, a task watches
+    for the disconnect message.
     """
     task = asyncio.current_task()
     assert task is not None, "unless_disconnected must run inside a task; this is a bug."
+    scope = request.scope
     gone = False
 
-    async def watch() -> None:
+    def hang_up() -> None:
         nonlocal gone
+        gone = True
+        task.cancel()
+
+    async def watch() -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            gone = True
-            task.cancel()
+            hang_up()
 
-    watcher = asyncio.ensure_future(watch())
+    watcher = None
+    if ON_DISCONNECT in scope:
+        scope[ON_DISCONNECT] = hang_up
+    else:
+        watcher = asyncio.ensure_future(watch())
     try:
         return await work
     except asyncio.CancelledError:
@@ -95,4 +109,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             raise ClientDisconnected("the client closed the connection before the answer was ready") from None
         raise
     finally:
-        watcher.cancel()
+        if watcher is None:
+            scope[ON_DISCONNECT] = None
+        else:
+            watcher.cancel()
