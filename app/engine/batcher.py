@@ -368,6 +368,11 @@ class Batcher:
         elapsed = time.perf_counter() - started
         self._count_pass(elapsed, rows, len(batch))
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
+        self._split(batch, output)
+
+    @staticmethod
+    def _split(batch: list[Entry], output: torch.Tensor) -> None:
+        """Answer each entry its rows of the batch's output: views, in order, no copy."""
         offset = 0
         for entry in batch:
             if not entry.future.done():
