@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
+from prometheus_client import Counter
 
 from app.control import Control
 from app.engine.service import Engine
@@ -22,16 +21,37 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    # ffn_requests_total's children by (model, outcome), each looked up once (a label lookup costs µs).
+    _outcomes: dict[tuple[str, str], Counter] = field(default_factory=dict, repr=False)
 
-    @contextmanager
-    def count(self, model: str) -> Iterator[None]:
-        """Count one request's outcome in ffn_requests_total{model, outcome}: ok or its error_type."""
-        try:
-            yield
-        except Exception as exc:
-            self.metrics.requests.labels(model=model, outcome=error_type_of(exc)).inc()
-            raise
-        self.metrics.requests.labels(model=model, outcome="ok").inc()
+    def count(self, model: str) -> Counting:
+        """Count one request's outcome in ffn_requests_total{model, outcome}: ok or its error_type (`with`)."""
+        return Counting(self, model)
+
+    def counter(self, model: str, outcome: str) -> Counter:
+        """The ffn_requests_total child of (model, outcome)."""
+        child = self._outcomes.get((model, outcome))
+        if child is None:
+            child = self._outcomes[model, outcome] = self.metrics.requests.labels(model=model, outcome=outcome)
+        return child
+
+
+class Counting:
+    """`with state.count(model):` counts the block's outcome once: ok, or the error_type of what it raised."""
+
+    __slots__ = ("model", "state")
+
+    def __init__(self, state: ServiceState, model: str) -> None:
+        self.state, self.model = state, model
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.state.counter(self.model, "ok").inc()
+        elif isinstance(error, Exception):
+            self.state.counter(self.model, error_type_of(error)).inc()
 
 
 def service_state(request: Request) -> ServiceState:
