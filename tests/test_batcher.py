@@ -112,41 +112,6 @@ async def test_arrivals_during_a_forward_form_the_next_batch(executor):
     await batcher.stop()
 
 
-class ThreadRecordingForward(RecordingForward):
-    """RecordingForward that also records which thread ran each batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.threads: list[int] = []
-
-    def __call__(self, parts):
-        self.threads.append(threading.get_ident())
-        return super().__call__(parts)
-
-
-async def test_batches_up_to_inline_rows_run_on_the_loop_thread_larger_ones_on_the_executor(executor):
-    forward = ThreadRecordingForward()
-    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0, inline_rows=4)
-    small, large = rows(4), rows(5, 100)
-    assert torch.equal(await asyncio.wait_for(batcher.submit(small), 2), small * 2 + 1)
-    assert torch.equal(await asyncio.wait_for(batcher.submit(large), 2), large * 2 + 1)
-    executor_thread = executor.submit(threading.get_ident).result()
-    assert forward.batches == [[4], [5]]
-    assert forward.threads == [threading.get_ident(), executor_thread]
-    await batcher.stop()
-
-
-async def test_an_inline_forward_that_fails_fails_only_that_batch(executor):
-    forward = RecordingForward()
-    batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0, inline_rows=64)
-    forward.fail_with = RuntimeError("boom")
-    with pytest.raises(ModelError, match="RuntimeError"):
-        await asyncio.wait_for(batcher.submit(rows(2)), 2)
-    forward.fail_with = None
-    await answers_right(batcher, rows(3))
-    await batcher.stop()
-
-
 async def test_oversized_request_is_chunked_and_reassembled_in_order(executor):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=8, max_wait_s=0.0)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -204,33 +201,8 @@ def test_warm_up_runs_every_bucket(model, max_rows, buckets):
         reported = runner.warm_up()
     finally:
         hook.remove()
-    assert ran[: len(buckets)] == [(rows, D) for rows in buckets]
-    # Then, on the CPU, the passes that time the cheap buckets for inline_rows: at bucket sizes only.
-    assert set(ran[len(buckets) :]) <= {(rows, D) for rows in buckets}
+    assert ran == [(rows, D) for rows in buckets]
     assert reported == buckets
-
-
-@pytest.mark.parametrize(
-    ("budget_s", "staging", "inline_rows"),
-    [(math.inf, False, 16), (0.0, False, 0), (math.inf, True, 0)],
-    ids=["every-bucket-within-budget", "no-budget", "staged-never-inline"],
-)
-def test_warm_up_finds_the_largest_bucket_cheap_enough_to_run_inline(model, budget_s, staging, inline_rows):
-    """Buckets whose CPU pass fits the budget run inline; a staged runner (the GPU's path) never does."""
-    runner = ModelRunner(model, max_batch_rows=16, staging=staging, inline_budget_s=budget_s)
-    assert runner.inline_rows == 0  # nothing is known before the warm-up times it
-    runner.warm_up()
-    assert runner.inline_rows == inline_rows
-
-
-def test_a_warm_model_hands_its_inline_rows_to_its_batcher():
-    registry = Registry(Settings(max_batch_rows=8), Metrics())
-    registry.load()
-    served = registry.models["demo"]
-    served._runner.inline_budget_s = math.inf
-    asyncio.run(served.warm_up(enabled=True))
-    assert served._batcher.inline_rows == served._runner.inline_rows == 8
-    registry.shutdown_executors()
 
 
 def test_resolve_device():

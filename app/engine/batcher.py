@@ -7,9 +7,7 @@ forward pass forms the next batch). The batch's rows are concatenated (the FFN i
 position-wise, so no padding), run on the model's device thread and split back in order.
 With a `launch` (the staged GPU runner), up to `max_in_flight` batches are in flight at once:
 the next batch is launched on the device thread while the last one's answer is still being
-computed, and each batch's answer is waited for off the device thread. A batch of at most
-`inline_rows` rows (on the CPU, where the runner found such a pass cheaper than the hop to its
-thread and back) runs on the event loop's own thread instead.
+computed, and each batch's answer is waited for off the device thread.
 
 A Monte Carlo dropout request is queued beside the rows, never batched with them, and run in
 slices of at most a batch's worth of row-passes; while plain rows wait, the collector takes
@@ -85,13 +83,10 @@ class Batcher:
         launch: Launch | None = None,
         max_in_flight: int = 1,
         monte_carlo: StartMonteCarlo | None = None,
-        inline_rows: int = 0,
     ) -> None:
         """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time.
 
         `monte_carlo` starts a Monte Carlo request's passes; without it, such requests are refused.
-        `inline_rows`: without `launch`, batches of at most this many rows call `forward` on the
-        event loop's thread, not the executor's (0: never); the served model sets it after warm-up.
         """
         if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or max_in_flight < 1:
             raise ValueError("max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s >= 0")
@@ -103,7 +98,6 @@ class Batcher:
         self._launch = launch
         self._start_monte_carlo = monte_carlo
         self._executor = executor
-        self.inline_rows = inline_rows
         # One slot per batch in flight: the collector takes a batch only when it holds one.
         self._slots = asyncio.Semaphore(max_in_flight if launch is not None else 1)
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -356,7 +350,7 @@ class Batcher:
             self._instruments.queue_seconds.observe(started - entry.arrived)
         rows = sum(entry.n for entry in batch)
         try:
-            output = await self._compute([entry.rows for entry in batch], rows)
+            output = await self._compute([entry.rows for entry in batch])
         except OUT_OF_MEMORY:
             await self._split_after_oom(batch, rows)
             return
@@ -386,15 +380,10 @@ class Batcher:
         self._instruments.batch_rows.observe(rows)
         self._instruments.last_inference.set(time.time())
 
-    async def _compute(self, parts: list[torch.Tensor], rows: int) -> torch.Tensor:
-        """The forward pass on the device thread; launched there and waited for elsewhere when it can be.
-
-        A plain batch of at most `inline_rows` rows runs right here, on the event loop's thread.
-        """
+    async def _compute(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The forward pass on the device thread; launched there and waited for elsewhere when it can be."""
         loop = asyncio.get_running_loop()
         if self._launch is None:
-            if rows <= self.inline_rows:
-                return self._forward(parts)
             return await loop.run_in_executor(self._executor, self._forward, parts)
         pending = await loop.run_in_executor(self._executor, self._launch, parts)
         if pending.done():

@@ -156,7 +156,6 @@ class ServedModel:
         if enabled:
             sizes = await asyncio.get_running_loop().run_in_executor(self._executor, self._runner.warm_up)
             log.info("model %s warm at batch sizes %s", self.name, sizes)
-            self._batcher.inline_rows = self._runner.inline_rows  # measured by the warm-up
         self.warmed_up()
 
     async def drain(self, timeout_s: float) -> bool:

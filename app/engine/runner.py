@@ -11,10 +11,6 @@ Either way the FFN runs through BucketedForward (app/engine/graphs.py): at a pad
 bucket replayed from a CUDA graph once warm on CUDA, eager at the batch's own size otherwise.
 Batch-invariant mode runs every chunk at one fixed row count.
 
-On the CPU, warm-up also times each bucket: batches whose bucket took at most INLINE_BUDGET_S
-(`inline_rows`) are cheaper to compute on the event loop's own thread than to hand to the
-device thread and back, and the batcher runs them there.
-
 Rows travel to the device in the requests' dtype when they share one, and the answer comes back
 in the wider of that and the compute dtype: a float32 client of a bfloat16 model sends and gets
 float32, converted on the device; a bfloat16 request to a float32 model gets float32, which its
@@ -24,7 +20,6 @@ codec rounds for a bfloat16 answer or keeps for a JSON one.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,12 +32,6 @@ from app.engine.staging import CudaStaging, HostStaging, Pending, Ready, copy_ro
 from ffn_core import FeedForward, FusedGatedFeedForward, MonteCarloPasses
 
 log = logging.getLogger("ffn_serve.runner")
-
-# A CPU forward pass that takes at most this long runs on the event loop's thread (the batcher's
-# `inline_rows`): handing it to the device thread and back costs 30 to 150 µs of CPU and a thread
-# wake-up each way, more than the pass itself, and 0.2 ms blocks the loop no longer than handling
-# two or three small requests does.
-INLINE_BUDGET_S = 0.0002
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,7 +71,6 @@ class ModelRunner:
         batch_invariant_rows: int | None = None,
         pad: bool | None = None,
         tf32: bool = False,
-        inline_budget_s: float = INLINE_BUDGET_S,
     ) -> None:
         """`staging` (default: on for CUDA) runs the double-buffered staged path; forced on the CPU, tests run it.
 
@@ -90,7 +78,6 @@ class ModelRunner:
         every forward at that row count. `pad` (default: only in batch-invariant mode) pads
         batches to their bucket without graphs, which only tests want. `tf32`: the warm-up
         check allows TF32's error for a float32 model on CUDA (set_tf32 sets the switches).
-        `inline_budget_s`: the longest a bucket's pass may take at warm-up for `inline_rows` to reach it.
         """
         self.model = model
         first = next(model.parameters())
@@ -112,8 +99,6 @@ class ModelRunner:
             keep_shape=self.batch_invariant,
         )
         self._host = torch.device("cpu")
-        self.inline_budget_s = inline_budget_s
-        self.inline_rows = 0  # set by warm_up: batches of at most this many rows are cheap enough to run inline
         self._staging: HostStaging | None = None
         if staging if staging is not None else self.device.type == "cuda":
             self._staging = (
@@ -206,40 +191,16 @@ class ModelRunner:
                     self([torch.zeros((rows, self.d_model), dtype=dtype)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # warm-up only: the request path waits on its own events
-        self.inline_rows = self._cheap_rows()
         log.info(
-            "%s on %s: buckets %s; CUDA graphs at %s; padded without graphs at %s; staged %s; inline up to %d rows",
+            "%s on %s: buckets %s; CUDA graphs at %s; padded without graphs at %s; staged %s",
             type(self.model).__name__,
             self.device,
             self.bucketed.buckets,
             self.bucketed.graphed or "none",
             [b for b in self.bucketed.padded if b not in self.bucketed.graphed] or "none",
             self.staged,
-            self.inline_rows,
         )
         return self.bucketed.buckets
-
-    def _cheap_rows(self) -> int:
-        """The largest bucket whose plain CPU pass takes at most `inline_budget_s` (best of three); 0 for none.
-
-        Only for the plain CPU path: a GPU's passes, staged ones included, stay on the device
-        thread, which keeps CUDA's waits off the event loop.
-        """
-        if self.device.type != "cpu" or self.staged:
-            return 0
-        cheap = 0
-        with torch.inference_mode():
-            for rows in self.bucketed.buckets:
-                parts = [torch.zeros((rows, self.d_model), dtype=torch.float32)]
-                best = float("inf")
-                for _ in range(3):
-                    started = time.perf_counter()
-                    self(parts)
-                    best = min(best, time.perf_counter() - started)
-                if best >= self.inline_budget_s:
-                    break
-                cheap = rows
-        return cheap
 
     def _check_fused_gate(self, generator: torch.Generator, bound: float) -> None:
         """The fused W1‖V GEMM against the two apart; past the bound, the model runs unfused."""
