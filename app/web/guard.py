@@ -49,12 +49,6 @@ def is_probe(scope: Scope) -> bool:
     return scope["method"] in ("GET", "HEAD") and _MODEL_READY.fullmatch(path) is not None
 
 
-def head_size(scope: Scope) -> int:
-    """Bytes of a request's head as sent: request line and header lines (close to the wire size)."""
-    line = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
-    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
-
-
 def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
     """Every Transfer-Encoding coding of the request, lower-case, in order."""
     return [
@@ -96,9 +90,16 @@ class GuardMiddleware:
 
     def _refusal(self, scope: Scope) -> Exception | None:
         headers = scope["headers"]
-        if head_size(scope) > self._max_header_bytes:
+        # One pass over the headers: the head's size as sent (request line and header lines, close
+        # to the wire size), and whether any Transfer-Encoding came; its codings are read only then.
+        size = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
+        coded = False
+        for name, value in headers:
+            size += len(name) + len(value) + 4
+            coded = coded or name == b"transfer-encoding"
+        if size > self._max_header_bytes:
             return HeaderTooLarge(f"request head exceeds {self._max_header_bytes} bytes")
-        codings = transfer_codings(headers)
+        codings = transfer_codings(headers) if coded else []
         if codings and codings != [b"chunked"]:
             shown = b", ".join(codings).decode("latin-1")[:64]
             return UnsupportedTransferEncoding(

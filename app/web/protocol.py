@@ -14,6 +14,10 @@ connections. Each connection here:
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
 
+It also tells a request that its client left, through the callback the request left in its
+scope under ON_DISCONNECT (app/web/http.py: unless_disconnected), so that no task per request
+has to wait for the disconnect message.
+
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
 the service's JSON error body instead of uvicorn's text/plain, with a request id of their own
 (body and X-Request-Id), as every answer has. After an error answer the
@@ -29,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 from starlette.types import Receive, Scope, Send
@@ -49,6 +54,7 @@ from app.web.errors import (
     error_response,
     kind_of,
 )
+from app.web.http import ON_DISCONNECT
 from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
@@ -128,7 +134,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            hang_up: Callable[[], None] | None = cast(dict[str, Any], cycle.scope).get(ON_DISCONNECT)
+            if hang_up is not None:
+                hang_up()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -160,6 +171,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+        cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # see http.py: unless_disconnected
 
     def on_headers_complete(self) -> None:
         self._reading_head = False

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
+from prometheus_client import Counter
 
 from app.control import Control
 from app.engine.service import Engine
@@ -34,6 +33,8 @@ class ServiceState:
     trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
     tracing: Tracing | None = None  # None: requests are not traced
     shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off
+    # ffn_requests_total's children by (model, outcome, protocol), each looked up once (a lookup costs µs).
+    _outcomes: dict[tuple[str, str, str], Counter] = field(default_factory=dict, repr=False)
 
     def count_from_zero(self, model: str) -> None:
         """Create the model's ffn_requests_total series for every outcome and door, at 0.
@@ -43,17 +44,37 @@ class ServiceState:
         """
         for outcome in OUTCOMES:
             for protocol in PROTOCOLS:
-                self.metrics.requests.labels(model=model, outcome=outcome, protocol=protocol)
+                self.counter(model, outcome, protocol)
 
-    @contextmanager
-    def count(self, model: str, protocol: str = "http") -> Iterator[None]:
-        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type."""
-        try:
-            yield
-        except Exception as exc:
-            self.metrics.requests.labels(model=model, outcome=error_type_of(exc), protocol=protocol).inc()
-            raise
-        self.metrics.requests.labels(model=model, outcome="ok", protocol=protocol).inc()
+    def count(self, model: str, protocol: str = "http") -> Counting:
+        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type (`with`)."""
+        return Counting(self, model, protocol)
+
+    def counter(self, model: str, outcome: str, protocol: str = "http") -> Counter:
+        """The ffn_requests_total child of (model, outcome, protocol)."""
+        child = self._outcomes.get((model, outcome, protocol))
+        if child is None:
+            child = self.metrics.requests.labels(model=model, outcome=outcome, protocol=protocol)
+            self._outcomes[model, outcome, protocol] = child
+        return child
+
+
+class Counting:
+    """`with state.count(model):` counts the block's outcome once: ok, or the error_type of what it raised."""
+
+    __slots__ = ("model", "protocol", "state")
+
+    def __init__(self, state: ServiceState, model: str, protocol: str) -> None:
+        self.state, self.model, self.protocol = state, model, protocol
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.state.counter(self.model, "ok", self.protocol).inc()
+        elif isinstance(error, Exception):
+            self.state.counter(self.model, error_type_of(error), self.protocol).inc()
 
 
 def service_state(request: Request) -> ServiceState:

@@ -37,10 +37,21 @@ PROTOCOL_METHODS = (
     "pause_writing",
     "resume_writing",
 )
-PROTOCOL_STATE = ("app", "loop", "parser", "connections", "server_state", "pipeline", "cycle", "transport", "flow")
+PROTOCOL_STATE = (
+    "app",
+    "loop",
+    "parser",
+    "connections",
+    "server_state",
+    "pipeline",
+    "cycle",
+    "transport",
+    "flow",
+    "scope",
+)
 FLOW_STATE = ("read_paused",)
 SERVER_STATE = ("default_headers",)
-CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event")
+CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event", "scope")
 
 
 def missing() -> list[str]:

@@ -72,7 +72,7 @@ def check_content(content_type: str | None, content_encoding: str | None) -> Non
 
 
 def decode(
-    body: bytearray,
+    body: bytes | bytearray,
     header_length: str | None,
     d_model: int,
     max_rows: int,
@@ -215,7 +215,7 @@ def _shape(value: object) -> tuple[int, ...]:
 
 
 def _binary_tensor(
-    body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    body: bytes | bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     expected = rows * d_model * dtype.itemsize
     if size != expected:
@@ -226,7 +226,7 @@ def _binary_tensor(
 
 
 def _json_tensor(
-    data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    data: object, source: bytes | bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
