@@ -69,13 +69,17 @@ async def test_health_is_not_serving_while_draining(tmp_path: Path) -> None:
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-            # Four passes of a second or so each: the drain is still going when the checks below ask.
+            # Four passes of a second or so each, all accepted before the drain begins: the drain is
+            # still going when the checks below ask (the door closes only once it has finished).
             big = infer_request(np.ones((3072, D_MODEL), np.float32), "slow")
             in_flight = asyncio.gather(*(s.ModelInfer(big) for _ in range(4)))
+
+            def all_four_taken(m: str) -> bool:
+                started = metric_value(m, "ffn_queue_seconds_count", model="slow")
+                return started >= 1 and started + metric_value(m, "ffn_queue_rows", model="slow") / 3072 >= 4
+
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-                await wait_for_metrics(
-                    http, lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") >= 1, "the pass to start"
-                )
+                await wait_for_metrics(http, all_four_taken, "the four requests to be taken")
             server.terminate()
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             check = await health.Check(health_pb2.HealthCheckRequest(service="slow"))
