@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from app import __version__
 from app.logs import configure_logging
 from app.metrics import Metrics
+from app.metrics_folder import MetricsFolderError, check_metrics_dir
 from app.server import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, Listeners, serve_here
 from app.settings import ConfigFileError, Settings, command_line, load_settings, misspelt_variables
 from app.supervisor import Supervisor
@@ -34,6 +35,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigFileError, ValidationError) as exc:
         print(f"ffn-serve: invalid settings: {exc}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if settings.workers > 1:
+        try:
+            check_metrics_dir(settings.metrics_dir)
+        except MetricsFolderError as exc:
+            print(f"ffn-serve: invalid settings: {exc}", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
     configure_logging(settings.log_level, settings.log_format)
     for warning in misspelt_variables():
         log.warning(warning)
