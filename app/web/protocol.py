@@ -11,7 +11,9 @@ connections. Each connection here:
 - must not pause for `read_timeout_s` inside a body: 408 (the timer runs only while a body is
   incomplete, so a request that arrives in one piece, the common case, never arms it);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
-- past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
+- past `max_connections` open ones, gets 503 `too_many_connections` and is closed;
+- once the server drains (`close_connections`), answers with `Connection: close`, and is closed
+  when idle: a client is never left with a request on a connection the process is about to close.
 
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
 the service's JSON error body instead of uvicorn's text/plain. After an error answer the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,6 +48,9 @@ from app.web.errors import (
 log = logging.getLogger("ffn_serve")
 
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
+# While draining, an idle connection is closed once quiet this long: a client that has just read
+# an answer may be writing its next request, which a close at that moment would lose.
+IDLE_CLOSE_S = 0.5
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 
 
@@ -85,10 +91,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a bounded head, head and send timeouts, and a connection cap."""
 
     limits: ClassVar[ConnectionLimits]
+    closing: ClassVar[bool] = False  # the server drains: every connection closes after its answer
     _last_cap_warning: ClassVar[float] = 0.0
+
+    @classmethod
+    def close_connections(cls, connections: Iterable[Any]) -> None:
+        """From now on, answer every request with `Connection: close` and close idle connections (`shutdown`)."""
+        cls.closing = True
+        for connection in list(connections):
+            connection.shutdown()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._idle_since = 0.0  # when the connection opened or last finished an answer
+        self._quiet_timer: asyncio.TimerHandle | None = None
         self._reading_head = True  # between one message's end and the next one's headers
         self._head_begun = False
         self._head_bytes = 0
@@ -111,7 +127,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 log.warning(
                     "%d connections open: refusing new ones with 503 (max_connections)", len(self.connections) - 1
                 )
+        self._idle_since = self.loop.time()
         self._arm_head_timer()
+        if self.closing:
+            self._close_when_quiet()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
@@ -153,6 +172,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_body = True
         self._cancel_head_timer()
         super().on_headers_complete()
+        if self.closing:
+            self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -166,7 +187,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
         super().on_response_complete()
         if idle and not self.transport.is_closing():
+            self._idle_since = self.loop.time()
             self._arm_head_timer()
+
+    # ----- closing while the server drains -----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close gracefully: the answer under way says `Connection: close`; an idle connection is
+        closed once it has been quiet for IDLE_CLOSE_S (uvicorn's own closes it at once)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        elif not (self._head_begun or self._head_bytes):
+            self._close_when_quiet()
+        # else a request's head is arriving: its answer will say Connection: close
+
+    def _close_when_quiet(self) -> None:
+        if self._quiet_timer is None:
+            delay = max(0.0, self._idle_since + IDLE_CLOSE_S - self.loop.time())
+            self._quiet_timer = self.loop.call_later(delay, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        self._quiet_timer = None
+        busy = (self.cycle is not None and not self.cycle.response_complete) or self._head_begun or self._head_bytes
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
 
     # ----- flow control: the send timeout ----------------------------------------------------
 
@@ -229,6 +273,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
