@@ -404,9 +404,11 @@ def test_entrypoint_serves_demo_without_a_config_and_the_mounted_config_with_one
 
 
 def test_entrypoint_passes_flags_to_ffn_serve_and_runs_other_commands(tmp_path: Path) -> None:
-    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(tmp_path)})
+    models = tmp_path / "models"
+    models.mkdir()
+    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-serve" and seen["args"] == ["--port", "9000"] and seen["same_pid"]
-    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(tmp_path)})
+    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-loadtest" and seen["args"] == ["--duration", "1"]
 
 
@@ -422,11 +424,13 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
     port = free_port()
     entry = on_path(instructions("ENTRYPOINT")[0].exec_form()[0])
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    models = tmp_path / "models"
+    models.mkdir()
     env = {
         **clean,
         "PATH": f"{bin_dir}:{clean['PATH']}",
         "PYTHONPATH": str(ROOT),
-        "MODELS_DIR": str(tmp_path),  # empty: the built-in demo model
+        "MODELS_DIR": str(models),  # empty: the built-in demo model
         "FFN_HOST": "127.0.0.1",  # the image says 0.0.0.0; a test stays on loopback
         "FFN_PORT": str(port),
         "FFN_TORCH_THREADS": "1",
@@ -438,7 +442,7 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
         )
     try:
         deadline = time.monotonic() + 180
-        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) != 0:
+        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(models)}) != 0:
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "not ready within 180 s"
             time.sleep(0.5)
