@@ -646,7 +646,13 @@ def resolve_port(container: dict[str, Any], port: int | str) -> int:
 def test_kubernetes_manifests_validate_against_the_kubernetes_schemas() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     core = [(p, d) for p, d in manifests() if not d["apiVersion"].startswith("serving.kserve.io/")]
-    assert {d["kind"] for _, d in core} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for _, d in core} == {
+        "Namespace",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     for path, document in core:
         for version in ("1.28.0", kubernetes_validate.latest_version()):
             try:
@@ -736,7 +742,7 @@ def test_kubernetes_models_volume_is_read_only_at_the_images_path() -> None:
     for path, deployment in deployments():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        (mount,) = container["volumeMounts"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
         assert mount["mountPath"] == env_values(FINAL)["MODELS_DIR"] and mount["readOnly"] is True, path
         assert mount["name"] in {v["name"] for v in pod["volumes"]}
 
