@@ -13,7 +13,9 @@ connections. Each connection here:
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - past `max_connections` open ones, gets 503 `too_many_connections` and is closed;
 - once the server drains (`close_connections`), answers with `Connection: close`, and is closed
-  when idle: a client is never left with a request on a connection the process is about to close.
+  when idle: a client is never left with a request on a connection the process is about to close;
+- writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
+  between two writes would leave a head without its body, which a proxy can no longer retry.
 
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
 the service's JSON error body instead of uvicorn's text/plain. After an error answer the
@@ -51,6 +53,8 @@ LINGER_S = 2.0  # after an error answer: how long to read and discard before clo
 # While draining, an idle connection is closed once quiet this long: a client that has just read
 # an answer may be writing its next request, which a close at that moment would lose.
 IDLE_CLOSE_S = 0.5
+# Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
+ONE_WRITE_BYTES = 64 * 1024
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 
 
@@ -172,6 +176,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_body = True
         self._cancel_head_timer()
         super().on_headers_complete()
+        self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
         if self.closing:
             self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
 
@@ -323,3 +328,46 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _close_after_linger(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class OneWriteAnswers:
+    """The transport as a request's cycle sees it: a write is held until the loop's next turn, and
+    one that follows in the same turn goes out with it in one write.
+
+    uvicorn writes an answer's head, then its body: two writes. A process killed between them (a
+    SIGKILL, a crash) leaves its client a head without a body; behind a proxy that has passed the
+    head on, the request can no longer be sent to another replica. In one write, the whole answer
+    reaches the socket, whose data the kernel still sends after the process is gone, or none of
+    it does, and the proxy retries. A body above ONE_WRITE_BYTES is written apart, not copied.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            if len(data) <= ONE_WRITE_BYTES:
+                self._held = data
+                self._loop.call_soon(self._flush)
+            else:
+                self._transport.write(data)
+        elif len(data) <= ONE_WRITE_BYTES:
+            self._transport.write(held + data)
+        else:
+            self._transport.write(held)
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
