@@ -27,8 +27,19 @@ if [ "$1" = ffn-serve ] && [ -z "${FFN_CONFIG:-}" ] && [ -e "$models_dir" ]; the
     if [ -e "$config" ] || [ -L "$config" ]; then
         export FFN_CONFIG="$config"  # unreadable or broken: ffn-serve says why and exits 2
     else
-        # Hidden files, READMEs and a file system's lost+found do not make a folder hold models.
-        found=$(ls -A "$models_dir" | grep -v -e '^\.' -e '^README' -e '^lost+found$' | head -n 5 | tr '\n' ' ')
+        # Hidden files (the glob skips them), READMEs and a file system's lost+found do not make
+        # a folder hold models.
+        found="" count=0
+        for path in "$models_dir"/*; do
+            [ -e "$path" ] || [ -L "$path" ] || continue  # an empty folder: the pattern itself
+            case "${path##*/}" in
+                README* | lost+found) ;;
+                *)
+                    count=$((count + 1))
+                    if [ "$count" -le 5 ]; then found="$found${path##*/} "; else found="${found%... }... "; fi
+                    ;;
+            esac
+        done
         if [ -n "$found" ]; then
             refuse "the model folder $models_dir holds ${found}but no config.toml:" \
                 "name the config file config.toml, or set FFN_CONFIG to it (the built-in demo model is" \
