@@ -463,8 +463,16 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading Compose's `!reset` tag as the plain value it tags."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))  # type: ignore[arg-type]
+
+
 COMPOSE = load_yaml(ROOT / "docker-compose.yml")
 COMPOSE_GPU = load_yaml(DEPLOY / "compose.gpu.yml")
+COMPOSE_LB = yaml.load((DEPLOY / "compose.lb.yml").read_text(), Loader=ComposeLoader)
 SERVICES = COMPOSE["services"]
 SERVER = SERVICES["ffn"]
 
@@ -561,23 +569,31 @@ def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
 
 
 def test_compose_load_balancer_profile_fronts_the_replicas() -> None:
-    lb = SERVICES["lb"]
-    assert lb["profiles"] == ["lb"]
+    lb = COMPOSE_LB["services"]["lb"]
     assert lb["depends_on"]["ffn"]["condition"] == "service_healthy"
     assert READY_PATH in " ".join(lb["healthcheck"]["test"])
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
-    assert re.search(rf"^\s*server ffn:{SERVICE_PORT} resolve\b", conf, re.M), "the upstream is every `ffn` replica"
+    assert re.search(rf"^\s*proxy_pass http://\$replicas:{SERVICE_PORT};", conf, re.M), "every `ffn` replica"
+    assert re.search(r"^\s*set \$replicas ffn;", conf, re.M)
     assert re.search(rf"^\s*listen {container_port(lb)};", conf, re.M)
     (conf_mount,) = lb["volumes"]
     assert (ROOT / conf_mount["source"]).is_file()
     body = re.search(r"client_max_body_size (\d+)m;", conf)
     assert body and int(body[1]) * 2**20 == Settings.model_fields["max_body_bytes"].default
     assert "non_idempotent" in conf and "http_503" in conf
-    # A scaled service needs a host port per replica, hence PUBLISH (an address:port or a range).
+    # One replica alone is published on PUBLISH; behind the balancer, replicas publish nothing.
     assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000"]
+    assert COMPOSE_LB["services"]["ffn"] == {"ports": []}  # `!reset []`, read by PyYAML as a plain list
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]])
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "deploy/compose.gpu.yml"],
+        ["docker-compose.yml", "deploy/compose.lb.yml"],
+    ],
+)
 def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> None:
     from deploy.docker_tools import compose_v2
 
@@ -587,23 +603,31 @@ def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> 
     args = [*command, "--project-directory", str(ROOT)]
     for f in files:
         args += ["-f", str(ROOT / f)]
-    args += ["--profile", "lb", "--profile", "loadtest", "config", "--format", "json"]
+    args += ["--profile", "loadtest", "config", "--format", "json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))}
     result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
-    assert set(resolved) == {"ffn", "lb", "loadtest"}
-    assert all(value is None for value in resolved["ffn"]["environment"].values()), "unset: nothing overridden"
+    assert set(resolved) == {"ffn", "loadtest"} | ({"lb"} if "deploy/compose.lb.yml" in files else set())
+    # Unset in the shell: nothing passed on, but what the files themselves give a value to
+    # (the metrics port; the GPU override's FFN_WORKERS default).
+    fixed = {
+        e.split("=")[0]
+        for f in files
+        for e in yaml.load((ROOT / f).read_text(), Loader=ComposeLoader)["services"]["ffn"].get("environment", [])
+        if "=" in e
+    }
+    passed = {k: v for k, v in resolved["ffn"]["environment"].items() if k not in fixed}
+    assert all(value is None for value in passed.values()), "unset: nothing overridden"
     assert resolved["ffn"]["volumes"][0]["read_only"] is True
 
 
 def test_nginx_config_is_accepted_by_nginx_where_installed(tmp_path: Path) -> None:
-    """Syntax only, with a local nginx: `resolve` (nginx >= 1.27.3) and the `ffn` name are swapped out."""
+    """Syntax only, with a local nginx, on the file as it is (the `ffn` name is looked up per request)."""
     nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
     if nginx is None:
         pytest.skip("nginx is not installed")
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
-    conf = conf.replace(f"server ffn:{SERVICE_PORT} resolve", f"server 127.0.0.1:{SERVICE_PORT}")
     (tmp_path / "ffn.conf").write_text(conf)
     (tmp_path / "nginx.conf").write_text(
         f"pid {tmp_path}/nginx.pid;\nerror_log stderr;\nevents {{}}\n"
