@@ -1,11 +1,13 @@
 """ffn-serve: read the settings, bind the address, then serve until SIGTERM drains it.
 
-One process (`workers = 1`) loads the models and serves (app/server.py); with more, a supervisor
-(app/supervisor.py) runs that many worker processes on the sockets bound here.
+The settings are read and checked first, and the server (with torch, seconds to import) only
+once they are valid: a mistake is one line per problem, at once. One process (`workers = 1`)
+loads the models and serves (app/server.py); with more, a supervisor (app/supervisor.py) runs
+that many worker processes on the sockets bound here.
 
-Exit codes: 0 stopped cleanly (drained); 1 a model could not be loaded, or the server failed
-while starting; 2 invalid settings or command line; 3 the address cannot be bound (the port is
-in use, or not allowed).
+Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
+server failed while starting; 2 invalid settings or command line; 3 the address cannot be bound
+(the port is in use, or not allowed).
 """
 
 from __future__ import annotations
@@ -15,16 +17,12 @@ import socket
 import sys
 from collections.abc import Sequence
 
-import torch
-from pydantic import ValidationError
-
 from app import __version__
+from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
 from app.logs import configure_logging
-from app.metrics import Metrics
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.server import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, Listeners, serve_here
-from app.settings import ConfigFileError, Settings, command_line, load_settings, misspelt_variables
-from app.supervisor import Supervisor
+from app.settings import Settings, command_line, load_settings, misspelt_variables
+from app.settings_problems import SettingsError
 
 log = logging.getLogger("ffn_serve")
 
@@ -32,14 +30,15 @@ log = logging.getLogger("ffn_serve")
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(**command_line(sys.argv[1:] if argv is None else argv))
-    except (ConfigFileError, ValidationError) as exc:
-        print(f"ffn-serve: invalid settings: {exc}", file=sys.stderr)
+    except SettingsError as exc:
+        for problem in exc.problems:
+            print(f"ffn-serve: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if settings.workers > 1:
         try:
             check_metrics_dir(settings.metrics_dir)
         except MetricsFolderError as exc:
-            print(f"ffn-serve: invalid settings: {exc}", file=sys.stderr)
+            print(f"ffn-serve: invalid setting {exc}", file=sys.stderr)
             return EXIT_BAD_SETTINGS
     configure_logging(settings.log_level, settings.log_format)
     for warning in misspelt_variables():
@@ -48,12 +47,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
+    # Imported here, once the settings are valid: torch, which the server imports, takes seconds.
+    import torch
+
+    from app.metrics import Metrics
+    from app.server import Listeners, serve_here
+    from app.supervisor import Supervisor
+
     log.info(
         "ffn-serve %s, torch %s, CUDA %s, %s",
         __version__,
         torch.__version__,
         torch.version.cuda or "none",
-        _devices(settings.workers),
+        _devices(settings),
     )
     # Bound before the models load: a port in use is reported at once, not after a long load.
     main_socket = _bind_or_none(settings.host, settings.port)
@@ -96,13 +102,24 @@ def _bind_or_none(host: str, port: int) -> socket.socket | None:
         return None
 
 
-def _devices(workers: int) -> str:
+def _devices(settings: Settings) -> str:
+    """The devices served on; on the CPU, the torch threads each process will use (the setting, once applied)."""
+    import torch
+
+    from app.supervisor import threads_per_worker
+
     if not torch.cuda.is_available():
-        return f"CPU only ({torch.get_num_threads()} torch threads)"
-    if workers > 1:  # naming them would start CUDA in the supervisor, which computes nothing
+        if settings.workers > 1:
+            return f"CPU only ({_threads(threads_per_worker(settings))} per worker)"
+        return f"CPU only ({_threads(settings.torch_threads or torch.get_num_threads())})"
+    if settings.workers > 1:  # naming them would start CUDA in the supervisor, which computes nothing
         return f"{torch.cuda.device_count()} GPU(s)"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return "GPUs: " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
+
+
+def _threads(count: int) -> str:
+    return f"{count} torch thread{'' if count == 1 else 's'}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app import __version__
+from app.control import Control
 from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.metrics import Metrics
@@ -26,22 +27,30 @@ ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
 
 
 def create_app(
-    settings: Settings, registry: Registry | None = None, *, fast_path: bool = True, warm_before_serving: bool = False
+    settings: Settings,
+    registry: Registry | None = None,
+    *,
+    fast_path: bool = True,
+    warm_before_serving: bool = False,
+    control: Control | None = None,
 ) -> FastAPI:
     """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
 
     `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
     `warm_before_serving`: the lifespan's start-up waits for the warm-up, so the server accepts
     connections only once warm (worker processes: a restarted one takes no traffic while cold).
+    `control`: how commands reach every serving process (a worker's pipe); by default, this one only.
     """
     registry = registry or Registry(settings, Metrics())
     engine = Engine(settings, registry)
-    state = ServiceState(settings, engine, registry.metrics)
+    control = control or Control()
+    state = ServiceState(settings, engine, registry.metrics, control)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         try:
+            await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
                 await engine.until_warm()
             yield

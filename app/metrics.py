@@ -132,7 +132,11 @@ class Metrics:
         )
         # With workers: the rows waiting in all of them, and the lowest ceiling any of them has.
         self.queue_rows = Gauge(
-            "ffn_queue_rows", "Rows waiting in the queue.", ["model"], registry=r, multiprocess_mode="livesum"
+            "ffn_queue_rows",
+            "Work waiting in the queue, in rows (a Monte Carlo request counts rows x passes).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.batch_ceiling = Gauge(
             "ffn_max_batch_rows",
@@ -143,6 +147,14 @@ class Metrics:
         )
         self.oom_splits = Counter(
             "ffn_oom_splits", "Batches split in halves after running out of memory.", ["model"], registry=r
+        )
+        # With workers: how many live workers hold the model in each state.
+        self.model_state = Gauge(
+            "ffn_model_state",
+            "1 for the model's current state (LOADING, READY, UNAVAILABLE), 0 for the others; summed over workers.",
+            ["model", "state"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.worker_restarts = Counter(
             "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r

@@ -14,8 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from app.collectors import PROCESSES_FILE
-
 # prometheus_client names each process's files <kind>_<pid>.db (kind: counter, histogram,
 # summary, gauge_<mode>); the supervisor adds its list of processes. Nothing else is removed.
 _METRICS_FILE = re.compile(r"(counter|histogram|summary|gauge_\w+)_\d+\.db")
@@ -34,17 +32,17 @@ def check_metrics_dir(setting: Path | None) -> None:
                 return
         except OSError as exc:
             raise MetricsFolderError(
-                f"no writable temporary folder for the worker processes' metrics ({_reason(exc)}): "
-                "set metrics_dir (FFN_METRICS_DIR) to a writable folder such as a tmpfs, or mount one at /tmp"
+                f"metrics_dir (unset): no writable temporary folder for the worker processes' metrics "
+                f"({_reason(exc)}): set FFN_METRICS_DIR to a writable folder such as a tmpfs, or mount one at /tmp"
             ) from None
     if not setting.is_dir():
         what = "does not exist" if not setting.exists() else "is not a folder"
-        raise MetricsFolderError(f"metrics_dir (FFN_METRICS_DIR) {setting} {what}")
+        raise MetricsFolderError(f"metrics_dir (FFN_METRICS_DIR): {setting} {what}")
     try:
         with tempfile.TemporaryFile(dir=setting):
             pass
     except OSError as exc:
-        raise MetricsFolderError(f"metrics_dir (FFN_METRICS_DIR) {setting} is not writable: {_reason(exc)}") from None
+        raise MetricsFolderError(f"metrics_dir (FFN_METRICS_DIR): {setting} is not writable: {_reason(exc)}") from None
 
 
 @contextmanager
@@ -57,6 +55,8 @@ def metrics_folder(setting: Path | None) -> Iterator[Path]:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return
+    from app.collectors import PROCESSES_FILE  # here: collectors imports torch, which the start-up check must not
+
     for path in setting.iterdir():
         if _METRICS_FILE.fullmatch(path.name) or path.name.lstrip(".").startswith(PROCESSES_FILE):
             path.unlink(missing_ok=True)

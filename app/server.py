@@ -17,8 +17,10 @@ from types import FrameType
 
 import uvicorn
 
+from app.control import Control
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
+from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
@@ -26,7 +28,6 @@ from app.web.protocol import LimitedHttpToolsProtocol, uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
-EXIT_OK, EXIT_START_FAILED, EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND = 0, 1, 2, 3
 # uvicorn waits this long for open connections once the batchers have drained.
 CONNECTION_CLOSE_GRACE_S = 3
 BACKLOG = 2048  # uvicorn's default
@@ -117,13 +118,17 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve_here(
-    settings: Settings, listeners: Listeners, metrics: Metrics, on_ready: Callable[[], None] | None = None
+    settings: Settings,
+    listeners: Listeners,
+    metrics: Metrics,
+    on_ready: Callable[[], None] | None = None,
+    control: Control | None = None,
 ) -> int:
     """Load the models and serve on `listeners` until drained; the process's exit code.
 
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
     As a worker: accept nothing until warm (the port already serves through the other workers),
-    then call `on_ready`.
+    then call `on_ready`. `control`: the worker's link to the others (app/control.py).
     """
     registry = Registry(settings, metrics)
     try:
@@ -140,7 +145,7 @@ def serve_here(
             return EXIT_CANNOT_BIND
         log_start(settings, listeners)
     settings = settings.model_copy(update={"metrics_port": listeners.metrics_port()})
-    app = create_app(settings, registry, warm_before_serving=on_ready is not None)
+    app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control)
     config = uvicorn.Config(
         app,
         log_config=None,

@@ -4,22 +4,32 @@ Precedence, highest first: command-line flags, environment variables, the config
 The config file holds the same keys at its top level, plus one `[[models]]` table per model.
 The command line is generated from the Settings class by pydantic-settings' CLI source: each
 field is a `--kebab-case` flag whose help is the field's description, default and variable.
+Every mistake is a SettingsError, one line per problem (app/settings_problems.py). Nothing here
+imports torch, so a mistake is reported before the server and torch are imported.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as SourceError
 
 from app import __version__
+from app.settings_problems import (
+    Origins,
+    SettingsError,
+    nearest,
+    source_problem,
+    unknown_arguments,
+    validation_problems,
+)
 
 ENV_PREFIX = "FFN_"
 
@@ -207,8 +217,11 @@ class Settings(BaseSettings):
         return self.models or [ModelSpec(name="demo")]
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(SettingsError):
     """The config file cannot be read or does not hold valid settings."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -232,24 +245,67 @@ def read_config_file(path: Path) -> dict[str, Any]:
 def load_settings(**overrides: Any) -> Settings:
     """Settings from flags (`overrides`, None = not given), the environment and the config file.
 
-    Raises ConfigFileError or pydantic's ValidationError.
+    Raises SettingsError: one line per problem, naming the key, where its value came from (flag,
+    variable or file) and what is wrong.
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    from_env = Settings(**overrides)
+    origins = Origins(ENV_PREFIX, flags=set(overrides), environ=dict(os.environ))
+    from_env = _validated(origins, overrides)
     file_values: dict[str, Any] = {}
     if from_env.config is not None:
         file_values = read_config_file(from_env.config)
         file_values.pop("config", None)
+        origins.config, origins.file_keys = from_env.config, set(file_values)
     explicit = {name: getattr(from_env, name) for name in from_env.model_fields_set}
-    return Settings(**{**file_values, **explicit})
+    return _validated(origins, {**file_values, **explicit})
+
+
+def _validated(origins: Origins, values: dict[str, Any]) -> Settings:
+    """Settings(**values) (the environment filling in the rest), or SettingsError naming each problem."""
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        secret = [name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)]
+        problems = validation_problems(exc, origins, list(Settings.model_fields), list(ModelSpec.model_fields), secret)
+        raise SettingsError(problems) from None
+    except SourceError as exc:
+        raise SettingsError([source_problem(exc, origins)]) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake raised as SettingsError (one line) instead of the usage and an exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SettingsError([message])
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# Readable metavars in --help, in place of pydantic-settings' type names (SecretStr, list[JSON]).
+_METAVARS = {"Path": "FILE", "SecretStr": "KEY", "list[JSON]": "JSON", "list[str]": "ORIGIN"}
+# A plain number or text is named by the last word of its setting: --port PORT, --max-wait-ms MS.
+_UNITS = {"s": "SECONDS"}
+
+
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **options: Any) -> argparse.Action:
+    metavar = options.get("metavar")
+    if metavar in _METAVARS:
+        options["metavar"] = _METAVARS[metavar]
+    elif metavar in ("int", "float", "str"):
+        last = str(options["dest"]).rsplit("_", 1)[-1]
+        options["metavar"] = _UNITS.get(last, last.upper())
+    return parser.add_argument(*names, **options)
 
 
 def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
     """The settings given as flags in `argv` (only those given), from a parser built from Settings.
 
-    `--help` and `--version` print and exit, as argparse does.
+    `--help` and `--version` print and exit, as argparse does; a mistake (an unknown flag, a
+    value missing or not among the choices) raises SettingsError, the nearest flag named.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ffn-serve",
         description="Serve position-wise feed-forward networks over HTTP. Every flag is also an FFN_* "
         "environment variable and a key of the TOML config file; flags beat the environment, which "
@@ -259,24 +315,29 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
     source: CliSettingsSource[Settings] = CliSettingsSource(
         Settings,
         root_parser=parser,
-        cli_parse_args=list(argv or []),
+        add_argument_method=_add_argument,
         cli_kebab_case=True,
         cli_implicit_flags=True,
         cli_hide_none_type=True,
         cli_show_env_vars=True,
         cli_avoid_json=True,
-        cli_exit_on_error=True,
     )
-    return source()
+    parsed, extras = parser.parse_known_args(list(argv or []))
+    if extras:
+        flags = [_flag(name) for name in Settings.model_fields]
+        flags += [_flag("no_" + name) for name, f in Settings.model_fields.items() if f.annotation is bool]
+        raise SettingsError(unknown_arguments(extras, [*flags, "--help", "--version"]))
+    try:
+        return source(parsed_args=parsed)()
+    except SourceError as exc:
+        raise SettingsError([str(exc)]) from None
 
 
 def misspelt_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
     """One warning per `FFN_*` variable that names no setting, with the nearest real one."""
     known = [ENV_PREFIX + name.upper() for name in Settings.model_fields]
-    warnings = []
-    for name in sorted(environ):
-        if name.startswith(ENV_PREFIX) and name.upper() not in known:
-            nearest = difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.6)
-            hint = f"; did you mean {nearest[0]}?" if nearest else f"; the settings are {', '.join(known)}"
-            warnings.append(f"environment variable {name} is not a setting and is ignored{hint}")
-    return warnings
+    return [
+        f"environment variable {name} is not a setting and is ignored{nearest(name.upper(), known, 'settings')}"
+        for name in sorted(environ)
+        if name.startswith(ENV_PREFIX) and name.upper() not in known
+    ]

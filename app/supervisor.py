@@ -15,6 +15,8 @@ a connection is only ever accepted by a warm worker.
 - Metrics: the workers write theirs in one folder (prometheus_client's multiprocess mode): a fresh
   one removed at exit, or `metrics_dir` (app/metrics_folder.py); a dead worker's gauges are
   dropped, its counters kept.
+- Control (app/control.py): a command one worker broadcasts is relayed to every live worker and
+  their replies back to it; sticky commands are replayed to every worker started later.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -36,15 +37,16 @@ from types import FrameType
 from prometheus_client import multiprocess
 
 from app.collectors import write_processes
+from app.control import READY, Control
 from app.logs import configure_logging
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.metrics_folder import metrics_folder
+from app.relay import Relay
 from app.server import CONNECTION_CLOSE_GRACE_S, EXIT_OK, EXIT_START_FAILED, Listeners, log_start, serve_here
 from app.settings import Settings
 
 log = logging.getLogger("ffn_serve.supervisor")
 
-READY = "ready"
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backoff
 # After the drain timeout and uvicorn's grace, a worker still running is killed.
@@ -90,6 +92,7 @@ class Supervisor:
         self._stop_deadline: float | None = None
         self._exit_code = EXIT_OK
         self._signals: list[int] = []
+        self._relay = Relay()
 
     def run(self) -> int:
         """Supervise until stopped; the exit code for the whole service."""
@@ -151,9 +154,12 @@ class Supervisor:
                     self._start(slot)
             if self._stop_deadline is not None and now >= self._stop_deadline:
                 self._kill_the_rest()
+            self._relay.expire(now)
 
     def _timeout(self) -> float | None:
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
+        if (deadline := self._relay.next_deadline()) is not None:
+            due.append(deadline)
         if self._stop_deadline is not None:
             due.append(self._stop_deadline)
         return max(0.0, min(due) - time.monotonic()) if due else None
@@ -176,6 +182,7 @@ class Supervisor:
         slot.process, slot.conn, slot.ready = process, ours, False
         log.info("worker %d started (pid %d)", slot.index, process.pid)
         self._record_processes()
+        self._relay.started(slot)
 
     def _receive(self, slot: Slot) -> None:
         assert slot.conn is not None
@@ -185,14 +192,20 @@ class Supervisor:
             slot.conn.close()
             slot.conn = None
             return
-        if message != READY:
-            return
+        if message[0] == READY:
+            self._ready(slot)
+        else:
+            self._relay.received(slot, message)
+
+    def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
         log.info("worker %d (pid %s) ready", slot.index, slot.pid)
         if not self._serving and all(s.ready for s in self._slots):
             self._serving = True
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
+
+    # ----- workers leaving ------------------------------------------------------------------
 
     def _reap(self, slot: Slot) -> None:
         process = slot.process
@@ -202,6 +215,7 @@ class Supervisor:
         if slot.conn is not None:
             slot.conn.close()
         slot.process, slot.conn = None, None
+        self._relay.exited(slot)
         multiprocess.mark_process_dead(process.pid, str(self._folder))
         self._record_processes()
         how = _describe_exit(code)
@@ -265,24 +279,9 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
     """A worker's whole life: load, warm up, say ready, serve until drained; exits with serve_here's code."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
     configure_logging(settings.log_level, settings.log_format, worker=index)
-    threading.Thread(target=_stop_with_parent, args=(conn,), name="parent-watch", daemon=True).start()
+    control = Control(worker=index, conn=conn)
+    control.serve_pipe()  # also: when the supervisor is gone, this worker drains and exits
     metrics = Metrics()
     if replacement:
         metrics.worker_restarts.inc()
-
-    def ready() -> None:
-        try:
-            conn.send(READY)
-        except OSError:  # the supervisor is gone; the watch thread stops this worker
-            pass
-
-    sys.exit(serve_here(settings, listeners, metrics, on_ready=ready))
-
-
-def _stop_with_parent(conn: Connection) -> None:
-    """Drain and exit when the supervisor is gone (its end of the pipe closes)."""
-    try:
-        conn.recv()  # the supervisor never sends: this returns when it exits
-    except (EOFError, OSError):
-        pass
-    os.kill(os.getpid(), signal.SIGTERM)
+    sys.exit(serve_here(settings, listeners, metrics, on_ready=control.send_ready, control=control))

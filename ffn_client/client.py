@@ -3,29 +3,56 @@
     with Client("http://127.0.0.1:8000") as client:
         y = client.transform("demo", x)                       # binary float32 by default
         y = client.transform("demo", x, encoding="v2-json", dtype="bfloat16")
+        r = client.monte_carlo("demo", x, passes=32, seed=7, dropout=0.1)  # r.mean, r.std
 
-Server errors raise the typed exceptions of `ffn_client.errors`; a 429 is retried up to
-`max_retries` times, each after the server's Retry-After (capped at `max_retry_wait` seconds).
+Every route of the HTTP API has a method (docs/client.md lists them); the two clients build the
+same requests (`ffn_client.encodings`, `ffn_client.montecarlo`, `ffn_client.calls`) and differ
+only in how they send them. Server errors raise the typed exceptions of `ffn_client.errors`; a
+429 is retried up to `max_retries` times, each after the server's Retry-After (capped at
+`max_retry_wait` seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
-from urllib.parse import quote
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 
-from ffn_client.encodings import EncodedRequest, decode_response, encode_request, loads
-from ffn_client.errors import FFNError, Overloaded, ProtocolError, Timeout, TransportError, error_from_response
+from ffn_client import calls
+from ffn_client.calls import (
+    Call,
+    ModelConfig,
+    ModelInfo,
+    ModelMetadata,
+    ModelStatistics,
+    RepositoryModel,
+    ServerMetadata,
+)
+from ffn_client.encodings import EncodedRequest, decode_response, encode_request
+from ffn_client.errors import FFNError, Overloaded, Timeout, TransportError, error_from_response
+from ffn_client.montecarlo import MonteCarloResult, decode_mc_response, encode_mc_request
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
+T = TypeVar("T")
+# How a 200 answer to an encoded request is read: decode_response, decode_mc_response.
+Decoder = Callable[[EncodedRequest, Mapping[str, str], bytes], T]
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """Wait this long, then send the request again."""
+
+    seconds: float
+
 
 class _Base:
-    """What both clients share: settings, request building, error mapping, retry policy."""
+    """What both clients share: settings, error mapping, retry policy."""
 
     def __init__(
         self,
@@ -51,15 +78,17 @@ class _Base:
             "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
         }
 
-    def _answer_or_delay(self, request: EncodedRequest, response: httpx.Response, attempt: int) -> np.ndarray | float:
-        """A 200's decoded array, or the seconds to wait before retrying; the error when there is no retry."""
+    def _answer_or_retry(
+        self, request: EncodedRequest, decode: Decoder[T], response: httpx.Response, attempt: int
+    ) -> T | _Retry:
+        """A 200's decoded answer, or how long to wait before retrying; the error when there is no retry."""
         if response.status_code == 200:
-            return decode_response(request, response.headers, response.content)
+            return decode(request, response.headers, response.content)
         error = error_from_response(response.status_code, response.headers, response.content)
         delay = self._retry_delay(error, attempt)
         if delay is None:
             raise error
-        return delay
+        return _Retry(delay)
 
     def _retry_delay(self, error: FFNError, attempt: int) -> float | None:
         """Seconds to wait before retrying after `error` on attempt `attempt` (0-based); None = raise."""
@@ -67,23 +96,6 @@ class _Base:
             return None
         wait = error.retry_after if error.retry_after is not None else self.retry_backoff * 2**attempt
         return min(wait, self.max_retry_wait)
-
-    @staticmethod
-    def _check(response: httpx.Response) -> httpx.Response:
-        if response.status_code != 200:
-            raise error_from_response(response.status_code, response.headers, response.content)
-        return response
-
-    @classmethod
-    def _json(cls, response: httpx.Response) -> Any:
-        return loads(cls._check(response).content)
-
-    @classmethod
-    def _model_list(cls, response: httpx.Response) -> list[dict[str, Any]]:
-        answer = cls._json(response)
-        if not isinstance(answer, dict) or not isinstance(answer.get("models"), list):
-            raise ProtocolError(f"GET /v1/models: expected {{'models': [...]}}, got {answer!r:.200}")
-        return answer["models"]
 
     @staticmethod
     def _transport_error(exc: httpx.TransportError) -> TransportError:
@@ -116,6 +128,19 @@ class Client(_Base):
         except httpx.TransportError as exc:
             raise self._transport_error(exc) from exc
 
+    def _call(self, call: Call[T]) -> T:
+        return call.read(self._request(call.method, call.path, content=call.body, headers=call.headers))
+
+    def _send(self, request: EncodedRequest, decode: Decoder[T]) -> T:
+        """POST `request`, retrying after 429s as configured, and decode the answer."""
+        for attempt in range(self.max_retries + 1):
+            response = self._request("POST", request.path, content=request.body, headers=request.headers)
+            outcome = self._answer_or_retry(request, decode, response, attempt)
+            if not isinstance(outcome, _Retry):
+                return outcome
+            self._sleep(outcome.seconds)
+        raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
+
     def transform(
         self,
         model: str,
@@ -131,22 +156,58 @@ class Client(_Base):
         float32 otherwise. bfloat16 answers come back as float32 arrays.
         timeout_ms: the server-side deadline for this request (X-Timeout-Ms, or V2's `timeout`).
         """
-        request = encode_request(model, array, encoding, dtype, timeout_ms)
-        for attempt in range(self.max_retries + 1):
-            response = self._request("POST", request.path, content=request.body, headers=request.headers)
-            answer = self._answer_or_delay(request, response, attempt)
-            if isinstance(answer, np.ndarray):
-                return answer
-            self._sleep(answer)
-        raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
+        return self._send(encode_request(model, array, encoding, dtype, timeout_ms), decode_response)
 
-    def models(self) -> list[dict[str, Any]]:
-        """The served models: name, d_model, d_ff, activation, gated, dtype, device, ..."""
-        return self._model_list(self._request("GET", "/v1/models"))
+    def monte_carlo(
+        self,
+        model: str,
+        array: np.ndarray,
+        passes: int,
+        *,
+        seed: int | None = None,
+        dropout: float | None = None,
+        encoding: str = "binary",
+        dtype: str | None = None,
+        timeout_ms: float | None = None,
+    ) -> MonteCarloResult:
+        """Monte Carlo dropout: the mean and standard deviation of `passes` dropout passes over `array`.
 
-    def metadata(self, model: str) -> dict[str, Any]:
+        seed: the masks' seed (the server draws one when None, and answers it in `.seed`);
+        dropout: the rate, instead of the model's. The other arguments are transform's; every
+        encoding works (native: query parameters; V2: request parameters).
+        """
+        request = encode_mc_request(
+            model, array, passes, seed=seed, dropout=dropout, encoding=encoding, dtype=dtype, timeout_ms=timeout_ms
+        )
+        return self._send(request, decode_mc_response)
+
+    def models(self) -> list[ModelInfo]:
+        """The served models (GET /v1/models): name, d_model, d_ff, activation, gated, dtype, device, ..."""
+        return self._call(calls.models())
+
+    def server_metadata(self) -> ServerMetadata:
+        """The server's name, version and V2 extensions (GET /v2)."""
+        return self._call(calls.server_metadata())
+
+    def metadata(self, model: str) -> ModelMetadata:
         """The model's Open Inference Protocol metadata (name, platform, inputs, outputs)."""
-        return self._json(self._request("GET", f"/v2/models/{quote(model, safe='')}"))
+        return self._call(calls.model_metadata(model))
+
+    def model_config(self, model: str) -> ModelConfig:
+        """The model's configuration in Triton's ModelConfig shape (GET /v2/models/{model}/config)."""
+        return self._call(calls.model_config(model))
+
+    def statistics(self, model: str | None = None) -> list[ModelStatistics]:
+        """Triton's statistics of `model`, or of every model when None (GET /v2/models[/{model}]/stats)."""
+        return self._call(calls.statistics(model))
+
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        """The V2 repository index: every model (or only the ready ones) with its state."""
+        return self._call(calls.repository_index(ready_only))
+
+    def model_ready(self, model: str) -> bool:
+        """True when `model` is ready (200), False when not (503); an unknown model raises ModelNotFound."""
+        return self._call(calls.model_ready(model))
 
     def live(self) -> bool:
         """True when the server process answers GET /v2/health/live with 200."""
@@ -198,6 +259,19 @@ class AsyncClient(_Base):
         except httpx.TransportError as exc:
             raise self._transport_error(exc) from exc
 
+    async def _call(self, call: Call[T]) -> T:
+        return call.read(await self._request(call.method, call.path, content=call.body, headers=call.headers))
+
+    async def _send(self, request: EncodedRequest, decode: Decoder[T]) -> T:
+        """See `Client._send`."""
+        for attempt in range(self.max_retries + 1):
+            response = await self._request("POST", request.path, content=request.body, headers=request.headers)
+            outcome = self._answer_or_retry(request, decode, response, attempt)
+            if not isinstance(outcome, _Retry):
+                return outcome
+            await self._sleep(outcome.seconds)
+        raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
+
     async def transform(
         self,
         model: str,
@@ -208,22 +282,53 @@ class AsyncClient(_Base):
         timeout_ms: float | None = None,
     ) -> np.ndarray:
         """See `Client.transform`."""
-        request = encode_request(model, array, encoding, dtype, timeout_ms)
-        for attempt in range(self.max_retries + 1):
-            response = await self._request("POST", request.path, content=request.body, headers=request.headers)
-            answer = self._answer_or_delay(request, response, attempt)
-            if isinstance(answer, np.ndarray):
-                return answer
-            await self._sleep(answer)
-        raise AssertionError("unreachable: the last attempt raises or returns. This is a bug.")
+        return await self._send(encode_request(model, array, encoding, dtype, timeout_ms), decode_response)
 
-    async def models(self) -> list[dict[str, Any]]:
+    async def monte_carlo(
+        self,
+        model: str,
+        array: np.ndarray,
+        passes: int,
+        *,
+        seed: int | None = None,
+        dropout: float | None = None,
+        encoding: str = "binary",
+        dtype: str | None = None,
+        timeout_ms: float | None = None,
+    ) -> MonteCarloResult:
+        """See `Client.monte_carlo`."""
+        request = encode_mc_request(
+            model, array, passes, seed=seed, dropout=dropout, encoding=encoding, dtype=dtype, timeout_ms=timeout_ms
+        )
+        return await self._send(request, decode_mc_response)
+
+    async def models(self) -> list[ModelInfo]:
         """See `Client.models`."""
-        return self._model_list(await self._request("GET", "/v1/models"))
+        return await self._call(calls.models())
 
-    async def metadata(self, model: str) -> dict[str, Any]:
+    async def server_metadata(self) -> ServerMetadata:
+        """See `Client.server_metadata`."""
+        return await self._call(calls.server_metadata())
+
+    async def metadata(self, model: str) -> ModelMetadata:
         """See `Client.metadata`."""
-        return self._json(await self._request("GET", f"/v2/models/{quote(model, safe='')}"))
+        return await self._call(calls.model_metadata(model))
+
+    async def model_config(self, model: str) -> ModelConfig:
+        """See `Client.model_config`."""
+        return await self._call(calls.model_config(model))
+
+    async def statistics(self, model: str | None = None) -> list[ModelStatistics]:
+        """See `Client.statistics`."""
+        return await self._call(calls.statistics(model))
+
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        """See `Client.repository_index`."""
+        return await self._call(calls.repository_index(ready_only))
+
+    async def model_ready(self, model: str) -> bool:
+        """See `Client.model_ready`."""
+        return await self._call(calls.model_ready(model))
 
     async def live(self) -> bool:
         """See `Client.live`."""

@@ -18,10 +18,10 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import numpy as np
 
@@ -160,12 +160,21 @@ def resolve_dtype(array: np.ndarray, encoding: str, dtype: str | None) -> str:
 
 
 def encode_request(
-    model: str, array: np.ndarray, encoding: str = "binary", dtype: str | None = None, timeout_ms: float | None = None
+    model: str,
+    array: np.ndarray,
+    encoding: str = "binary",
+    dtype: str | None = None,
+    timeout_ms: float | None = None,
+    *,
+    parameters: Mapping[str, int | float] | None = None,
+    outputs: Sequence[str] = (V2_OUTPUT,),
 ) -> EncodedRequest:
     """The request that sends `array` ([rows, d_model] or [batch, seq, d_model]) to `model`.
 
     timeout_ms: the server-side deadline; the native routes read it from `X-Timeout-Ms`, the V2
     route from the request parameter `timeout` (in microseconds, as Triton has it).
+    parameters: request parameters both protocols name alike (Monte Carlo dropout's): the query
+    string of the native route, the request `parameters` of V2. outputs: the V2 outputs asked for.
     """
     array = np.asarray(array)
     if array.dtype.kind != "f" and array.dtype.kind not in "iu":
@@ -173,7 +182,10 @@ def encode_request(
     dtype = resolve_dtype(array, encoding, dtype)
     shape = tuple(int(n) for n in array.shape)
     if encoding.startswith("v2-"):
-        body, headers = _v2_request(array, dtype, binary=encoding == "v2-binary", timeout_ms=timeout_ms)
+        v2_parameters = {**(parameters or {})}
+        if timeout_ms is not None:
+            v2_parameters["timeout"] = math.ceil(timeout_ms * 1000)  # integer microseconds
+        body, headers = _v2_request(array, dtype, encoding == "v2-binary", v2_parameters, outputs)
         return EncodedRequest(encoding, f"/v2/models/{quote(model, safe='')}/infer", body, headers, shape, dtype)
 
     headers = {"Content-Type": _MEDIA[encoding], "Accept": _MEDIA[encoding]}
@@ -187,21 +199,23 @@ def encode_request(
         headers["X-Dtype"] = dtype
     if timeout_ms is not None:
         headers["X-Timeout-Ms"] = f"{timeout_ms:g}"
-    return EncodedRequest(encoding, f"/v1/models/{quote(model, safe='')}/transform", body, headers, shape, dtype)
+    query = f"?{urlencode(parameters)}" if parameters else ""
+    path = f"/v1/models/{quote(model, safe='')}/transform{query}"
+    return EncodedRequest(encoding, path, body, headers, shape, dtype)
 
 
 def _v2_request(
-    array: np.ndarray, dtype: str, *, binary: bool, timeout_ms: float | None
+    array: np.ndarray, dtype: str, binary: bool, parameters: Mapping[str, int | float], outputs: Sequence[str]
 ) -> tuple[bytes, dict[str, str]]:
     """An Open Inference Protocol request; [batch, seq, d] goes as [batch*seq, d] (V2 metadata)."""
     flat = array.reshape(-1, array.shape[-1]) if array.ndim > 2 else array
     tensor: dict[str, object] = {"name": V2_INPUT, "shape": list(flat.shape), "datatype": V2_DATATYPES[dtype]}
     document: dict[str, object] = {
         "inputs": [tensor],
-        "outputs": [{"name": V2_OUTPUT, "parameters": {"binary_data": binary}}],
+        "outputs": [{"name": name, "parameters": {"binary_data": binary}} for name in outputs],
     }
-    if timeout_ms is not None:
-        document["parameters"] = {"timeout": math.ceil(timeout_ms * 1000)}  # integer microseconds
+    if parameters:
+        document["parameters"] = dict(parameters)
     if not binary:
         tensor["data"] = as_wire_values(flat, dtype).astype(np.float32).ravel()
         return dumps(document), {"Content-Type": "application/json"}
@@ -256,7 +270,18 @@ def _decode_raw(headers: Mapping[str, str], body: bytes) -> np.ndarray:
 
 
 def _decode_v2(headers: Mapping[str, str], body: bytes) -> np.ndarray:
-    """The `output` tensor of a V2 answer, JSON data or binary (Inference-Header-Content-Length)."""
+    """The `output` tensor of a V2 answer (or its only tensor, whatever its name)."""
+    _, tensors = v2_answer(headers, body)
+    if V2_OUTPUT in tensors:
+        return tensors[V2_OUTPUT]
+    if len(tensors) == 1:
+        return next(iter(tensors.values()))
+    raise ProtocolError(f"V2 answer has no output named {V2_OUTPUT!r}")
+
+
+def v2_answer(headers: Mapping[str, str], body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A V2 answer's JSON document and its output tensors by name, JSON data or binary
+    (Inference-Header-Content-Length)."""
     header_length = headers.get("inference-header-content-length")
     view = memoryview(body)
     if header_length is not None:
@@ -268,22 +293,23 @@ def _decode_v2(headers: Mapping[str, str], body: bytes) -> np.ndarray:
     else:
         answer, binary = loads(view), view[:0]
     outputs = answer.get("outputs") if isinstance(answer, dict) else None
-    if not outputs:
+    if not isinstance(answer, dict) or not outputs:
         raise ProtocolError(f"V2 answer has no outputs: {bytes(view[:200])!r}")
-    offset = 0
+    tensors, offset = {}, 0
     for output in outputs:  # binary tensors follow the JSON header in the order of `outputs`
-        size = (output.get("parameters") or {}).get("binary_data_size")
-        if output.get("name") != V2_OUTPUT and len(outputs) > 1:
-            offset += size or 0
-            continue
         dtype = DTYPE_OF_V2.get(output.get("datatype", ""))
         if dtype is None:
             raise ProtocolError(f"V2 output has unsupported datatype {output.get('datatype')!r}")
         shape = tuple(int(n) for n in output.get("shape", ()))
+        size = (output.get("parameters") or {}).get("binary_data_size")
         if size is not None:
-            return from_bytes(binary[offset : offset + size], shape, dtype)
+            tensors[str(output.get("name"))] = from_bytes(binary[offset : offset + size], shape, dtype)
+            offset += size
+            continue
         data = np.asarray(output.get("data", []), dtype=np.float32)
         if data.size != math.prod(shape):
             raise ProtocolError(f"V2 output `data` has {data.size} values for shape {list(shape)}")
-        return data.reshape(shape) if dtype != "float16" else data.astype(np.float16).reshape(shape)
-    raise ProtocolError(f"V2 answer has no output named {V2_OUTPUT!r}")
+        tensors[str(output.get("name"))] = (
+            data.reshape(shape) if dtype != "float16" else data.astype(np.float16).reshape(shape)
+        )
+    return answer, tensors

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ffn_client import __version__
 from ffn_client.encodings import DTYPES, ENCODINGS
 from ffn_client.load import DEFAULT_DURATION_S, DEFAULT_OPEN_LOOP_CONNECTIONS, LoadConfig, Progress, run_load
 from ffn_client.report import Report, Thresholds
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 passed, 1 nothing measured (unreachable, unknown model, no 200), "
         "2 bad arguments, 99 a threshold broken",
     )
+    parser.add_argument("--version", action="version", version=f"ffn-loadtest {__version__}")
     target = parser.add_argument_group("target")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
     target.add_argument("--model", default="demo", help="model name (default %(default)s)")

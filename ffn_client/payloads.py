@@ -32,19 +32,40 @@ def make_payloads(config: LoadConfig, d_model: int) -> list[tuple[str, bytes, di
 
 
 async def discover_d_model(http: httpx.AsyncClient, model: str) -> int:
-    """The model's d_model from GET /v1/models, or else from its V2 metadata; the error says why not."""
+    """The model's d_model from GET /v1/models, or else from its V2 metadata.
+
+    Otherwise LookupError, saying what the server answered (status, error_type, message) and
+    what to change: the API key, the model name, or --d-model for a server that does not say.
+    """
+    where = f"cannot find d_model of model {model!r} at {http.base_url}"
+    served: list[str] = []
     try:
         response = await http.get("/v1/models")
         if response.status_code == 200:
             for entry in response.json().get("models", []):
                 if entry.get("name") == model and "d_model" in entry:
                     return int(entry["d_model"])
-        response = await http.get(f"/v2/models/{quote(model, safe='')}")
-        if response.status_code == 200:
-            return int(response.json()["inputs"][0]["shape"][-1])
-        cause = str(error_from_response(response.status_code, response.headers, response.content))
+                served.append(str(entry.get("name")))
+        if response.status_code not in (401, 403):  # the V2 route would be refused alike
+            response = await http.get(f"/v2/models/{quote(model, safe='')}")
+            if response.status_code == 200:
+                return int(response.json()["inputs"][0]["shape"][-1])
     except httpx.TransportError as exc:
         raise ConnectionError(f"cannot reach {http.base_url}: {type(exc).__name__}: {exc}") from exc
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        cause = f"{response.request.url} answered what is not model metadata ({type(exc).__name__}: {exc})"
-    raise LookupError(f"cannot find d_model of model {model!r} at {http.base_url}: {cause}; pass --d-model")
+        raise LookupError(
+            f"{where}: {response.request.url} answered what is not model metadata ({type(exc).__name__}: {exc}); "
+            "pass --d-model"
+        ) from exc
+    error = error_from_response(response.status_code, response.headers, response.content)
+    raise LookupError(f"{where}: the server answered {error}{_what_to_change(error.status, served)}")
+
+
+def _what_to_change(status: int | None, served: list[str]) -> str:
+    if status in (401, 403):
+        return "; pass its key with --api-key (or FFN_API_KEY)"
+    if status == 404:
+        return f"; it serves {', '.join(map(repr, served))}: pass one with --model" if served else "; check --url"
+    if status == 503:
+        return "; it is not ready: wait until GET /v2/health/ready answers 200"
+    return ""

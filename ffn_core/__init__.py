@@ -5,7 +5,7 @@ Plain PyTorch; knows nothing of HTTP.
 
 from ffn_core.activations import ACTIVATIONS, get_activation
 from ffn_core.config import FFNConfig
-from ffn_core.dropout import mc_dropout
+from ffn_core.dropout import MonteCarloPasses, mc_dropout
 from ffn_core.model import (
     DEMO_CONFIG,
     FeedForward,
@@ -25,6 +25,7 @@ __all__ = [
     "FeedForward",
     "FusedGatedFeedForward",
     "GatedFeedForward",
+    "MonteCarloPasses",
     "WeightsError",
     "build_ffn",
     "demo_ffn",

@@ -35,7 +35,6 @@ DTYPES: dict[str, DType] = {
 DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
 BY_V2: dict[str, DType] = {d.v2: d for d in DTYPES.values()}
 BY_NUMPY: dict[str, DType] = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
-BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES.values()}
 
 
 def dtype_named(name: str) -> DType:

@@ -3,15 +3,18 @@
     ffn-extract --format bert --layer 0 model.safetensors layer0.safetensors
 
 The output describes itself (sizes, activation, gating in its metadata), so the service loads it
-with `format = "native"` and nothing else. It is written with mode 0644 whatever the umask: it is
-meant to be mounted into the container, whose user (UID 10001) is not the file's owner.
+with `format = "native"` and nothing else. It is written as `save_ffn` writes, mode 0644 less the
+umask: readable by the container's user (UID 10001), who is not the file's owner.
+
+Exit status: 0 written; 2 bad arguments, or weights that cannot be read or written (one line on
+stderr saying why).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ffn_core.activations import ACTIVATIONS
@@ -19,8 +22,13 @@ from ffn_core.checkpoints import FAMILIES
 from ffn_core.dtypes import DTYPE_NAMES
 from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
 
-# Readable by everyone: weights are mounted read-only into a container that runs as another user.
-OUTPUT_MODE = 0o644
+
+def _version() -> str:
+    """The version of the ffn-serve distribution, which ships this command."""
+    try:
+        return version("ffn-serve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="ffn-extract",
         description="Write one layer's FFN from a checkpoint as a self-describing native safetensors file.",
     )
+    parser.add_argument("--version", action="version", version=f"ffn-extract {_version()}")
     parser.add_argument(
         "--format",
         required=True,
@@ -49,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; 0 on success, 2 on a weights problem (one line on stderr)."""
     args = _parser().parse_args(argv)
-    if args.output.resolve() == args.input.resolve():
+    if _same_file(args.input, args.output):
         print(f"ffn-extract: error: {args.output}: output would overwrite the input checkpoint", file=sys.stderr)
         return 2
     try:
@@ -59,9 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         save_ffn(model, args.output)
-        os.chmod(args.output, OUTPUT_MODE)
     except OSError as exc:
-        print(f"ffn-extract: error: cannot write {args.output}: {exc}", file=sys.stderr)
+        print(f"ffn-extract: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     config = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -74,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         f"biases {'+'.join(biases) or 'none'}, {args.dtype}, {params:,} parameters ({source}, {args.format})"
     )
     return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):  # a symbolic link loop (RuntimeError before Python 3.13): reading reports it
+        return False
 
 
 if __name__ == "__main__":

@@ -115,9 +115,15 @@ def regular_file_size(path: Path) -> int:
     except OSError as exc:
         raise WeightsError(f"{path}: cannot read weights file ({brief(exc)})") from exc
     if not stat.S_ISREG(info.st_mode):
-        what = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
-        raise WeightsError(f"{path}: is {what}, not a regular file; weights must be in a regular file")
+        raise WeightsError(
+            f"{path}: is {file_kind(info.st_mode)}, not a regular file; weights must be in a regular file"
+        )
     return info.st_size
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is, from its `st_mode`: 'a directory', 'a FIFO (named pipe)', ..."""
+    return next((name for is_type, name in _FILE_TYPES if is_type(mode)), "a special file")
 
 
 def sniff(path: Path) -> str | None:

@@ -10,11 +10,14 @@ the module.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ffn_core.checkpoints import FAMILIES, read_layer
@@ -30,11 +33,15 @@ from ffn_core.layout import (
     expected_shapes,
 )
 from ffn_core.model import FeedForward, build_ffn
-from ffn_core.readers import open_reader, sniff
+from ffn_core.readers import file_kind, open_reader, sniff
 
 __all__ = ["CONFIG_KEY", "FORMATS", "FORMAT_TAG", "WeightsError", "expected_shapes", "load_ffn", "save_ffn"]
 
 FORMATS = ("native", "torch", *FAMILIES)
+
+# The mode of a written weights file, less the umask, as any new file: readable by others, because
+# weights are mounted into containers whose user is not the file's owner.
+SAVED_FILE_MODE = 0o644
 
 # Safetensors metadata entries that make a native file describe itself.
 FORMAT_TAG = "ffn-serve"
@@ -80,14 +87,48 @@ def load_ffn(
 
 
 def save_ffn(model: FeedForward, path: str | Path) -> None:
-    """Write `model` as native safetensors, its whole FFNConfig in the metadata."""
+    """Write `model` as native safetensors, its whole FFNConfig in the metadata.
+
+    The file gets mode 0644 less the umask, as an ordinary new file. A target that cannot be
+    written raises OSError, its `strerror` saying why: no such folder, a directory or a device
+    where the file would go (only a regular file is replaced), no permission.
+    """
     path = Path(path)
+    _check_target(path)
     state = {key: t.detach().to("cpu").contiguous() for key, t in model.state_dict().items()}
     metadata = {"format": FORMAT_TAG, CONFIG_KEY: json.dumps(model.config.to_dict())}
-    # Write beside the target and rename, so a crash never leaves a half-written weight file.
+    # Written beside the target and renamed, so a crash never leaves a half-written weight file.
     partial = path.with_name(path.name + ".partial")
-    save_file(state, str(partial), metadata=metadata)
-    os.replace(partial, path)
+    partial.unlink(missing_ok=True)  # left by a crash
+    # Created here as any new file, so that the kernel applies the umask to the mode, and a folder
+    # that cannot be written fails with its own reason. safetensors then writes a private (0600)
+    # temporary file and renames it over this one: the mode is put back before the final rename.
+    os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SAVED_FILE_MODE))
+    mode = stat.S_IMODE(partial.stat().st_mode)
+    try:
+        save_file(state, str(partial), metadata=metadata)
+        os.chmod(partial, mode)
+        os.replace(partial, path)
+    except SafetensorError as exc:  # its I/O errors (a full disk) are not OSErrors
+        raise OSError(errno.EIO, f"safetensors could not write it ({exc})", str(path)) from exc
+    finally:
+        partial.unlink(missing_ok=True)  # gone after the rename; after a failure, no leftover
+
+
+def _check_target(path: Path) -> None:
+    """Refuse a path save_ffn cannot write, before any work: a missing folder, or no regular file there."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if path.parent.exists() and not path.parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{path.parent} is not a folder", str(path)) from None
+        if not path.parent.exists():
+            raise FileNotFoundError(errno.ENOENT, f"the folder {path.parent} does not exist", str(path)) from None
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "it is a directory; name the file to write", str(path))
+    if not stat.S_ISREG(mode):
+        raise FileExistsError(errno.EEXIST, f"it is {file_kind(mode)}; only a regular file is replaced", str(path))
 
 
 def _read_state_dict(path: Path, format: str, activation: str | None, gated: bool | None) -> FileWeights:

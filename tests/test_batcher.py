@@ -133,7 +133,7 @@ async def test_cancelled_entry_is_skipped(executor):
     await asyncio.sleep(0.02)
     gone.cancel()
     await asyncio.sleep(0.02)
-    assert batcher.queued_rows == 7, "a cancelled entry no longer counts against the queue"
+    assert batcher.queued_work == 7, "a cancelled entry no longer counts against the queue"
     forward.release.set()
     await asyncio.wait_for(asyncio.gather(blocker, kept), 5)
     assert forward.batches == [[1], [7]]
@@ -347,18 +347,19 @@ async def test_a_bug_while_taking_a_batch_fails_the_taken_entries_not_the_collec
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
     taken: list = []
-    real_take = batcher._take_batch
+    queue = batcher._queue
+    real_take = queue.take
 
-    def take_then_break(batch):
-        real_take(batch)
+    def take_then_break(batch, ceiling):
+        real_take(batch, ceiling)
         taken.extend(batch)
         raise KeyError("a bug after popping")
 
-    monkeypatch.setattr(batcher, "_take_batch", take_then_break)
+    monkeypatch.setattr(queue, "take", take_then_break)
     with pytest.raises(ModelError):
         await asyncio.wait_for(batcher.submit(rows(2)), 2)
     assert len(taken) == 1 and forward.batches == []
-    monkeypatch.setattr(batcher, "_take_batch", real_take)
+    monkeypatch.setattr(queue, "take", real_take)
     await answers_right(batcher, rows(1))
     await batcher.stop()
 

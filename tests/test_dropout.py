@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ffn_core import FFNConfig, build_ffn, mc_dropout
+from ffn_core import FFNConfig, MonteCarloPasses, build_ffn, mc_dropout
 
 D_MODEL, D_FF = 16, 64
 
@@ -100,3 +100,39 @@ def test_leaves_the_model_alone(model, x):
 def test_bad_arguments(model, x, kwargs, message):
     with pytest.raises(ValueError, match=message):
         mc_dropout(model, x, **kwargs)
+
+
+@pytest.mark.parametrize("slices", [[7], [1, 1, 1, 1, 1, 1, 1], [3, 4], [2, 100]])
+def test_any_slicing_of_the_passes_gives_the_same_answer(model, x, slices):
+    whole = mc_dropout(model, x, passes=7, p=0.3, seed=5)
+    run = MonteCarloPasses(model, x, passes=7, p=0.3, seed=5)
+    for size in slices:
+        run.run(size)
+    assert run.remaining == 0
+    sliced = run.result()
+    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+
+
+def test_the_result_is_the_mean_and_std_of_the_masked_passes(model, x):
+    """Against the same masks drawn here by hand and applied in float64 numpy."""
+    p, passes, seed = 0.25, 6, 9
+    mean, std = mc_dropout(model, x, passes=passes, p=p, seed=seed)
+    with torch.inference_mode():
+        hidden = model.hidden(x)
+    generator = torch.Generator().manual_seed(seed)
+    w2 = model.layer2.weight.detach().double().numpy()
+    b2 = model.layer2.bias.detach().double().numpy()
+    outputs = []
+    for _ in range(passes):
+        mask = torch.bernoulli(torch.full_like(hidden, 1 - p), generator=generator).double().numpy()
+        outputs.append((hidden.double().numpy() * mask / (1 - p)) @ w2.T + b2)
+    stacked = np.stack(outputs)
+    np.testing.assert_allclose(mean.double().numpy(), stacked.mean(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(std.double().numpy(), stacked.std(axis=0, ddof=1), rtol=1e-4, atol=1e-6)
+
+
+def test_the_result_before_every_pass_ran_is_refused(model, x):
+    run = MonteCarloPasses(model, x, passes=3, p=0.1, seed=0)
+    run.run(2)
+    with pytest.raises(RuntimeError, match="1 of 3 passes"):
+        run.result()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ffn_core import FFNConfig, load_ffn
+from ffn_core import FFNConfig, load_ffn, save_ffn
 from ffn_core.extract import main
 
 
@@ -120,15 +123,73 @@ def test_bad_arguments_are_argparse_errors(tmp_path):
     assert info.value.code == 2
 
 
-def test_output_is_readable_by_other_users_whatever_the_umask(tmp_path):
-    """The container runs as UID 10001, not the file's owner: a 0600 file would not load there."""
+def _native_file(tmp_path):
     source = tmp_path / "in.safetensors"
     save_file({"layer1.weight": np.ones((4, 2), np.float32), "layer2.weight": np.ones((2, 4), np.float32)}, str(source))
-    out = tmp_path / "out.safetensors"
-    previous = os.umask(0o077)
+    return source
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_output_mode_is_save_ffns_0644_less_the_umask(tmp_path, umask, mode):
+    """The container runs as UID 10001, not the file's owner: under the usual umask it can read the file."""
+    source, out = _native_file(tmp_path), tmp_path / "out.safetensors"
+    previous = os.umask(umask)
     try:
         assert main(["--format", "native", str(source), str(out)]) == 0
+        save_ffn(load_ffn(source), tmp_path / "saved.safetensors")
     finally:
         os.umask(previous)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert stat.S_IMODE(out.stat().st_mode) == mode
+    assert stat.S_IMODE((tmp_path / "saved.safetensors").stat().st_mode) == mode  # the same as save_ffn's
     assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize(
+    ("output", "reason"),
+    [
+        ("no-such-folder/out.safetensors", "the folder {tmp}/no-such-folder does not exist"),
+        ("in.safetensors/out.safetensors", "{tmp}/in.safetensors is not a folder"),
+        (".", "it is a directory; name the file to write"),
+        ("", "it is a directory; name the file to write"),
+        ("fifo", "it is a FIFO (named pipe); only a regular file is replaced"),
+        ("loop", "Too many levels of symbolic links"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, output, reason):
+    source = _native_file(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    target = output if output in (".", "") else str(tmp_path / output)
+    assert main(["--format", "native", str(source), target]) == 2
+    err = capsys.readouterr().err
+    shown = "." if output == "" else target  # argparse's Path("") is "."
+    assert err == f"ffn-extract: error: cannot write {shown}: {reason.format(tmp=tmp_path)}\n"
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_missing_folder_from_the_command_line_is_one_line_without_a_traceback(tmp_path):
+    """The installed command, as a user runs it: one line on stderr, exit 2."""
+    source = _native_file(tmp_path)
+    command = [sys.executable, "-m", "ffn_core.extract", "--format", "native", str(source), "missing/out.safetensors"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert (
+        result.stderr == "ffn-extract: error: cannot write missing/out.safetensors: the folder missing does not exist\n"
+    )
+
+
+def test_an_unreadable_input_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "loop").symlink_to("loop")
+    assert main(["--format", "native", str(tmp_path / "loop"), str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ffn-extract: error: {tmp_path}/loop: cannot read weights file") and err.count("\n") == 1
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert (
+        info.value.code == 0 and capsys.readouterr().out == f"ffn-extract {importlib.metadata.version('ffn-serve')}\n"
+    )

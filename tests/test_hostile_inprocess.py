@@ -38,7 +38,7 @@ async def test_an_overflowing_request_fails_alone_in_its_batch(start_app) -> Non
 async def test_a_dead_batcher_turns_readiness_503_and_says_why(start_app) -> None:
     running = await start_app(Settings(warmup=False))
     client = running.client
-    batcher = running.app.state.service.engine.registry.get("demo").batcher
+    batcher = running.app.state.service.engine.model("demo")._batcher
     batcher._collector.cancel()  # dies by something other than stop()
     await asyncio.sleep(0.05)
     ready = await client.get("/v2/health/ready")

@@ -127,9 +127,11 @@ async def test_bfloat16_in_json_out(client):
 async def test_models_list(client):
     r = await client.get("/v1/models")
     assert r.status_code == 200
+    assert r.content.endswith(b"}\n")  # a line of its own in a terminal
     (model,) = r.json()["models"]
-    assert model | {"ready": True} == {
+    assert model == {  # the fixture waited for readiness: the model says READY too
         "name": "demo",
+        "version": 1,
         "d_model": 512,
         "d_ff": 2048,
         "activation": "relu",
@@ -141,6 +143,8 @@ async def test_models_list(client):
         "device": "cpu",
         "format": "demo",
         "ready": True,
+        "state": "READY",
+        "reason": "",
     }
 
 

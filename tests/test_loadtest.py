@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 
+import httpx
 import numpy as np
 import pytest
 
 from ffn_client.loadtest import LoadConfig, main, run_load
 from ffn_client.report import Samples, build_report, window_stats
 from ffn_client.stub_server import StubAnswer, StubServer
-from ffn_client.testing import free_port
+from ffn_client.testing import free_port, start_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -91,6 +93,50 @@ def test_no_server_counts_connect_errors():
 def test_unknown_model_without_d_model_fails_cleanly(demo_server, capsys):
     assert main(["--url", demo_server.url, "--model", "no-such-model", "-n", "5", "-q"]) == 1
     assert "cannot find d_model" in capsys.readouterr().err
+
+
+def server_answer(url: str, path: str, key: str | None = None) -> str:
+    """'HTTP <status> <error_type>: <error>', read here from the server's own JSON answer."""
+    response = httpx.get(url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+    body = response.json()
+    return f"HTTP {response.status_code} {body['error_type']}: {body['error']}"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with start_server(env={"FFN_API_KEY": "the-key", "FFN_WARMUP": "false", "FFN_LOG_LEVEL": "warning"}) as server:
+        yield server
+
+
+@pytest.mark.parametrize("key", [None, "a-wrong-key"])
+def test_a_refused_key_says_what_the_server_answered(keyed_server, capsys, key):
+    args = ["--url", keyed_server.url, "-n", "5", "-q"] + (["--api-key", key] if key else [])
+    assert main(args) == 1
+    answered = server_answer(keyed_server.url, "/v1/models", key)
+    assert answered.startswith("HTTP 401 unauthorized: ")
+    assert capsys.readouterr().err == (
+        f"ffn-loadtest: error: cannot find d_model of model 'demo' at {keyed_server.url}: the server answered "
+        f"{answered}; pass its key with --api-key (or FFN_API_KEY)\n"
+    )
+
+
+def test_a_misspelt_model_says_what_the_server_answered_and_what_it_serves(keyed_server, capsys):
+    assert main(["--url", keyed_server.url, "--api-key", "the-key", "--model", "dmeo", "-n", "5", "-q"]) == 1
+    answered = server_answer(keyed_server.url, "/v2/models/dmeo", "the-key")
+    assert answered.startswith("HTTP 404 model_not_found: ")
+    err = capsys.readouterr().err
+    assert err == (
+        f"ffn-loadtest: error: cannot find d_model of model 'dmeo' at {keyed_server.url}: the server answered "
+        f"{answered}; it serves 'demo': pass one with --model\n"
+    )
+    assert "--d-model" not in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"ffn-loadtest {importlib.metadata.version('ffn-serve')}\n"
 
 
 def test_bad_arguments():

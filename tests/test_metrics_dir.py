@@ -50,7 +50,7 @@ def test_an_unusable_metrics_dir_stops_the_start_with_one_line_and_exit_2(tmp_pa
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("ffn-serve: invalid settings: metrics_dir (FFN_METRICS_DIR) ")
+    assert lines[0].startswith("ffn-serve: invalid setting metrics_dir (FFN_METRICS_DIR): ")
     assert str(folder) in lines[0]
     assert {"missing": "does not exist", "file": "is not a folder", "read-only": "is not writable"}[kind] in lines[0]
     with pytest.raises(MetricsFolderError):

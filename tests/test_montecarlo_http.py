@@ -166,18 +166,25 @@ async def test_without_query_string_the_answer_is_the_plain_ffn(service: InProce
 @pytest.mark.parametrize(
     ("query", "needle"),
     [
-        ("mc_passes=1", "mc_passes must be an integer from 2 to 64"),
-        ("mc_passes=65", "mc_passes must be an integer from 2 to 64"),
-        ("mc_passes=four", "mc_passes must be an integer"),
-        ("mc_passes=", "mc_passes must be an integer"),
+        ("mc_passes=1", "'mc_passes' must be an integer in [2, 64]"),
+        ("mc_passes=65", "'mc_passes' must be an integer in [2, 64]"),
+        ("mc_passes=four", "'mc_passes' must be an integer"),
+        ("mc_passes=", "'mc_passes' must be an integer"),
+        ("mc_passes=%E2%91%A3", "'mc_passes' must be an integer"),  # ④: a digit to str.isdigit, not to us
+        ("mc_passes=%D9%A3", "'mc_passes' must be an integer"),  # Arabic-Indic three
+        ("mc_passes=%204", "'mc_passes' must be an integer"),  # a space is not part of a number
+        ("mc_passes=1_0", "'mc_passes' must be an integer"),
         ("mc_seed=3", "mc_seed applies only to Monte Carlo dropout requests"),
         ("mc_dropout=0.1", "mc_dropout applies only"),
         ("mc_passes=4&mc_passes=5", "given twice"),
         ("mc_passes=4&normalize=true", "unknown query parameter 'normalize'"),
         ("mc_passes=4&mc_dropout=1", "mc_dropout must be a number in [0, 1)"),
-        ("mc_passes=4&mc_dropout=nan", "mc_dropout must be a number in [0, 1)"),
-        ("mc_passes=4&mc_seed=-1", "mc_seed must be an integer from 0 to 9223372036854775807"),
-        ("mc_passes=4&mc_seed=9223372036854775808", "mc_seed must be an integer"),
+        ("mc_passes=4&mc_dropout=nan", "'mc_dropout' must be a finite decimal number"),
+        ("mc_passes=4&mc_dropout=%D9%A0.1", "'mc_dropout' must be a finite decimal number"),
+        ("mc_passes=4&mc_dropout=0_1", "'mc_dropout' must be a finite decimal number"),
+        ("mc_passes=4&mc_dropout=%200.1", "'mc_dropout' must be a finite decimal number"),
+        ("mc_passes=4&mc_seed=-1", "'mc_seed' must be an integer in [0, 9223372036854775807]"),
+        ("mc_passes=4&mc_seed=9223372036854775808", "'mc_seed' must be an integer"),
         ("mc_passes", "malformed query string"),
     ],
 )
@@ -296,12 +303,17 @@ async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> No
 @pytest.mark.parametrize(
     ("parameters", "needle"),
     [
-        ({"mc_passes": 2.5}, "mc_passes must be an integer"),
-        ({"mc_passes": True}, "mc_passes must be an integer"),
-        ({"mc_passes": 100}, "from 2 to 64"),
+        ({"mc_passes": 2.5}, "'mc_passes' must be an integer"),
+        ({"mc_passes": True}, "'mc_passes' must be an integer"),
+        ({"mc_passes": "3"}, "'mc_passes' must be an integer, got the string '3'"),  # as strict as 'timeout'
+        ({"mc_passes": 100}, "'mc_passes' must be an integer in [2, 64]"),
         ({"mc_seed": 4}, "add mc_passes"),
-        ({"mc_passes": 4, "mc_dropout": "lots"}, "mc_dropout must be a number"),
-        ({"mc_passes": 4, "mc_dropout": -0.1}, "mc_dropout must be a number"),
+        ({"mc_passes": None, "mc_seed": 4}, "add mc_passes"),
+        ({"mc_passes": 4, "mc_seed": "4"}, "'mc_seed' must be an integer"),
+        ({"mc_passes": 4, "mc_dropout": "lots"}, "'mc_dropout' must be a finite number"),
+        ({"mc_passes": 4, "mc_dropout": "0.1"}, "'mc_dropout' must be a finite number"),
+        ({"mc_passes": 4, "mc_dropout": -0.1}, "'mc_dropout' must be a finite number in [0.0, 1.0]"),
+        ({"mc_passes": 4, "mc_dropout": 1.0}, "mc_dropout must be a number in [0, 1)"),
     ],
 )
 async def test_v2_bad_parameters_are_400(service: InProcessApp, parameters: dict, needle: str) -> None:
@@ -309,9 +321,14 @@ async def test_v2_bad_parameters_are_400(service: InProcessApp, parameters: dict
     assert r.status_code == 400 and needle in r.json()["error"], r.text
 
 
-async def test_v2_plain_answer_has_no_parameters(service: InProcessApp) -> None:
-    r = await service.client.post("/v2/models/mc/infer", json=v2_document(inputs(1, D_MODEL), {}))
+@pytest.mark.parametrize("parameters", [{}, {"mc_passes": None}], ids=["none", "null"])
+async def test_v2_plain_answer_has_no_parameters(service: InProcessApp, weights, parameters: dict) -> None:
+    """A null mc_passes is no mc_passes: one test decides "is this Monte Carlo", in the decoder and the route alike."""
+    x = inputs(1, D_MODEL)
+    r = await service.client.post("/v2/models/mc/infer", json=v2_document(x, parameters))
+    assert r.status_code == 200, r.text
     assert "parameters" not in r.json() and [o["name"] for o in r.json()["outputs"]] == ["output"]
+    assert_close(np.array(r.json()["outputs"][0]["data"]).reshape(x.shape), numpy_ffn(x, weights, "gelu"))
 
 
 # ----- a real server and NVIDIA's tritonclient -------------------------------------------------

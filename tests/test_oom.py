@@ -142,9 +142,9 @@ async def served(start_app) -> InProcessApp:
 
 
 def inject(served: InProcessApp, monkeypatch: pytest.MonkeyPatch, **limits: int) -> InjectedOOM:
-    model = served.app.state.service.engine.registry.models["demo"]
-    forward = InjectedOOM(model.runner, **limits)
-    monkeypatch.setattr(model.batcher, "_forward", forward)
+    model = served.app.state.service.engine.model("demo")
+    forward = InjectedOOM(model._runner, **limits)
+    monkeypatch.setattr(model._batcher, "_forward", forward)
     return forward
 
 

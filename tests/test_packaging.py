@@ -156,6 +156,7 @@ def test_installed_client_works_with_no_server_dependency(client_wheel: Path, tm
 import sys; sys.path.insert(0, {str(site)!r})
 import numpy as np, ffn_client
 assert ffn_client.__file__.startswith({str(site)!r}), ffn_client.__file__
+assert ffn_client.__version__ == {CLIENT["version"]!r}, ffn_client.__version__  # ffn-loadtest --version's
 from ffn_client import Client
 from ffn_client.loadtest import main
 from ffn_client.stub_server import StubServer

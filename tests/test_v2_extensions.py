@@ -161,10 +161,10 @@ async def test_statistics_count_what_was_sent(service: InProcessApp) -> None:
 
 async def test_a_batch_counts_once_as_an_execution_and_per_request_in_compute(service: InProcessApp) -> None:
     """Three requests queued in one tick run as one batch: one execution, three requests' computes."""
-    served = service.app.state.service.engine.registry.models["plain"]
+    served = service.app.state.service.engine.model("plain")
     parts = [torch.randn(n, D_MODEL) for n in (1, 2, 3)]
     # gather starts the three submits before the collector task runs again: one batch of 6 rows.
-    await asyncio.gather(*(served.batcher.submit(part) for part in parts))
+    await asyncio.gather(*(served.infer(part, deadline=None) for part in parts))
     stat = await stats_of(service.client, "/v2/models/plain/stats")
     assert stat["execution_count"] == 1 and stat["inference_count"] == 6
     inference = stat["inference_stats"]

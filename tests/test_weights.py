@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,6 +75,43 @@ def test_saved_file_describes_itself(tmp_path):
     assert not list(tmp_path.glob("*.partial"))
     # Nothing to say at load time: the file knows it is a SwiGLU.
     assert load_ffn(path).config == config
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o644), (0o000, 0o644), (0o077, 0o600)])
+def test_saved_file_mode_is_0644_less_the_umask(tmp_path, umask, mode):
+    """As any new file: readable by a container's user under the usual umask (safetensors alone writes 0600)."""
+    path = tmp_path / "ffn.safetensors"
+    path.write_bytes(b"an older file, replaced")
+    os.chmod(path, 0o600)
+    previous = os.umask(umask)
+    try:
+        save_ffn(_model(FFNConfig(D_MODEL, D_FF)), path)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert load_ffn(path).config == FFNConfig(D_MODEL, D_FF)
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "reason"),
+    [
+        ("no-folder/ffn.safetensors", FileNotFoundError, "the folder {tmp}/no-folder does not exist"),
+        ("a-file/ffn.safetensors", NotADirectoryError, "{tmp}/a-file is not a folder"),
+        ("a-folder", IsADirectoryError, "it is a directory; name the file to write"),
+        ("a-fifo", FileExistsError, "it is a FIFO (named pipe); only a regular file is replaced"),
+    ],
+)
+def test_saving_where_no_file_can_go_is_an_os_error_naming_why(tmp_path, target, error, reason):
+    (tmp_path / "a-file").write_bytes(b"")
+    (tmp_path / "a-folder").mkdir()
+    os.mkfifo(tmp_path / "a-fifo")
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(error) as info:
+        save_ffn(_model(FFNConfig(D_MODEL, D_FF)), tmp_path / target)
+    assert info.value.strerror == reason.format(tmp=tmp_path)
+    assert info.value.filename == str(tmp_path / target)
+    assert sorted(tmp_path.iterdir()) == before  # nothing written, no .partial left
+    assert stat.S_ISFIFO((tmp_path / "a-fifo").stat().st_mode)
 
 
 def test_cast_to_other_dtype_and_string_dtypes(tmp_path, np_ffn, close):

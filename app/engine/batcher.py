@@ -1,4 +1,4 @@
-"""Batcher: a row-level async micro-batcher in front of one model.
+"""Batcher: a row-level async micro-batcher in front of one model, with its Monte Carlo requests.
 
 Requests are split into entries of at most `max_batch_rows` rows and queued; a single collector
 task cuts a batch when the queued rows reach `max_batch_rows`, or `max_wait_s` after the first
@@ -9,10 +9,16 @@ With a `launch` (the staged GPU runner), up to `max_in_flight` batches are in fl
 the next batch is launched on the device thread while the last one's answer is still being
 computed, and each batch's answer is waited for off the device thread.
 
-The queue is bounded in rows: a request that does not fit is refused with `Overloaded` before
-it is queued. An entry whose client left (cancelled future) or whose deadline passed is
-skipped and never computed. Out of memory splits the batch in halves and retries; only an
-entry that fails alone gets `InsufficientMemory`, and the batch size ceiling is lowered.
+A Monte Carlo dropout request is queued beside the rows, never batched with them, and run in
+slices of at most a batch's worth of row-passes; while plain rows wait, the collector takes
+turns, a batch then a slice, so that a long Monte Carlo request delays a plain one by one slice
+at most. Admission, deadlines, drain and stop are the same for both kinds: written once, here
+and in the queue.
+
+The queue is bounded in work (rows × passes): a request that does not fit is refused with
+`Overloaded` before it is queued. An entry whose client left (cancelled future) or whose deadline
+passed is skipped and never computed (further). Out of memory splits a batch in halves and
+retries; only an entry that fails alone gets `InsufficientMemory`, and the batch size ceiling is lowered.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
+from typing import TypeVar
 
 import torch
 
@@ -33,9 +40,11 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
-from app.engine.queue import Entry, RowQueue, fail
+from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.queue import Entry, WorkQueue, fail
 from app.engine.staging import Pending
 from app.metrics import Metrics, ModelInstruments
+from ffn_core import MonteCarloPasses
 
 log = logging.getLogger("ffn_serve.batcher")
 
@@ -45,7 +54,12 @@ Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 # launch(parts) -> Pending: enqueue the forward pass and return before it finishes.
 Launch = Callable[[Sequence[torch.Tensor]], Pending]
 
+# start(rows, request) -> the request's passes, none run yet (on the device thread: it computes the hidden layer).
+StartMonteCarlo = Callable[[torch.Tensor, MonteCarloRequest], MonteCarloPasses]
+
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+
+T = TypeVar("T")
 
 
 def count_failure(instruments: ModelInstruments, arrived: float) -> None:
@@ -68,8 +82,12 @@ class Batcher:
         metrics: Metrics | None = None,
         launch: Launch | None = None,
         max_in_flight: int = 1,
+        monte_carlo: StartMonteCarlo | None = None,
     ) -> None:
-        """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time."""
+        """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time.
+
+        `monte_carlo` starts a Monte Carlo request's passes; without it, such requests are refused.
+        """
         if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or max_in_flight < 1:
             raise ValueError("max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s >= 0")
         self.name = name
@@ -78,6 +96,7 @@ class Batcher:
         self.max_queue_rows = max_queue_rows
         self._forward = forward
         self._launch = launch
+        self._start_monte_carlo = monte_carlo
         self._executor = executor
         # One slot per batch in flight: the collector takes a batch only when it holds one.
         self._slots = asyncio.Semaphore(max_in_flight if launch is not None else 1)
@@ -86,14 +105,16 @@ class Batcher:
         self._ceiling = max_batch_rows  # lowered after out-of-memory
         self._instruments = self._metrics.for_model(name)
         self._instruments.batch_ceiling.set(self._ceiling)
-        self._queue = RowQueue(on_rows=self._instruments.queue_rows.set)
+        self._queue = WorkQueue(on_work=self._instruments.queue_rows.set)
+        self._plain_went_last = False  # whose turn it is when rows and a Monte Carlo request both wait
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._collector: asyncio.Task[None] | None = None
         self._accepting = False
         self._stopping = False
-        self.failure: str | None = None  # why the collector died, if it did (readiness reports it)
+        self.failure: str | None = None  # why the collector died, if it did
+        self.on_failure: Callable[[str], None] | None = None  # told why, if the collector dies
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -108,7 +129,7 @@ class Batcher:
         self._accepting = False
         try:
             async with asyncio.timeout(timeout_s):
-                while self._queue.rows or not self._idle.is_set():
+                while self._queue.work or not self._idle.is_set():
                     await self._idle.wait()
                     await asyncio.sleep(0.002)  # let the collector take what is queued
         except TimeoutError:
@@ -135,8 +156,9 @@ class Batcher:
     # ----- public API ------------------------------------------------------------------------
 
     @property
-    def queued_rows(self) -> int:
-        return self._queue.rows
+    def queued_work(self) -> int:
+        """Rows × passes accepted and not yet computed."""
+        return self._queue.work
 
     @property
     def batch_ceiling(self) -> int:
@@ -149,38 +171,65 @@ class Batcher:
     async def submit(self, rows: torch.Tensor, *, deadline: float | None = None) -> torch.Tensor:
         """The model's output for `rows` (n, d_model), n >= 1. `deadline` is in loop.time() seconds."""
         arrived = time.perf_counter()
-        if not self._accepting:
-            count_failure(self._instruments, arrived)
-            raise Unavailable(self.failure or "the server is not accepting work (starting up or draining)")
-        n = rows.shape[0]
-        assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
-        if n > self.max_queue_rows:
-            count_failure(self._instruments, arrived)
-            raise RequestTooLarge(f"request has {n} rows; this model queues at most {self.max_queue_rows} rows")
-        if self._queue.rows + n > self.max_queue_rows:
-            count_failure(self._instruments, arrived)
-            raise Overloaded(
-                f"queue full for model {self.name!r}: {self._queue.rows} of {self.max_queue_rows} rows waiting",
-                retry_after_s=1,
-            )
-        self._instruments.request_rows.observe(n)
+        self._admit(rows.shape[0], 1, arrived)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        chunk_rows = self._ceiling
-        chunks = (rows,) if n <= chunk_rows else rows.split(chunk_rows)
+        chunks = (rows,) if rows.shape[0] <= self._ceiling else rows.split(self._ceiling)
         entries = [Entry(chunk, loop.create_future(), now, arrived, deadline) for chunk in chunks]
+        if len(entries) == 1:
+            return await self._answer(entries, deadline, arrived, entries[0].future)
+        return await self._answer(entries, deadline, arrived, self._joined(entries))
+
+    async def submit_monte_carlo(
+        self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None = None
+    ) -> MonteCarloResult:
+        """Mean and std of `request.passes` dropout passes over `rows` (n, d_model). `deadline`: loop.time()."""
+        arrived = time.perf_counter()
+        n = rows.shape[0]
+        if self._start_monte_carlo is None or n > self.max_batch_rows:
+            count_failure(self._instruments, arrived)
+            raise RequestTooLarge(
+                f"a Monte Carlo dropout request may hold at most {self.max_batch_rows} rows "
+                f"(max_batch_rows); this one has {n}"
+            )
+        self._admit(n, request.passes, arrived)
+        loop = asyncio.get_running_loop()
+        entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, monte_carlo=request)
+        return await self._answer([entry], deadline, arrived, entry.future)
+
+    def _admit(self, n: int, passes: int, arrived: float) -> None:
+        """Refuse, before anything is queued, work that cannot be taken now (503), ever (413), or yet (429)."""
+        assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
+        error: Exception | None = None
+        cost = n * passes
+        if not self._accepting:
+            error = Unavailable(self.failure or "the server is not accepting work (starting up or draining)")
+        elif cost > self.max_queue_rows:
+            what, unit = (
+                (f"{n} rows", "rows") if passes == 1 else (f"{n} rows × {passes} passes = {cost}", "row-passes")
+            )
+            error = RequestTooLarge(f"request has {what}; this model queues at most {self.max_queue_rows} {unit}")
+        elif self._queue.work + cost > self.max_queue_rows:
+            error = Overloaded(
+                f"queue full for model {self.name!r}: {self._queue.work} of {self.max_queue_rows} rows waiting",
+                retry_after_s=1,
+            )
+        if error is not None:
+            count_failure(self._instruments, arrived)
+            raise error
+
+    async def _answer(self, entries: list[Entry], deadline: float | None, arrived: float, answer: Awaitable[T]) -> T:
+        """Queue the entries and await `answer`; if it fails or the client goes, the rest is not wanted."""
+        if entries[0].monte_carlo is None:
+            self._instruments.request_rows.observe(sum(entry.n for entry in entries))
         self._queue.push(entries, deadline)
         self._arrived.set()
         try:
-            if len(entries) == 1:
-                result = await entries[0].future
-            else:
-                result = torch.cat([await entry.future for entry in entries])
+            result = await answer
             self._instruments.request_seconds.observe(time.perf_counter() - arrived)
             return result
         except BaseException:
             count_failure(self._instruments, arrived)
-            # Cancelled (client gone) or one chunk failed: the other chunks are not wanted.
             for entry in entries:
                 self._queue.release(entry)
                 if entry.future.done() and not entry.future.cancelled():
@@ -188,16 +237,17 @@ class Batcher:
                 entry.future.cancel()
             raise
 
-    # ----- batches ---------------------------------------------------------------------------
+    @staticmethod
+    async def _joined(entries: list[Entry]) -> torch.Tensor:
+        return torch.cat([await entry.future for entry in entries])
 
-    def _take_batch(self, batch: list[Entry]) -> None:
-        self._queue.take(batch, self._ceiling)
+    # ----- turns -----------------------------------------------------------------------------
 
     async def _wait_for_more(self) -> None:
         """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
         loop = asyncio.get_running_loop()
         cut_at = self._queue.first_enqueued_at() + self.max_wait_s
-        while self._queue.rows < self._ceiling:
+        while self._queue.work < self._ceiling:
             remaining = cut_at - loop.time()
             if remaining <= 0:
                 return
@@ -208,18 +258,32 @@ class Batcher:
             except TimeoutError:
                 return
 
+    def _monte_carlo_turn(self) -> bool:
+        """A Monte Carlo slice runs next if one waits and rows do not, or if the rows went last."""
+        return self._queue.has_monte_carlo and (not self._queue.has_plain or self._plain_went_last)
+
     async def _collect(self) -> None:
         while True:
             if not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
+            if self._monte_carlo_turn():
+                await self._slots.acquire()
+                self._plain_went_last = False
+                entry = self._queue.next_monte_carlo()
+                if entry is None:
+                    self._slots.release()
+                    continue
+                await self._in_slot(self._run_slice(entry), [entry])
+                continue
             if self.max_wait_s > 0:
                 await self._wait_for_more()
             await self._slots.acquire()  # what arrives meanwhile joins this batch
+            self._plain_went_last = True
             batch: list[Entry] = []
             try:
-                self._take_batch(batch)
+                self._queue.take(batch, self._ceiling)
             except Exception as exc:  # a bug: the entries taken so far fail, the collector lives on
                 self._slots.release()
                 self._fail_after_bug(batch, exc)
@@ -227,29 +291,30 @@ class Batcher:
             if not batch:
                 self._slots.release()
                 continue
-            self._idle.clear()
             if self._launch is None:  # one batch at a time: run it here, with no task to schedule
-                try:
-                    await self._run_in_slot(batch)
-                finally:
-                    self._idle.set()
+                await self._in_slot(self._run(batch), batch)
                 continue
-            task = asyncio.create_task(self._run_in_slot(batch), name=f"batch-{self.name}")
+            self._idle.clear()
+            task = asyncio.create_task(self._in_slot(self._run(batch), batch), name=f"batch-{self.name}")
             self._in_flight.add(task)
             task.add_done_callback(self._landed)
 
-    async def _run_in_slot(self, batch: list[Entry]) -> None:
+    async def _in_slot(self, work: Awaitable[None], entries: list[Entry]) -> None:
+        """Run `work` (a batch, or a slice) holding a slot; whatever goes wrong fails its entries alone."""
+        self._idle.clear()
         try:
-            await self._run(batch)
+            await work
         except asyncio.CancelledError:
             # Stopped mid-pass (shutdown): nothing else would ever answer these entries.
-            for entry in batch:
+            for entry in entries:
                 fail(entry, Unavailable("the server is shutting down"))
             raise
         except Exception as exc:  # a bug (a broken invariant included): that batch fails, nothing else
-            self._fail_after_bug(batch, exc)
+            self._fail_after_bug(entries, exc)
         finally:
             self._slots.release()
+            if not self._in_flight:
+                self._idle.set()
 
     def _fail_after_bug(self, batch: list[Entry], exc: Exception) -> None:
         log.error(
@@ -274,6 +339,8 @@ class Batcher:
         )
         self._accepting = False
         self._queue.fail_all(ModelError(self.failure))
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     # ----- forward ---------------------------------------------------------------------------
 
@@ -293,16 +360,20 @@ class Batcher:
                 fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
             return
         elapsed = time.perf_counter() - started
-        self._instruments.compute_seconds.observe(elapsed)
-        self._instruments.request_compute_seconds.inc(elapsed * len(batch))
-        self._instruments.batch_rows.observe(rows)
-        self._instruments.last_inference.set(time.time())
+        self._count_pass(elapsed, rows, len(batch))
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
         offset = 0
         for entry in batch:
             if not entry.future.done():
                 entry.future.set_result(output[offset : offset + entry.n])
             offset += entry.n
+
+    def _count_pass(self, seconds: float, rows: int, requests: int) -> None:
+        """Count one forward pass (a batch, or a whole Monte Carlo request) of `rows` rows for `requests` requests."""
+        self._instruments.compute_seconds.observe(seconds)
+        self._instruments.request_compute_seconds.inc(seconds * requests)
+        self._instruments.batch_rows.observe(rows)
+        self._instruments.last_inference.set(time.time())
 
     async def _compute(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The forward pass on the device thread; launched there and waited for elsewhere when it can be."""
@@ -330,3 +401,61 @@ class Batcher:
         middle = len(batch) // 2
         await self._run(batch[:middle])
         await self._run(batch[middle:])
+
+    # ----- Monte Carlo slices ----------------------------------------------------------------
+
+    async def _run_slice(self, entry: Entry) -> None:
+        """The next slice of a Monte Carlo entry's passes: at most a batch's worth of row-passes.
+
+        The entry leaves the queue when its last slice has run, or when a slice fails.
+        """
+        assert entry.monte_carlo is not None, "a plain entry in the Monte Carlo turn; this is a bug."
+        started = time.perf_counter()
+        if entry.passes is None:
+            self._instruments.queue_seconds.observe(started - entry.arrived)
+        passes = max(1, self._ceiling // entry.n)
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._executor, self._slice, entry, passes)
+        except OUT_OF_MEMORY:
+            log.warning(
+                "out of memory on a Monte Carlo dropout request of %d rows x %d passes",
+                entry.n,
+                entry.monte_carlo.passes,
+            )
+            fail(
+                entry,
+                InsufficientMemory(
+                    f"{entry.monte_carlo.passes} passes over {entry.n} rows do not fit in the device's memory"
+                ),
+            )
+            self._queue.finish(entry)
+            return
+        except Exception as exc:
+            log.error("Monte Carlo dropout failed (%d rows)", entry.n, exc_info=exc)
+            fail(entry, ModelError(f"the Monte Carlo dropout passes failed: {type(exc).__name__}"))
+            self._queue.finish(entry)
+            return
+        entry.compute_s += time.perf_counter() - started
+        if result is None:
+            return  # more slices to go: it keeps its place at the head of the Monte Carlo queue
+        self._queue.finish(entry)
+        self._count_pass(entry.compute_s, entry.n, 1)
+        if not entry.future.done():
+            entry.future.set_result(result)
+
+    def _slice(self, entry: Entry, passes: int) -> MonteCarloResult | None:
+        """On the device thread: run `passes` more passes; the result once the last has run."""
+        assert self._start_monte_carlo is not None and entry.monte_carlo is not None
+        if entry.passes is None:
+            entry.passes = self._start_monte_carlo(entry.rows, entry.monte_carlo)
+        run = entry.passes
+        try:
+            run.run(passes)
+            if run.remaining:
+                return None
+            mean, std = run.result()
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise
+        return MonteCarloResult(mean.to("cpu"), std.to("cpu"))

@@ -1,9 +1,15 @@
-"""RowQueue: one model's waiting entries, bounded by the batcher in rows, with deadlines enforced.
+"""WorkQueue: one model's waiting work, counted in rows × passes, with deadlines enforced.
 
 Like TEI's queue.rs beside its batching loop: the queue only holds, counts, expires and hands
-out entries; the Batcher decides when to cut a batch and runs it. One timer covers the earliest
-deadline in the queue, not one per entry (a timer per request costs more than the rest of the
-queueing). An entry whose deadline passes is answered `DeadlineExceeded` and never computed.
+out entries; the Batcher decides what runs next and runs it. Two kinds of entries wait here:
+plain rows, batched together, and Monte Carlo dropout requests, each run alone in slices of
+passes. Both count against one budget in units of work, a row's forward pass: a plain entry
+costs its rows, a Monte Carlo one its rows × passes, so admission bounds what the device owes.
+
+One timer covers the earliest deadline in the queue, not one per entry (a timer per request
+costs more than the rest of the queueing). An entry whose deadline passes while it waits is
+answered `DeadlineExceeded` and not computed further: a Monte Carlo request that has begun
+waits between its slices, so it expires too, with the passes it has run dropped.
 """
 
 from __future__ import annotations
@@ -11,28 +17,42 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from app.engine.errors import DeadlineExceeded
+from app.engine.montecarlo import MonteCarloRequest
+from ffn_core import MonteCarloPasses
 
 
 @dataclass(eq=False)
 class Entry:
-    """A queued slice of one request: its rows and the future its answer goes to."""
+    """A queued slice of one request: its rows and the future its answer goes to.
+
+    A Monte Carlo entry also carries what it asked for and, once its first slice ran, its passes so far.
+    """
 
     rows: torch.Tensor  # (n, d_model), on the host
-    future: asyncio.Future[torch.Tensor]
+    future: asyncio.Future[Any]  # a torch.Tensor, or a MonteCarloResult for a Monte Carlo entry
     enqueued_at: float  # loop.time(), for max_wait
     arrived: float  # time.perf_counter(), for metrics (uvloop's loop.time() counts whole milliseconds)
     deadline: float | None
-    queued: bool = True  # still counted in the queue's rows
+    monte_carlo: MonteCarloRequest | None = None
+    passes: MonteCarloPasses | None = None  # set on the device thread by the first slice
+    compute_s: float = 0.0  # a Monte Carlo entry's forward time over its slices so far
+    queued: bool = True  # still counted in the queue's work
 
     @property
     def n(self) -> int:
         return self.rows.shape[0]
+
+    @property
+    def cost(self) -> int:
+        """Rows × passes: the forward passes of one row this entry owes the device."""
+        return self.n * (self.monte_carlo.passes if self.monte_carlo is not None else 1)
 
 
 def fail(entry: Entry, error: Exception) -> None:
@@ -41,85 +61,125 @@ def fail(entry: Entry, error: Exception) -> None:
         entry.future.set_exception(error)
 
 
-def _expired() -> DeadlineExceeded:
+def _expired(entry: Entry) -> DeadlineExceeded:
+    if entry.passes is not None and entry.monte_carlo is not None:
+        return DeadlineExceeded(
+            f"deadline passed after {entry.passes.done} of {entry.monte_carlo.passes} Monte Carlo passes"
+        )
     return DeadlineExceeded("deadline passed while the request was queued")
 
 
-class RowQueue:
-    """Entries in arrival order, their rows counted; `on_rows(total)` hears every change of the count."""
+class WorkQueue:
+    """Plain entries in arrival order, Monte Carlo entries in theirs; `on_work(total)` hears every change of the work."""
 
-    def __init__(self, on_rows: Callable[[int], None]) -> None:
-        self._entries: deque[Entry] = deque()
-        self._rows = 0
-        self._on_rows = on_rows
+    def __init__(self, on_work: Callable[[int], None]) -> None:
+        self._plain: deque[Entry] = deque()
+        self._monte_carlo: deque[Entry] = deque()
+        self._work = 0
+        self._on_work = on_work
         self._reaper: asyncio.TimerHandle | None = None
         self._reaper_at = math.inf
 
     @property
-    def rows(self) -> int:
-        """Rows waiting: entries taken, expired or given up on no longer count."""
-        return self._rows
+    def work(self) -> int:
+        """Rows × passes waiting: entries taken, finished, expired or given up on no longer count."""
+        return self._work
+
+    @property
+    def has_plain(self) -> bool:
+        return bool(self._plain)
+
+    @property
+    def has_monte_carlo(self) -> bool:
+        return bool(self._monte_carlo)
 
     def __bool__(self) -> bool:
-        return bool(self._entries)
+        return bool(self._plain) or bool(self._monte_carlo)
 
     def first_enqueued_at(self) -> float:
-        return self._entries[0].enqueued_at
+        return self._plain[0].enqueued_at
 
     def push(self, entries: list[Entry], deadline: float | None) -> None:
         """Queue one request's entries (they share its deadline)."""
-        self._entries.extend(entries)
+        for entry in entries:
+            (self._plain if entry.monte_carlo is None else self._monte_carlo).append(entry)
         if deadline is not None and deadline < self._reaper_at:
             self._schedule_reaper(deadline)
-        self._count(sum(entry.n for entry in entries))
+        self._count(sum(entry.cost for entry in entries))
 
     def release(self, entry: Entry) -> None:
-        """Stop counting an entry's rows (once); it may still sit in the deque until taken."""
+        """Stop counting an entry's work (once); it may still sit in its deque until taken."""
         if entry.queued:
             entry.queued = False
-            self._count(-entry.n)
-
-    def release_all(self, entries: Iterable[Entry]) -> None:
-        for entry in entries:
-            self.release(entry)
+            self._count(-entry.cost)
 
     def take(self, batch: list[Entry], ceiling: int) -> None:
-        """Pop entries into `batch` up to `ceiling` rows, skipping the ones nobody waits for any more.
+        """Pop plain entries into `batch` up to `ceiling` rows, skipping the ones nobody waits for any more.
 
         Filled in place, so that if anything goes wrong the caller still holds every popped entry.
         """
         rows = 0
         now = asyncio.get_running_loop().time()
-        while self._entries:
-            entry = self._entries[0]
+        while self._plain:
+            entry = self._plain[0]
             if entry.future.done():  # cancelled, or expired by the reaper
-                self._pop()
+                self._pop_plain()
                 continue
             if entry.deadline is not None and entry.deadline <= now:  # expired before the reaper ran
-                self._pop()
-                entry.future.set_exception(_expired())
+                self._pop_plain()
+                entry.future.set_exception(_expired(entry))
                 continue
             if batch and rows + entry.n > ceiling:
                 break
-            batch.append(self._pop())
+            batch.append(self._pop_plain())
             rows += entry.n
+
+    def next_monte_carlo(self) -> Entry | None:
+        """The Monte Carlo entry whose slice runs next, or None; it stays queued (and counted) until `finish`."""
+        now = asyncio.get_running_loop().time()
+        while self._monte_carlo:
+            entry = self._monte_carlo[0]
+            if not entry.future.done() and entry.deadline is not None and entry.deadline <= now:
+                entry.future.set_exception(_expired(entry))
+            if entry.future.done():  # cancelled, expired, or failed by a slice
+                self.finish(entry)
+                continue
+            return entry
+        return None
+
+    def finish(self, entry: Entry) -> None:
+        """A Monte Carlo entry leaves the queue: answered, failed, or nobody waits for it."""
+        if self._monte_carlo and self._monte_carlo[0] is entry:
+            self._monte_carlo.popleft()
+        elif entry in self._monte_carlo:
+            self._monte_carlo.remove(entry)
+        entry.passes = None  # its hidden layer and accumulators are freed now, not when its waiter goes
+        self.release(entry)
 
     def fail_all(self, error: Exception) -> None:
         """Empty the queue, answering `error` to every entry still waiting; stop the deadline timer."""
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper, self._reaper_at = None, math.inf
-        while self._entries:
-            fail(self._pop(), error)
+        while self._plain:
+            fail(self._pop_plain(), error)
+        while self._monte_carlo:
+            entry = self._monte_carlo[0]
+            fail(entry, error)
+            self.finish(entry)
 
-    def _pop(self) -> Entry:
-        entry = self._entries.popleft()
+    def _entries(self) -> Iterator[Entry]:
+        yield from self._plain
+        yield from self._monte_carlo
+
+    def _pop_plain(self) -> Entry:
+        entry = self._plain.popleft()
         self.release(entry)
         return entry
 
     def _count(self, delta: int) -> None:
-        self._rows += delta
-        self._on_rows(self._rows)
+        self._work += delta
+        self._on_work(self._work)
 
     def _schedule_reaper(self, at: float) -> None:
         if self._reaper is not None:
@@ -128,16 +188,16 @@ class RowQueue:
         self._reaper = asyncio.get_running_loop().call_at(at, self._reap)
 
     def _reap(self) -> None:
-        """Answer 504 to every queued entry whose deadline has passed; they will never be computed."""
+        """Answer 504 to every queued entry whose deadline has passed; they will never be computed further."""
         self._reaper, self._reaper_at = None, math.inf
         now = asyncio.get_running_loop().time()
         earliest = math.inf
-        for entry in self._entries:
+        for entry in self._entries():
             if entry.deadline is None or entry.future.done():
                 continue
             if entry.deadline <= now:
                 self.release(entry)
-                entry.future.set_exception(_expired())
+                entry.future.set_exception(_expired(entry))
             else:
                 earliest = min(earliest, entry.deadline)
         if earliest < math.inf:

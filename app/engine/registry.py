@@ -1,21 +1,22 @@
-"""The served models: each one's weights on its device, its runner and its batcher."""
+"""The served models: each one's weights on its device, its runner, its batcher and its status."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from app.engine.batcher import Batcher
-from app.engine.errors import ModelNotFound
-from app.engine.montecarlo import MonteCarloLane
+from app.engine.errors import Unavailable
+from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
+from app.engine.status import READY, ModelState, ModelStatus
 from app.metrics import Metrics
 from app.settings import ModelSpec, Settings
-from ffn_core import FeedForward, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
+from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.dtypes import DTYPES, DType
 
 log = logging.getLogger("ffn_serve")
@@ -25,27 +26,58 @@ class ModelLoadError(RuntimeError):
     """A configured model could not be loaded; the message names the model, the file and the reason."""
 
 
-@dataclass
 class ServedModel:
-    spec: ModelSpec
-    model: FeedForward
-    runner: ModelRunner
-    batcher: Batcher
-    monte_carlo: MonteCarloLane
-    warm: bool = False
+    """One served model: its weights on their device, its runner and batcher, and its one status.
+
+    The edge reads its description and status and sends it work (`check_serving`, `infer`,
+    `infer_monte_carlo`); the runner and the batcher are the engine's own.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        model: FeedForward,
+        runner: ModelRunner,
+        batcher: Batcher,
+        metrics: Metrics,
+        *,
+        executor: Executor | None = None,
+        version: int = 1,
+    ) -> None:
+        """`executor`: the device's thread, which warm-up runs on."""
+        self.spec = spec
+        self.version = version
+        self._model = model
+        self._runner = runner
+        self._batcher = batcher
+        self._executor = executor
+        self._state_gauge = metrics.model_state
+        self._status = ModelStatus(ModelState.LOADING, "warming up")  # its weights are loaded already
+        self._set_status(self._status)
+        batcher.on_failure = lambda reason: self._set_status(ModelStatus(ModelState.UNAVAILABLE, reason))
+
+    # ----- what it is ------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     @property
+    def config(self) -> FFNConfig:
+        return self._model.config
+
+    @property
     def d_model(self) -> int:
-        return self.model.config.d_model
+        return self._model.config.d_model
+
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
 
     @property
     def dropout(self) -> float:
         """The hidden-layer dropout rate of Monte Carlo dropout requests: the config's, else the file's."""
-        return self.spec.dropout if self.spec.dropout is not None else self.model.config.dropout
+        return self.spec.dropout if self.spec.dropout is not None else self._model.config.dropout
 
     @property
     def dtype(self) -> DType:
@@ -55,23 +87,26 @@ class ServedModel:
     @property
     def weight_bytes(self) -> int:
         """The weights' size on their device (the start-up log and V2 statistics' memory_usage)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self._model.parameters())
 
     def summary(self) -> str:
         """One line for the start-up log: sizes, variant, dtype, device, memory and source."""
-        config = self.model.config
-        count = sum(p.numel() for p in self.model.parameters())
+        config = self._model.config
+        count = sum(p.numel() for p in self._model.parameters())
         size = self.weight_bytes
         source = str(self.spec.weights) if self.spec.weights else "built-in demo weights"
         return (
             f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
-            f"on {self.runner.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}"
+            f"on {self.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}"
         )
 
     def describe(self) -> dict[str, Any]:
-        config = self.model.config
+        """The model as GET /v1/models lists it."""
+        config = self._model.config
+        status = self.status
         return {
             "name": self.name,
+            "version": self.version,
             "d_model": config.d_model,
             "d_ff": config.d_ff,
             "activation": config.activation,
@@ -84,10 +119,73 @@ class ServedModel:
             },
             "dropout": self.dropout,
             "dtype": self.spec.dtype,
-            "device": str(self.runner.device),
+            "device": str(self.device),
             "format": self.spec.format if self.spec.weights else "demo",
-            "ready": self.warm,
+            "ready": status.ready,
+            "state": status.state.value,
+            "reason": status.reason,
         }
+
+    # ----- its status ------------------------------------------------------------------------
+
+    @property
+    def status(self) -> ModelStatus:
+        return self._status
+
+    def _set_status(self, status: ModelStatus) -> None:
+        """The one place a model's state changes; ffn_model_state follows it."""
+        self._status = status
+        for state in ModelState:
+            self._state_gauge.labels(model=self.name, state=state.value).set(1 if state is status.state else 0)
+
+    def warmed_up(self) -> None:
+        if self._status.state is ModelState.LOADING:
+            self._set_status(READY)
+
+    def draining(self) -> None:
+        if self._status.state is not ModelState.UNAVAILABLE:
+            self._set_status(ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown"))
+
+    # ----- its life, driven by the Engine ----------------------------------------------------
+
+    async def start(self) -> None:
+        await self._batcher.start()
+
+    async def warm_up(self, enabled: bool) -> None:
+        """Run every batch-size bucket once on the device thread (unless not `enabled`), then turn READY."""
+        if enabled:
+            sizes = await asyncio.get_running_loop().run_in_executor(self._executor, self._runner.warm_up)
+            log.info("model %s warm at batch sizes %s", self.name, sizes)
+        self.warmed_up()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Turn UNAVAILABLE, then wait up to `timeout_s` for the accepted work. True if it finished."""
+        self.draining()
+        return await self._batcher.drain(timeout_s)
+
+    async def stop(self) -> None:
+        """Answer whatever is still pending 503."""
+        await self._batcher.stop()
+
+    # ----- its work --------------------------------------------------------------------------
+
+    def check_serving(self) -> None:
+        """Refuse new work unless READY: warming up, draining, or its batcher gone (503, with why)."""
+        status = self._status
+        if not status.ready:
+            raise Unavailable(f"model {self.name!r} is not ready: {status.reason}")
+
+    async def infer(self, rows: torch.Tensor, *, deadline: float | None) -> torch.Tensor:
+        """The FFN of `rows` (n, d_model), batched with other requests' rows."""
+        self.check_serving()
+        return await self._batcher.submit(rows, deadline=deadline)
+
+    async def infer_monte_carlo(
+        self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None
+    ) -> MonteCarloResult:
+        """Mean and std of a Monte Carlo dropout request's passes over `rows` (n, d_model)."""
+        self.check_serving()
+        return await self._batcher.submit_monte_carlo(rows, request, deadline=deadline)
 
 
 def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -> FeedForward:
@@ -155,27 +253,11 @@ class Registry:
                 # Staged: the next batch is launched while the last one computes (double-buffered).
                 launch=runner.launch if runner.staged else None,
                 max_in_flight=2,
+                monte_carlo=runner.start_monte_carlo,
             )
-            monte_carlo = MonteCarloLane(
-                model,
-                executor=executor,
-                instruments=self.metrics.for_model(spec.name),
-                max_rows=s.max_batch_rows,
-                max_queue_rows=s.max_queue_rows,
-            )
-            served = ServedModel(spec, model, runner, batcher, monte_carlo)
+            served = ServedModel(spec, model, runner, batcher, self.metrics, executor=executor)
             self.models[spec.name] = served
             log.info("loaded model %s", served.summary())
-
-    def get(self, name: str) -> ServedModel:
-        try:
-            return self.models[name]
-        except KeyError:
-            raise ModelNotFound(f"model {name[:100]!r} is not served here; GET /v1/models lists the models") from None
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.models) and all(m.warm and m.batcher.accepting for m in self.models.values())
 
     def shutdown_executors(self) -> None:
         for executor in self.executors.values():

@@ -27,8 +27,9 @@ import torch
 
 from app.engine.buckets import bucket_sizes, chunk_slices, relative_error, tolerance
 from app.engine.graphs import BucketedForward
+from app.engine.montecarlo import MonteCarloRequest
 from app.engine.staging import CudaStaging, HostStaging, Pending, Ready, copy_rows
-from ffn_core import FeedForward, FusedGatedFeedForward
+from ffn_core import FeedForward, FusedGatedFeedForward, MonteCarloPasses
 
 log = logging.getLogger("ffn_serve.runner")
 
@@ -123,6 +124,16 @@ class ModelRunner:
                 return self._launch_staged(self._staging, parts)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()  # the batcher retries in halves: give them the cached blocks
+                raise
+
+    def start_monte_carlo(self, rows: torch.Tensor, request: MonteCarloRequest) -> MonteCarloPasses:
+        """On the device thread: a Monte Carlo request's passes over `rows`, on the device in the compute dtype."""
+        with torch.inference_mode():
+            try:
+                x = rows.to(device=self.device, dtype=self.dtype)  # (n, d_model)
+                return MonteCarloPasses(self.model, x, passes=request.passes, p=request.dropout, seed=request.seed)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
                 raise
 
     def _forward_plain(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""Strict readers for the scalar fields a client sends: JSON members and numeric headers.
+"""Strict readers for the scalar fields a client sends: JSON members, and numeric headers and query values.
 
-Every protocol reads its parameters through these, so each field has one documented type and
+Every protocol reads every parameter through these (one vocabulary), so each field has one documented type and
 anything else is InvalidInput (400) naming the field and what was sent: a boolean is not a
 number, "false" is not a boolean, a string is not a timeout, and '²' or '١٢' are not digits.
 
@@ -19,7 +19,8 @@ from app.web.errors import InvalidInput
 
 # A plain decimal number as a header carries it: ASCII digits, an optional sign, fraction and exponent.
 _DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", re.ASCII)
-_MAX_INT_DIGITS = 18  # below 2**63: a header integer never becomes a big Python int
+_MAX_INT_DIGITS = 19  # a text integer never becomes a big Python int: at most 2**63 - 1 is asked for
+_MAX_TEXT_INT = 10**18 - 1  # lengths and counts
 
 
 def json_type(value: object) -> str:
@@ -89,7 +90,7 @@ def _numeric(
         raise _refuse(where, key, expected, value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f"in [{minimum if minimum is not None else '-inf'}, {maximum if maximum is not None else 'inf'}]"
-        raise InvalidInput(f"{where} {key!r} must be {bounds}, got {value}")
+        raise InvalidInput(f"{where} {key!r} must be {expected} {bounds}, got {value}")
     return value
 
 
@@ -111,24 +112,31 @@ def list_field(container: Mapping[str, Any], key: str, where: str) -> list[Any] 
     return value
 
 
-def header_int(value: str | None, name: str) -> int | None:
-    """A header holding a non-negative decimal integer of ASCII digits; None when absent."""
+def text_int(value: str | None, name: str, *, minimum: int = 0, maximum: int = _MAX_TEXT_INT) -> int | None:
+    """Text that is exactly a decimal integer of ASCII digits in [minimum, maximum]; None when absent."""
     if value is None:
         return None
-    digits = value.strip()
-    if not (digits.isascii() and digits.isdigit() and len(digits) <= _MAX_INT_DIGITS):
-        raise InvalidInput(
-            f"{name} must be a non-negative integer of at most {_MAX_INT_DIGITS} ASCII digits, got {value[:32]!r}"
-        )
-    return int(digits)
+    number = int(value) if value.isascii() and value.isdigit() and len(value) <= _MAX_INT_DIGITS else None
+    if number is None or not minimum <= number <= maximum:
+        raise InvalidInput(f"{name} must be an integer in [{minimum}, {maximum}] in ASCII digits, got {value[:32]!r}")
+    return number
 
 
-def header_number(value: str | None, name: str) -> float | None:
-    """A header holding a finite decimal number in ASCII (250, 2.5, 1e3, -5); None when absent."""
+def text_number(value: str | None, name: str) -> float | None:
+    """Text that is exactly a finite decimal number in ASCII (250, 2.5, 1e3, -5); None when absent."""
     if value is None:
         return None
-    text = value.strip()
-    number = float(text) if _DECIMAL.fullmatch(text) else math.nan
+    number = float(value) if _DECIMAL.fullmatch(value) else math.nan
     if not math.isfinite(number):
         raise InvalidInput(f"{name} must be a finite decimal number in ASCII digits, got {value[:32]!r}")
     return number
+
+
+def header_int(value: str | None, name: str) -> int | None:
+    """A header holding a non-negative decimal integer (a length, a count), around optional whitespace."""
+    return text_int(None if value is None else value.strip(" \t"), name)
+
+
+def header_number(value: str | None, name: str) -> float | None:
+    """A header holding a finite decimal number, around optional whitespace; None when absent."""
+    return text_number(None if value is None else value.strip(" \t"), name)

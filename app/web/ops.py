@@ -19,18 +19,10 @@ async def live() -> Response:
 
 
 async def ready(state: StateDep) -> Response:
-    if state.engine.ready:
+    readiness = state.engine.readiness()
+    if readiness.ready:
         return Response(status_code=200)
-    failed = [
-        f"model {m.name!r}: {m.batcher.failure}" for m in state.engine.registry.models.values() if m.batcher.failure
-    ]
-    if failed:
-        reason = "; ".join(failed)
-    elif state.engine.draining:
-        reason = "draining before shutdown"
-    else:
-        reason = "models are still loading or warming up"
-    return error_response(Unavailable(f"not ready: {reason}"))
+    return error_response(Unavailable(f"not ready: {readiness.reason}"))
 
 
 async def metrics(state: StateDep) -> Response:

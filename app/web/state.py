@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.control import Control
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
@@ -20,6 +21,7 @@ class ServiceState:
     settings: Settings
     engine: Engine
     metrics: Metrics
+    control: Control  # commands every serving process applies (app/control.py)
 
     @contextmanager
     def count(self, model: str) -> Iterator[None]:

@@ -6,16 +6,15 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.engine.registry import ServedModel
-from app.web import montecarlo
+from app.engine.service import ServedModel
+from app.web import mc_parameters
 from app.web.endpoints import Endpoint
 from app.web.errors import InvalidInput
 from app.web.http import TIMEOUT_HEADER, deadline_from, read_body, unless_disconnected
 from app.web.native import codec
-from app.web.native import montecarlo as native_montecarlo
 from app.web.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.web.openapi import error_responses
-from app.web.state import ServiceState, StateDep, service_state
+from app.web.state import StateDep, service_state
 from ffn_core.dtypes import DTYPE_NAMES
 
 
@@ -23,30 +22,39 @@ async def transform(name: str, request: Request) -> Response:
     # Only `request` and the path: FastAPI's per-parameter validation costs more than this whole
     # handler on small requests. The headers are read by hand and documented in _TRANSFORM_DOC.
     state = service_state(request)
-    served = state.engine.registry.get(name)
+    served = state.engine.model(name)
     with state.count(name):
-        state.engine.check_serving(served)
+        served.check_serving()
+        asked = None
         if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
-            return await _transform_monte_carlo(request, state, served)
+            parameters = codec.query_parameters(request.scope["query_string"])
+            asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
+            if asked is None:
+                raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {mc_parameters.PASSES}")
         headers = request.headers
-        encoding_in, encoding_out, deadline = _negotiate(headers, state)
-        body = await read_body(request, state.settings.max_body_bytes)
-        decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
-        output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
-        content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+        encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
+        encoding_out = codec.response_encoding(headers.get("accept"))
+        deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
+        decoded = _decode(
+            await read_body(request, state.settings.max_body_bytes),
+            headers,
+            encoding_in,
+            encoding_out,
+            served,
+            state.settings.max_queue_rows,
+        )
+        if asked is not None:
+            result = await unless_disconnected(
+                request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+            )
+            content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
+        else:
+            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+            content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
 
 
-# Plain functions, not coroutines: on the hot path an extra await costs more than their work.
-
-
-def _negotiate(headers: Headers, state: ServiceState) -> tuple[codec.Encoding, codec.Encoding, float]:
-    """The body's encoding, the answer's, and the deadline, from the headers."""
-    encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
-    encoding_out = codec.response_encoding(headers.get("accept"))
-    return encoding_in, encoding_out, deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-
-
+# A plain function, not a coroutine: on the hot path an extra await costs more than its work.
 def _decode(
     body: bytearray,
     headers: Headers,
@@ -66,23 +74,10 @@ def _decode(
     return decoded
 
 
-async def _transform_monte_carlo(request: Request, state: ServiceState, served: ServedModel) -> Response:
-    """N dropout passes over the request's rows: their mean and standard deviation (native/montecarlo.py)."""
-    parameters = native_montecarlo.query_parameters(request.scope["query_string"])
-    asked = montecarlo.monte_carlo_request(parameters, served, state.settings.max_mc_passes)
-    if asked is None:
-        raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {montecarlo.PASSES}")
-    headers = request.headers
-    encoding_in, encoding_out, deadline = _negotiate(headers, state)
-    body = await read_body(request, state.settings.max_body_bytes)
-    decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
-    result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
-    content, answer_headers = native_montecarlo.encode(served.name, result, asked, decoded, encoding_out)
-    return Response(content, headers=answer_headers)
-
-
-async def list_models(state: StateDep) -> ModelList:
-    return ModelList.model_validate({"models": [m.describe() for m in state.engine.registry.models.values()]})
+async def list_models(state: StateDep) -> Response:
+    # A trailing newline, so that `curl /v1/models` leaves the shell prompt on a line of its own.
+    models = ModelList.model_validate({"models": [m.describe() for m in state.engine.models()]})
+    return Response(models.model_dump_json().encode() + b"\n", media_type="application/json")
 
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
@@ -135,7 +130,7 @@ _TRANSFORM_DOC = {
                 "description": "Deadline in ms; a request still queued then is answered 504.",
             },
             {
-                "name": montecarlo.PASSES,
+                "name": mc_parameters.PASSES,
                 "in": "query",
                 "required": False,
                 "schema": {"type": "integer", "minimum": 2},
@@ -143,14 +138,14 @@ _TRANSFORM_DOC = {
                 "the answer is their mean and standard deviation.",
             },
             {
-                "name": montecarlo.SEED,
+                "name": mc_parameters.SEED,
                 "in": "query",
                 "required": False,
-                "schema": {"type": "integer", "minimum": 0, "maximum": montecarlo.MAX_SEED},
+                "schema": {"type": "integer", "minimum": 0, "maximum": mc_parameters.MAX_SEED},
                 "description": "Monte Carlo dropout: the masks' seed; one is drawn (and answered) when absent.",
             },
             {
-                "name": montecarlo.DROPOUT,
+                "name": mc_parameters.DROPOUT,
                 "in": "query",
                 "required": False,
                 "schema": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},

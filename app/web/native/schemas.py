@@ -49,6 +49,7 @@ class BiasFlags(BaseModel):
 
 class ModelInfo(BaseModel):
     name: str
+    version: int = Field(description="The version of the weights served (V2's model_version).")
     d_model: int
     d_ff: int
     activation: str
@@ -59,7 +60,11 @@ class ModelInfo(BaseModel):
     dtype: str = Field(description="Compute dtype.", json_schema_extra={"enum": list(DTYPE_NAMES)})
     device: str
     format: str
-    ready: bool
+    ready: bool = Field(description="Whether it takes work: state is READY.")
+    state: Literal["LOADING", "READY", "UNAVAILABLE"] = Field(
+        description="The model's one state, as every surface reports it (health, V2 readiness, repository index)."
+    )
+    reason: str = Field(description="Why it is not READY; empty when it is.")
 
 
 class ModelList(BaseModel):

@@ -15,12 +15,14 @@ from typing import Any
 import orjson
 import torch
 
-from app.web import montecarlo, tensors
+from app.web import mc_parameters, tensors
 from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
 from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
 from app.web.http import media_type, refuse_content_encoding
 from ffn_core.dtypes import BY_V2, DType
 
+SERVER_NAME = "ffn-serve"
+PLATFORM = "pytorch_ffn"
 INPUT_NAME = "input"
 OUTPUT_NAME = "output"
 # Monte Carlo dropout answers `output` (the mean over the passes) and this (their standard deviation).
@@ -80,8 +82,6 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     rows = tensors.check_shape(shape, d_model)
     input_parameters = object_field(tensor, "parameters", "input")
     _refuse_extensions(parameters, input_parameters)
-    if montecarlo.PASSES not in parameters and (montecarlo.SEED in parameters or montecarlo.DROPOUT in parameters):
-        montecarlo.refuse_without_passes(parameters)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if binary_size is not None:
         if "data" in tensor:
@@ -92,7 +92,7 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
         values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
     binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
-    outputs = _requested_outputs(document, binary_output, montecarlo.PASSES in parameters)
+    outputs = _requested_outputs(document, binary_output, mc_parameters.asks_for_monte_carlo(parameters))
     return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us)
 
 
@@ -178,7 +178,7 @@ def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carl
         if name == STD_OUTPUT_NAME and not monte_carlo:
             raise InvalidInput(
                 f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
-                f"add parameters.{montecarlo.PASSES}"
+                f"add parameters.{mc_parameters.PASSES}"
             )
         output_parameters = object_field(output, "parameters", "output")
         if "classification" in output_parameters:
@@ -191,7 +191,11 @@ def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carl
 
 
 def encode(
-    model: str, request: V2Request, answers: dict[str, torch.Tensor], parameters: dict[str, Any] | None = None
+    model: str,
+    version: int,
+    request: V2Request,
+    answers: dict[str, torch.Tensor],
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary outputs.
 
@@ -199,7 +203,7 @@ def encode(
     """
     wanted = request.outputs if request.outputs is not None else dict.fromkeys(answers, request.binary_output)
     described_outputs: list[dict[str, Any]] = []
-    answer: dict[str, Any] = {"model_name": model, "model_version": "1", "outputs": described_outputs}
+    answer: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": described_outputs}
     if request.id is not None:
         answer["id"] = request.id
     if parameters:

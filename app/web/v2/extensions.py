@@ -8,24 +8,24 @@ extension it asked for and why it is missing: a 400 `unsupported_extension`, not
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from starlette.responses import Response
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.settings import Settings
 from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
 from app.web.openapi import error_responses
 from app.web.state import ServiceState, StateDep
 from app.web.v2 import codec, statistics
+from app.web.v2.codec import PLATFORM
 from app.web.v2.schemas import (
     ModelConfiguration,
     RepositoryIndexRequest,
     RepositoryModel,
     StatisticsResponse,
 )
-from app.web.v2.served import MODEL_VERSION, PLATFORM, served_model
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
 # model_repository is not listed: of its three APIs only the index is served.
@@ -37,7 +37,7 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parame
 
 def model_configuration(served: ServedModel, settings: Settings) -> dict[str, Any]:
     """The model as Triton's ModelConfig JSON: batching from the settings, tensors from the model."""
-    config, device = served.model.config, served.runner.device
+    config, device = served.config, served.device
     tensor = {"data_type": f"TYPE_{served.dtype.v2}", "dims": [served.d_model]}
     on_gpu = device.type == "cuda"
     details = {
@@ -94,11 +94,11 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
 
 
 async def config(name: str, state: StateDep) -> dict[str, Any]:
-    return model_configuration(served_model(state, name, None), state.settings)
+    return model_configuration(state.engine.model(name), state.settings)
 
 
 async def version_config(name: str, version: str, state: StateDep) -> dict[str, Any]:
-    return model_configuration(served_model(state, name, version), state.settings)
+    return model_configuration(state.engine.model(name, version), state.settings)
 
 
 # ----- statistics ------------------------------------------------------------------------------
@@ -109,33 +109,29 @@ def _statistics(state: ServiceState, models: list[ServedModel]) -> dict[str, Any
 
 
 async def all_stats(state: StateDep) -> dict[str, Any]:
-    return _statistics(state, list(state.engine.registry.models.values()))
+    return _statistics(state, state.engine.models())
 
 
 async def stats(name: str, state: StateDep) -> dict[str, Any]:
-    return _statistics(state, [served_model(state, name, None)])
+    return _statistics(state, [state.engine.model(name)])
 
 
 async def version_stats(name: str, version: str, state: StateDep) -> dict[str, Any]:
-    return _statistics(state, [served_model(state, name, version)])
+    return _statistics(state, [state.engine.model(name, version)])
 
 
 # ----- model repository ------------------------------------------------------------------------
 
 
-def _repository_entry(state: ServiceState, served: ServedModel) -> RepositoryModel:
-    state_name: Literal["READY", "LOADING", "UNAVAILABLE"]
-    if state.engine.draining:
-        state_name, reason = "UNAVAILABLE", "draining before shutdown"
-    elif not served.warm:
-        state_name, reason = "LOADING", "warming up"
-    else:
-        state_name, reason = "READY", ""
-    return RepositoryModel(name=served.name, version=MODEL_VERSION, state=state_name, reason=reason)
+def _repository_entry(served: ServedModel) -> RepositoryModel:
+    status = served.status
+    return RepositoryModel(
+        name=served.name, version=str(served.version), state=status.state.value, reason=status.reason
+    )
 
 
 async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
-    entries = [_repository_entry(state, served) for served in state.engine.registry.models.values()]
+    entries = [_repository_entry(served) for served in state.engine.models()]
     if body is not None and body.ready:
         entries = [entry for entry in entries if entry.state == "READY"]
     return entries

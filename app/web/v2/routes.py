@@ -9,16 +9,15 @@ from starlette.responses import Response
 
 from app import __version__
 from app.engine.errors import Unavailable
-from app.engine.registry import ServedModel
-from app.web import montecarlo
+from app.web import mc_parameters
 from app.web.endpoints import Endpoint
 from app.web.errors import error_response
 from app.web.http import deadline_from, read_body, unless_disconnected
 from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
 from app.web.v2 import codec, extensions
+from app.web.v2.codec import PLATFORM, SERVER_NAME
 from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
-from app.web.v2.served import MODEL_VERSION, PLATFORM, SERVER_NAME, check_version, served_model
 
 
 async def server_metadata() -> ServerMetadata:
@@ -26,12 +25,12 @@ async def server_metadata() -> ServerMetadata:
 
 
 def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
-    served = served_model(state, name, version)
+    served = state.engine.model(name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
     return ModelMetadata.model_validate(
         {
             "name": name,
-            "versions": [MODEL_VERSION],
+            "versions": [str(served.version)],
             "platform": PLATFORM,
             "inputs": [{"name": codec.INPUT_NAME, **tensor}],
             "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
@@ -40,43 +39,38 @@ def _model_metadata(state: ServiceState, name: str, version: str | None) -> Mode
 
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
-    served = served_model(state, name, version)
-    if served.warm and served.batcher.accepting and not state.engine.draining:
+    status = state.engine.model(name, version).status
+    if status.ready:
         return Response(status_code=200)
-    return error_response(Unavailable(f"model {name!r} is not ready"))
+    return error_response(Unavailable(f"model {name!r} is not ready: {status.reason}"))
 
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     state: ServiceState = service_state(request)
-    check_version(version)
-    header_length = request.headers.get(codec.HEADER_LENGTH)
-    served = state.engine.registry.get(name)
+    served = state.engine.model(name, version)
     with state.count(name):
-        state.engine.check_serving(served)
+        served.check_serving()
+        header_length = request.headers.get(codec.HEADER_LENGTH)
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
         body = await read_body(request, state.settings.max_body_bytes)
         decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
+        del body  # the decoded rows keep what they need of it (a view, for binary data)
         timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
-        if montecarlo.PASSES in decoded.parameters:
-            return await _infer_monte_carlo(request, state, served, decoded, deadline)
-        output = await unless_disconnected(request, served.batcher.submit(decoded.rows, deadline=deadline))
-        content, headers = codec.encode(name, decoded, {codec.OUTPUT_NAME: output})
+        asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
+        if asked is None:
+            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+            content, headers = codec.encode(name, served.version, decoded, {codec.OUTPUT_NAME: output})
+        else:
+            # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
+            result = await unless_disconnected(
+                request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+            )
+            tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
+            content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
         return Response(content, headers=headers)
-
-
-async def _infer_monte_carlo(
-    request: Request, state: ServiceState, served: ServedModel, decoded: codec.V2Request, deadline: float
-) -> Response:
-    """`output` is the mean over the passes, `output_std` their spread; the parameters used are echoed."""
-    asked = montecarlo.monte_carlo_request(decoded.parameters, served, state.settings.max_mc_passes)
-    assert asked is not None, "called without mc_passes; this is a bug."
-    result = await unless_disconnected(request, served.monte_carlo.submit(decoded.rows, asked, deadline=deadline))
-    tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
-    content, headers = codec.encode(served.name, decoded, tensors, montecarlo.echoed(asked))
-    return Response(content, headers=headers)
 
 
 # The route handlers: FastAPI reads their signatures, so each route gets its own, with exactly

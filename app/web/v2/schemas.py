@@ -141,6 +141,9 @@ class StatisticsResponse(BaseModel):
 
 
 class RepositoryIndexRequest(BaseModel):
+    # Strict: `true` or `false` only, as every other boolean the service reads (0, "yes", "true" are 400).
+    model_config = ConfigDict(strict=True)
+
     ready: bool = Field(default=False, description="Only the models ready for inference.")
 
 

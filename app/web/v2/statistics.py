@@ -18,8 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.engine.registry import ServedModel
-from app.web.v2.served import MODEL_VERSION
+from app.engine.service import ServedModel
 
 _LATEST = {"ffn_last_inference_timestamp_seconds"}
 _NOT_MEASURED = {"count": 0, "ns": 0}
@@ -55,7 +54,7 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
     succeeded = s["ffn_request_seconds_count"]
     return {
         "name": served.name,
-        "version": MODEL_VERSION,
+        "version": str(served.version),
         "last_inference": round(s["ffn_last_inference_timestamp_seconds"] * 1000),  # ms since the epoch; 0: never
         "inference_count": int(s["ffn_batch_rows_sum"]),  # rows computed: each row is one inference
         "execution_count": int(s["ffn_compute_seconds_count"]),  # forward passes
@@ -78,7 +77,7 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
 
 def _memory_usage(served: ServedModel) -> dict[str, Any]:
     """The weights' bytes on their device, as Triton reports a model's memory at load."""
-    device = served.runner.device
+    device = served.device
     return {
         "type": "GPU" if device.type == "cuda" else "CPU",
         "id": device.index or 0,

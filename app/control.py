@@ -1,0 +1,192 @@
+"""Control: commands that every serving process applies, such as a new log level or new weights.
+
+A request to change the service arrives at one process, but with `workers > 1` every worker must
+apply it. `broadcast(name, args)` runs the handler registered under `name` in every live serving
+process (this one included) and returns one `Reply` per process; in a single process it is a plain
+call. Between workers it travels through the supervisor (app/supervisor.py), which relays it to each
+worker over that worker's pipe and collects the replies.
+
+- Order: commands with the same key (their `sticky` key, else their name) are applied in the order
+  they were broadcast, one at a time; commands with different keys do not wait for each other.
+- Sticky commands are remembered by the supervisor under their key (the latest one per key) and
+  replayed, in order, to every worker it starts later, before that worker takes any traffic: a
+  replacement worker serves the same log level, regions and models as the others.
+- A worker applies what arrives before its handlers are registered once they are (`open()`, in the
+  app's start-up), in arrival order.
+
+Handlers run on the process's event loop: `async def handler(args) -> dict`. A ServiceError they
+raise is the reply's error, for the caller to read; anything else is logged and reported as a bug.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from app.errors import ServiceError
+
+log = logging.getLogger("ffn_serve.control")
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+# Messages on a worker's pipe, as tuples: the first item says which.
+READY = "ready"  # worker -> supervisor: warm, taking traffic
+BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s)
+APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key)
+APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
+DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...])
+
+THE_ONE_PROCESS = 0  # the worker number of a service without workers
+RELAY_MARGIN_S = 5.0  # the supervisor answers by a broadcast's timeout; this covers the relay itself
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What one process answered: its result, or why it failed."""
+
+    worker: int
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+class Unanswered(ServiceError):
+    """No process answered a broadcast in time."""
+
+
+class Control:
+    """The handlers of this process, and broadcasts to every serving process."""
+
+    def __init__(self, worker: int = THE_ONE_PROCESS, conn: Connection | None = None) -> None:
+        """`conn`: this worker's pipe to the supervisor; None in a service without workers."""
+        self.worker = worker
+        self._conn = conn
+        self._handlers: dict[str, Handler] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early: deque[tuple[Any, ...]] = deque()  # arrived before open()
+        self._early_lock = threading.Lock()
+        self._pending: dict[int, asyncio.Future[list[Reply]]] = {}
+        self._ids = itertools.count(1)
+        self._send_lock = threading.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def register(self, name: str, handler: Handler) -> None:
+        assert name not in self._handlers, f"two handlers for control command {name!r}; this is a bug."
+        self._handlers[name] = handler
+
+    async def open(self) -> None:
+        """Start applying commands on this loop: first, in order, those that arrived before."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._early_lock:  # what arrives meanwhile queues behind, until the queue is empty
+                if not self._early:
+                    self._loop = loop
+                    return
+                message = self._early.popleft()
+            await self._on_message(message)
+
+    async def broadcast(
+        self, name: str, args: dict[str, Any], *, sticky: str | None = None, timeout_s: float = 60.0
+    ) -> list[Reply]:
+        """Apply `name` in every serving process; one Reply each, this process's among them.
+
+        `sticky`: a key under which the command is remembered and replayed to workers started later.
+        """
+        if self._conn is None:
+            return [await self._apply(name, args, sticky or name)]
+        loop = asyncio.get_running_loop()
+        request_id = next(self._ids)
+        answer: asyncio.Future[list[Reply]] = loop.create_future()
+        self._pending[request_id] = answer
+        try:
+            self._send((BROADCAST, request_id, name, args, sticky, timeout_s))
+            async with asyncio.timeout(timeout_s + RELAY_MARGIN_S):
+                return await answer
+        except TimeoutError:
+            raise Unanswered(f"no answer from the workers within {timeout_s:g} s") from None
+        finally:
+            self._pending.pop(request_id, None)
+
+    # ----- the worker's side of the pipe -----------------------------------------------------
+
+    def serve_pipe(self, on_close: Callable[[], None] | None = None) -> None:
+        """Read the supervisor's messages in a thread; when the pipe closes, call `on_close`.
+
+        By default that is SIGTERM to this process: the supervisor is gone, so drain and exit.
+        """
+        assert self._conn is not None, "serve_pipe without a pipe; this is a bug."
+        closed = on_close or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        threading.Thread(target=self._read, args=(self._conn, closed), name="control", daemon=True).start()
+
+    def send_ready(self) -> None:
+        if self._conn is not None:
+            self._send((READY,))
+
+    def _read(self, conn: Connection, closed: Callable[[], None]) -> None:
+        try:
+            while True:
+                message = conn.recv()
+                with self._early_lock:
+                    loop = self._loop
+                    if loop is None:
+                        self._early.append(message)
+                        continue
+                loop.call_soon_threadsafe(self._received, message)
+        except (EOFError, OSError):
+            pass
+        closed()
+
+    def _received(self, message: tuple[Any, ...]) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_message(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_message(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == APPLY:
+            _, request_id, name, args, key = message
+            reply = await self._apply(name, args, key)
+            if request_id is not None:
+                self._send((APPLIED, request_id, reply))
+        elif kind == DONE:
+            _, request_id, replies = message
+            answer = self._pending.get(request_id)
+            if answer is not None and not answer.done():
+                answer.set_result(replies)
+        else:
+            log.error("unknown control message %r; this is a bug", kind)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        assert self._conn is not None
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:  # the supervisor is gone; the reader thread stops this worker
+            pass
+
+    # ----- applying ----------------------------------------------------------------------------
+
+    async def _apply(self, name: str, args: dict[str, Any], key: str) -> Reply:
+        """Run the handler, after every earlier command of the same key."""
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:  # asyncio's locks are fair: first come, first applied
+            handler = self._handlers.get(name)
+            if handler is None:
+                return Reply(self.worker, ok=False, error=f"no handler for control command {name!r}")
+            try:
+                return Reply(self.worker, ok=True, result=await handler(args))
+            except ServiceError as exc:
+                return Reply(self.worker, ok=False, error=exc.message)
+            except Exception:
+                log.exception("control command %s failed; this is a bug", name)
+                return Reply(self.worker, ok=False, error="internal error")

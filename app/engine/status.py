@@ -1,0 +1,35 @@
+"""ModelStatus: the one state of a served model, which every surface reports.
+
+Health, model readiness, the model list, the V2 repository index, statistics and the metrics all
+read it from here, so they cannot disagree. The names are Triton's repository states:
+
+- LOADING: loaded or loading, not yet warm; no work is taken.
+- READY: takes work.
+- UNAVAILABLE: takes no work, with the reason: draining before shutdown, or its batcher died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ModelState(StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """A state and, unless READY, why."""
+
+    state: ModelState
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+
+READY = ModelStatus(ModelState.READY)

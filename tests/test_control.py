@@ -1,0 +1,201 @@
+"""Control commands: applied in every serving process, in order per key, replayed to workers started later.
+
+The relay between workers is the supervisor's own (app/relay.py), driven here over real pipes by a
+thread that plays the supervisor's loop; each worker is a Control on this test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import pytest
+
+from app.control import Control, Reply, Unanswered
+from app.errors import ServiceError
+from app.relay import Relay
+
+
+def recorder(log: list[tuple[int, Any]], worker: int):
+    async def record(args: dict[str, Any]) -> dict[str, Any]:
+        if args.get("refuse"):
+            raise ServiceError(f"worker {worker} refuses {args['value']}")
+        if args.get("bug"):
+            raise KeyError("a bug")
+        gate = args.get("gate")
+        if gate is not None:
+            await asyncio.to_thread(GATES[gate].wait, 30)
+        log.append((worker, args["value"]))
+        return {"worker": worker, "value": args["value"]}
+
+    return record
+
+
+GATES: dict[str, threading.Event] = {}
+
+
+async def test_in_one_process_a_broadcast_is_a_call() -> None:
+    log: list[tuple[int, Any]] = []
+    control = Control()
+    control.register("set", recorder(log, 0))
+    await control.open()
+    assert await control.broadcast("set", {"value": 3}) == [Reply(0, ok=True, result={"worker": 0, "value": 3})]
+    assert await control.broadcast("set", {"value": 4, "refuse": True}) == [
+        Reply(0, ok=False, error="worker 0 refuses 4")
+    ]
+    assert await control.broadcast("nothing", {}) == [
+        Reply(0, ok=False, error="no handler for control command 'nothing'")
+    ]
+    assert await control.broadcast("set", {"value": 5, "bug": True}) == [Reply(0, ok=False, error="internal error")]
+    assert log == [(0, 3)]
+
+
+async def test_one_key_in_order_other_keys_do_not_wait() -> None:
+    log: list[tuple[int, Any]] = []
+    control = Control()
+    control.register("set", recorder(log, 0))
+    control.register("other", recorder(log, 0))
+    await control.open()
+    GATES["first"] = threading.Event()
+    first = asyncio.create_task(control.broadcast("set", {"value": 1, "gate": "first"}))
+    second = asyncio.create_task(control.broadcast("set", {"value": 2}))
+    other = await control.broadcast("other", {"value": "x"})  # not behind the gated "set"
+    assert other[0].ok and log == [(0, "x")]
+    GATES["first"].set()
+    await asyncio.gather(first, second)
+    assert log == [(0, "x"), (0, 1), (0, 2)]
+
+
+@dataclass(eq=False)
+class FakeSlot:
+    """A worker position as the supervisor keeps it: its number and the supervisor's end of its pipe."""
+
+    index: int
+    conn: Connection | None
+
+
+@dataclass
+class Cluster:
+    """Workers (Controls on this loop) and a supervisor thread relaying between them."""
+
+    relay: Relay = field(default_factory=Relay)
+    slots: dict[int, FakeSlot] = field(default_factory=dict)
+    controls: dict[int, Control] = field(default_factory=dict)
+    log: list[tuple[int, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def start_worker(self, index: int) -> Control:
+        ours, theirs = Pipe(duplex=True)
+        control = Control(worker=index, conn=theirs)
+        control.register("set", recorder(self.log, index))
+        control.serve_pipe(on_close=lambda: None)
+        with self.lock:
+            slot = FakeSlot(index, ours)
+            self.slots[index] = slot
+            self.relay.started(slot)
+        self.controls[index] = control
+        return control
+
+    def kill_worker(self, index: int) -> None:
+        with self.lock:
+            slot = self.slots.pop(index)
+            assert slot.conn is not None
+            slot.conn.close()
+            slot.conn = None
+            self.relay.exited(slot)
+
+    def supervise(self) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                by_conn = {slot.conn: slot for slot in self.slots.values() if slot.conn is not None}
+            for conn in wait(list(by_conn), timeout=0.02):
+                with self.lock:
+                    try:
+                        message = conn.recv()  # type: ignore[union-attr]
+                    except (EOFError, OSError):
+                        continue
+                    self.relay.received(by_conn[conn], message)  # type: ignore[index]
+            with self.lock:
+                self.relay.expire(time.monotonic())
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster()
+    thread = threading.Thread(target=cluster.supervise, daemon=True)
+    thread.start()
+    yield cluster
+    cluster.stop.set()
+    thread.join(5)
+    for gate in GATES.values():
+        gate.set()
+
+
+async def test_every_worker_applies_and_the_sender_hears_from_all(cluster: Cluster) -> None:
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+    replies = await two.broadcast("set", {"value": 7}, sticky="level")
+    assert replies == [Reply(1, True, {"worker": 1, "value": 7}), Reply(2, True, {"worker": 2, "value": 7})]
+    assert sorted(cluster.log) == [(1, 7), (2, 7)]
+    refused = await one.broadcast("set", {"value": 8, "refuse": True})
+    assert [(r.worker, r.ok, r.error) for r in refused] == [
+        (1, False, "worker 1 refuses 8"),
+        (2, False, "worker 2 refuses 8"),
+    ]
+
+
+async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_it_opens(cluster: Cluster) -> None:
+    one = cluster.start_worker(1)
+    await one.open()
+    await one.broadcast("set", {"value": "a"}, sticky="first")
+    await one.broadcast("set", {"value": "b"}, sticky="second")
+    await one.broadcast("set", {"value": "c"}, sticky="first")  # replaces "a", and is replayed after "b"
+    await one.broadcast("set", {"value": "not kept"})  # not sticky: not replayed
+    late = cluster.start_worker(2)
+    await asyncio.sleep(0.1)  # the replay has arrived, and waits for open()
+    assert [value for worker, value in cluster.log if worker == 2] == []
+    await late.open()
+    assert [value for worker, value in cluster.log if worker == 2] == ["b", "c"]
+    replies = await late.broadcast("set", {"value": "d"}, sticky="first")
+    assert [r.worker for r in replies if r.ok] == [1, 2]
+
+
+async def test_a_worker_that_exits_or_never_answers_is_reported(cluster: Cluster) -> None:
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+    GATES["stuck"] = threading.Event()
+    stuck = asyncio.create_task(one.broadcast("set", {"value": 1, "gate": "stuck"}, timeout_s=0.5))
+    replies = await stuck  # both are stuck behind the gate: both reported
+    assert [(r.worker, r.ok, r.error) for r in replies] == [
+        (1, False, "no answer in time"),
+        (2, False, "no answer in time"),
+    ]
+    GATES["stuck"].set()
+
+    GATES["exit"] = threading.Event()
+    pending = asyncio.create_task(one.broadcast("set", {"value": 2, "gate": "exit"}, timeout_s=30))
+    await asyncio.sleep(0.1)
+    cluster.kill_worker(2)
+    GATES["exit"].set()
+    replies = await pending
+    assert [(r.worker, r.ok) for r in replies] == [(1, True), (2, False)]
+    assert replies[1].error == "worker 2 exited"
+
+
+async def test_no_supervisor_answer_is_unanswered(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("app.control.RELAY_MARGIN_S", 0.0)
+    ours, theirs = Pipe(duplex=True)  # a supervisor that never reads
+    control = Control(worker=1, conn=theirs)
+    await control.open()
+    with pytest.raises(Unanswered, match=r"within 0\.1 s"):
+        await control.broadcast("set", {"value": 1}, timeout_s=0.1)
+    ours.close()
