@@ -66,6 +66,9 @@ from ffn_client.testing import free_port, metric_value  # noqa: E402
 
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
 LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
+# Creating or removing a container copies or deletes the whole image with the vfs storage driver:
+# minutes on a busy machine (docker run -d once took over 120 s here).
+SLOW_S = 900
 COMPOSE_FILES = {
     "base": ["docker-compose.yml"],
     "lb": ["docker-compose.yml", "deploy/compose.lb.yml"],
@@ -137,7 +140,7 @@ class Checker:
         for down in self.projects:
             down()
         for name in self.containers:
-            docker("rm", "-f", name, check=False)
+            docker("rm", "-f", name, check=False, timeout=SLOW_S)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     # ----- helpers ---------------------------------------------------------------------------
@@ -154,7 +157,17 @@ class Checker:
     def run_replica(self, name: str, *options: str, models: Path | None = None) -> str:
         """A detached server container on the host network, `name`, serving `models` (the check model)."""
         self.containers.append(name)
-        docker("run", "-d", "--name", name, "-v", f"{models or self.folder}:/models:ro", *options, self.image)
+        docker(
+            "run",
+            "-d",
+            "--name",
+            name,
+            "-v",
+            f"{models or self.folder}:/models:ro",
+            *options,
+            self.image,
+            timeout=SLOW_S,
+        )
         return name
 
     def on_host(self, name: str, *options: str, models: Path | None = None) -> int:
@@ -167,7 +180,9 @@ class Checker:
 
     def run_to_exit(self, *options: str) -> tuple[int, str, str]:
         """`docker run --rm` that is expected to stop by itself: its exit code, stdout and stderr."""
-        result = subprocess.run([*docker_cli(), "run", "--rm", *options], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [*docker_cli(), "run", "--rm", *options], capture_output=True, text=True, timeout=SLOW_S
+        )
         return result.returncode, result.stdout.strip(), result.stderr.strip()
 
     def check_answer(self, port: int) -> None:
@@ -252,7 +267,7 @@ class Checker:
         wait_healthy(f"{self.prefix}-demo")
         with Client(f"http://127.0.0.1:{port}") as client:
             seen["readme_only_serves"] = [m["name"] for m in client.models()]
-        docker("rm", "-f", f"{self.prefix}-demo")
+        docker("rm", "-f", f"{self.prefix}-demo", timeout=SLOW_S)
         if seen["readme_only_serves"] != ["demo"]:
             raise CheckFailed(f"a folder with only a README: {seen}")
         self.results["models"] = seen
@@ -401,14 +416,14 @@ class Checker:
         stopped = self.stop(name)
         if stopped["exit_code"] != 0:
             raise CheckFailed(f"replica stop: {stopped}\n{logs(name)}")
-        docker("start", name)
+        docker("start", name, timeout=SLOW_S)
         return {**stopped, "healthy_again_s": wait_healthy(name)}
 
     def kill_and_restart(self, name: str) -> dict[str, Any]:
         """SIGKILL a replica (Docker counts a kill as a manual stop: no restart policy), start it, until healthy."""
         docker("kill", name)
         code = wait_exited(name)
-        docker("start", name)
+        docker("start", name, timeout=SLOW_S)
         return {"exit_code": code, "healthy_again_s": wait_healthy(name)}
 
     def crash_a_worker(self, name: str) -> dict[str, Any]:
