@@ -78,7 +78,8 @@ WORKDIR /home/ffn
 # unless FFN_PORT or the config file says otherwise; the health check follows either.
 ENV FFN_HOST=0.0.0.0 \
     MODELS_DIR=/models
-EXPOSE 8000
+# 8000 HTTP, 8001 gRPC (FFN_GRPC_PORT; FFN_GRPC=false turns it off).
+EXPOSE 8000 8001
 
 # Ready = every model loaded and warm; loading large weights can take a while, hence start-period.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["ffn-healthcheck"]

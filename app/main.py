@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,8 @@ from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
+from app.tracing import TraceSettings, start_tracing
+from app.tracing.config import traces_export
 from app.web import ops
 from app.web.docs_assets import serve_docs_offline
 from app.web.endpoints import register
@@ -20,8 +23,10 @@ from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
+from app.web.request_ids import RequestIds
 from app.web.state import ServiceState
 from app.web.v2 import routes as v2
+from app.web.v2 import trace_extension
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
 
@@ -44,11 +49,18 @@ def create_app(
     registry = registry or Registry(settings, Metrics())
     engine = Engine(settings, registry)
     control = control or Control()
-    state = ServiceState(settings, engine, registry.metrics, control)
+    export = traces_export(settings.otlp_endpoint, os.environ)
+    trace_settings = TraceSettings(tracing=export is not None)
+    tracing = start_tracing(export, trace_settings)
+    state = ServiceState(settings, engine, registry.metrics, control, trace_settings, tracing)
+    control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        if tracing is not None:  # the models are loaded now: each one's batches are traced
+            for served in engine.models():
+                served.set_observer(tracing.observer(served))
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
@@ -56,6 +68,8 @@ def create_app(
             yield
         finally:
             await engine.stop()
+            if tracing is not None:
+                await tracing.shutdown()  # what is still collected is sent now
 
     app = FastAPI(
         title="ffn-serve",
@@ -71,7 +85,7 @@ def create_app(
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
-    register(app, ENDPOINTS, fast_path=fast_path)
+    register(app, ENDPOINTS, fast_path=fast_path, tracing=tracing)
     serve_docs_offline(app)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(
@@ -90,6 +104,13 @@ def create_app(
                 "X-MC-Passes",
                 "X-MC-Dropout",
                 "X-MC-Seed",
+                "X-Request-Id",
+                "traceparent",
+                "tracestate",
             ],
         )
+    # Outermost, around Starlette's own error middleware too: every answer, an unexpected 500's
+    # included, carries the request's id (app/web/request_ids.py).
+    build_middleware_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestIds(build_middleware_stack())  # type: ignore[method-assign]
     return app

@@ -73,7 +73,10 @@ class Metrics:
         for collector in (BuildInfoCollector(), ProcessesCollector(folder), GpuMemoryCollector()):
             self.merged.register(collector)
         self.requests = Counter(
-            "ffn_requests", "Requests answered, by model and outcome.", ["model", "outcome"], registry=r
+            "ffn_requests",
+            "Requests answered, by model, outcome and protocol (http, grpc).",
+            ["model", "outcome", "protocol"],
+            registry=r,
         )
         self.queue_seconds = Histogram(
             "ffn_queue_seconds",

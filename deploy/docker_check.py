@@ -162,6 +162,8 @@ class Checker:
             "-d",
             "--name",
             name,
+            "--stop-timeout",
+            "30",
             "-v",
             f"{models or self.folder}:/models:ro",
             *options,
@@ -173,9 +175,11 @@ class Checker:
     def on_host(self, name: str, *options: str, models: Path | None = None) -> int:
         """run_replica on 127.0.0.1:<a free port>; the port."""
         port = free_port()
+        grpc = f"FFN_GRPC_PORT={free_port()}"  # the host's network: 8001 may be taken
         self.run_replica(
-            name, "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}", *options, models=models
-        )
+            name, "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}", "-e", grpc, *options,
+            models=models,
+        )  # fmt: skip
         return port
 
     def run_to_exit(self, *options: str) -> tuple[int, str, str]:
@@ -325,7 +329,11 @@ class Checker:
             self.results["compose"] = {"skipped": why}
             return
         port = free_port()
-        env = {"PUBLISH": f"127.0.0.1:{port}", "MODELS_DIR": str(self.folder)}
+        env = {
+            "PUBLISH": f"127.0.0.1:{port}",
+            "GRPC_PUBLISH": f"127.0.0.1:{free_port()}",
+            "MODELS_DIR": str(self.folder),
+        }
         started = time.perf_counter()
         compose = self.up("base", f"{self.prefix}-compose", env)
         healthy_s = round(time.perf_counter() - started, 1)
@@ -452,7 +460,11 @@ class Checker:
             self.results["start_interval"] = {"skipped": why}
             return
         version = engine_version()
-        env = {"PUBLISH": f"127.0.0.1:{free_port()}", "MODELS_DIR": str(self.folder)}
+        env = {
+            "PUBLISH": f"127.0.0.1:{free_port()}",
+            "GRPC_PUBLISH": f"127.0.0.1:{free_port()}",
+            "MODELS_DIR": str(self.folder),
+        }
         seen: dict[str, Any] = {"engine": ".".join(map(str, version))}
         if version < (25,):
             compose = self.compose("start_interval", f"{self.prefix}-si", env)

@@ -107,7 +107,7 @@ def test_the_gpu_override_builds_the_cuda_server_and_leaves_the_load_tester_alon
 
 def test_behind_the_balancer_no_replica_is_published_on_the_host() -> None:
     alone = merged("docker-compose.yml")["ffn"]
-    assert alone["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000"]
+    assert alone["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000", "${GRPC_PUBLISH:-127.0.0.1:8001}:8001"]
     balanced = merged("docker-compose.yml", OVERRIDES["lb"])
     assert "ports" not in balanced["ffn"]
     assert balanced["lb"]["ports"] == ["${LB_PUBLISH:-127.0.0.1:8080}:8080"]

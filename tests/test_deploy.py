@@ -236,7 +236,7 @@ def test_dockerfile_healthcheck_probes_readiness_on_the_service_port() -> None:
     assert f"DEFAULT_PORT = {SERVICE_PORT}" in source, "the check's default port must be the service's"
     assert "FFN_PORT" in source, "the check must follow FFN_PORT"
     (expose,) = instructions("EXPOSE")
-    assert expose.args == str(SERVICE_PORT)
+    assert expose.args == f"{SERVICE_PORT} {Settings.model_fields['grpc_port'].default}"  # HTTP, gRPC
     flags = healthcheck.flags()
     assert {"interval", "timeout", "start-period", "retries"} <= set(flags)
     timeout_s = float(flags["timeout"].rstrip("s"))
@@ -434,6 +434,7 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
         "MODELS_DIR": str(models),  # empty: the built-in demo model
         "FFN_HOST": "127.0.0.1",  # the image says 0.0.0.0; a test stays on loopback
         "FFN_PORT": str(port),
+        "FFN_GRPC_PORT": "0",  # any free port: 8001 may be taken on a shared machine
         "FFN_TORCH_THREADS": "1",
     }
     log = tmp_path / "server.log"
@@ -486,7 +487,8 @@ def duration_s(text: str) -> float:
 
 
 def container_port(service: dict[str, Any]) -> int:
-    (mapping,) = service["ports"]
+    """The port of a service's first mapping: its HTTP port (the server's second is gRPC's, 8001)."""
+    mapping = service["ports"][0]
     return int(str(mapping).rsplit(":", 1)[1])
 
 
@@ -581,8 +583,9 @@ def test_compose_load_balancer_profile_fronts_the_replicas() -> None:
     body = re.search(r"client_max_body_size (\d+)m;", conf)
     assert body and int(body[1]) * 2**20 == Settings.model_fields["max_body_bytes"].default
     assert "non_idempotent" in conf and "http_503" in conf
-    # One replica alone is published on PUBLISH; behind the balancer, replicas publish nothing.
-    assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000"]
+    # One replica alone is published on PUBLISH (and gRPC on GRPC_PUBLISH); behind the balancer,
+    # replicas publish nothing.
+    assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000", "${GRPC_PUBLISH:-127.0.0.1:8001}:8001"]
     assert COMPOSE_LB["services"]["ffn"] == {"ports": []}  # `!reset []`, read by PyYAML as a plain list
 
 
@@ -697,7 +700,9 @@ def test_kubernetes_probes_hit_health_paths_on_the_served_port() -> None:
         # The metrics port, where a Deployment names one, is the server's (FFN_METRICS_PORT), and
         # the one the Prometheus annotations point at: it needs no API key.
         named = {p.get("name"): p["containerPort"] for p in container["ports"][1:]}
-        assert set(named) <= {"metrics"}, path
+        assert set(named) <= {"metrics", "grpc", "h2c"}, path  # h2c: how KServe names a gRPC port
+        for name in {"grpc", "h2c"} & set(named):
+            assert named[name] == int(env_of(container)["FFN_GRPC_PORT"]), path
         metrics_port = env_of(container).get("FFN_METRICS_PORT")
         if "metrics" in named:
             assert named["metrics"] == int(metrics_port or -1), path
@@ -754,8 +759,9 @@ def test_kubernetes_service_selects_the_pods_and_targets_their_port() -> None:
         assert service["spec"]["selector"].items() <= labels.items()
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        (port,) = service["spec"]["ports"]
-        assert resolve_port(container, port["targetPort"]) == int(env_of(container)["FFN_PORT"])
+        http, grpc = service["spec"]["ports"]
+        assert resolve_port(container, http["targetPort"]) == int(env_of(container)["FFN_PORT"])
+        assert resolve_port(container, grpc["targetPort"]) == int(env_of(container)["FFN_GRPC_PORT"])
         pod = deployment["spec"]["template"]["spec"]
         assert pod["enableServiceLinks"] is False, "service-link variables would start with FFN_SERVE_"
     (pdb,) = [d for _, d in manifests() if d["kind"] == "PodDisruptionBudget"]

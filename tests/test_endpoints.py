@@ -108,7 +108,15 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
         {},
     ),
 }
-COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after", "x-mc-seed")
+COMPARED_HEADERS = (
+    "content-type",
+    "x-shape",
+    "x-dtype",
+    "inference-header-content-length",
+    "retry-after",
+    "x-mc-seed",
+    "x-request-id",
+)
 
 
 @pytest.fixture
@@ -124,6 +132,7 @@ async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
 async def test_fast_path_and_fastapi_routes_answer_alike(both, case: str) -> None:
     fast, routed = both
     method, path, body, headers = REQUESTS[case]
+    headers = {**(headers or {}), "X-Request-Id": "one-id-for-both"}  # else error bodies differ by their ids
     a = await fast.request(method, path, content=body, headers=headers)
     b = await routed.request(method, path, content=body, headers=headers)
     assert a.status_code == b.status_code, (a.text[:200], b.text[:200])

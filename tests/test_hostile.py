@@ -1,5 +1,6 @@
 """Hostile input against a real `ffn-serve` process: each gets a clear 4xx with the JSON error
-body {"error", "error_type"}, nothing internal leaks, and the server serves the next request.
+body {"error", "error_type", "request_id"} (that id also its X-Request-Id), nothing internal
+leaks, and the server serves the next request.
 
 Requests go out as raw bytes (asyncio streams) so that nothing normalises them on the way:
 dot segments stay in paths, headers keep their size, chunked framing is ours. Slow, greedy and
@@ -55,7 +56,8 @@ def assert_error(r: Response, status: int, error_type: str | None = None) -> dic
     assert r.status == status, f"expected {status}, got {r.status}: {r.body[:300]!r}"
     assert r.headers.get("content-type", "").startswith("application/json")
     body = r.json()
-    assert isinstance(body, dict) and set(body) == {"error", "error_type"}, body
+    assert isinstance(body, dict) and set(body) - {"id"} == {"error", "error_type", "request_id"}, body
+    assert body["request_id"] == r.headers.get("x-request-id"), (body, r.headers)  # one id, in both places
     assert isinstance(body["error"], str) and body["error"]
     if error_type is not None:
         assert body["error_type"] == error_type, body

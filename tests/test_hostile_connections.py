@@ -62,7 +62,8 @@ def json_error(r: Response, status: int, error_type: str) -> None:
     assert r.status == status, f"expected {status}, got {r.status}: {r.body[:300]!r}"
     assert r.headers.get("content-type", "").startswith("application/json")
     body = r.json()
-    assert isinstance(body, dict) and set(body) == {"error", "error_type"} and body["error_type"] == error_type, body
+    assert isinstance(body, dict) and set(body) == {"error", "error_type", "request_id"}, body
+    assert body["error_type"] == error_type and body["request_id"] == r.headers.get("x-request-id"), (body, r.headers)
 
 
 async def answers_right(server: ServerProcess) -> None:

@@ -31,7 +31,7 @@ async def test_an_overflowing_request_fails_alone_in_its_batch(start_app) -> Non
     assert good.status_code == 200
     assert_close(np.asarray(good.json()["outputs"]), demo_reference(normal))
     metrics = (await client.get("/metrics")).text
-    assert 'ffn_requests_total{model="demo",outcome="non_finite_output"} 1.0' in metrics
+    assert 'ffn_requests_total{model="demo",outcome="non_finite_output",protocol="http"} 1.0' in metrics
     assert 'ffn_batch_rows_count{model="demo"} 1.0' in metrics  # one pass carried both
 
 

@@ -4,8 +4,8 @@ The Deployments (CPU, GPU) and the KServe predictor run as the same locked-down 
 no privilege escalation, no capability, the runtime's seccomp profile, a read-only root with
 an emptyDir at /tmp (the worker processes' metrics files), no service links, no API token, a
 preStop pause, probes with timeouts above 1 s. Everything lives in the `ffn-serve` namespace,
-which enforces `restricted`; a NetworkPolicy admits only the service and metrics ports. Where
-checkov is installed, it finds nothing but the image digest (docs/deployment.md says why).
+which enforces `restricted`; a NetworkPolicy admits only the service, gRPC and metrics ports.
+Where checkov is installed, it finds nothing but the image digest (docs/deployment.md says why).
 """
 
 from __future__ import annotations
@@ -108,18 +108,18 @@ def test_everything_lives_in_a_namespace_that_enforces_restricted() -> None:
     assert sorted(p.name for p in K8S.glob("*.yaml"))[0] == "00-namespace.yaml"
 
 
-def test_the_network_policy_admits_only_the_service_and_metrics_ports() -> None:
+def test_the_network_policy_admits_only_the_service_grpc_and_metrics_ports() -> None:
     (policy,) = [d for _, d in documents() if d["kind"] == "NetworkPolicy"]
     spec = policy["spec"]
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["egress"] == []
     (rule,) = spec["ingress"]
-    assert {p["port"] for p in rule["ports"]} == {"http", "metrics"}
+    assert {p["port"] for p in rule["ports"]} == {"http", "grpc", "metrics"}
     for path, doc in documents():
         if doc["kind"] == "Deployment":
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert spec["podSelector"]["matchLabels"].items() <= labels.items(), path
             (container,) = doc["spec"]["template"]["spec"]["containers"]
-            assert {p["name"] for p in container["ports"]} == {"http", "metrics"}, path
+            assert {p["name"] for p in container["ports"]} == {"http", "grpc", "metrics"}, path
 
 
 def test_namespace_and_network_policy_validate_against_the_kubernetes_schemas() -> None:

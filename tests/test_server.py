@@ -89,7 +89,17 @@ async def test_batch_invariance_under_load(served):
 def test_unloadable_model_stops_the_start(tmp_path):
     (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "missing.safetensors"\n')
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml"), "--port", str(free_port())],
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "--config",
+            str(tmp_path / "bad.toml"),
+            "--port",
+            str(free_port()),
+            "--grpc-port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

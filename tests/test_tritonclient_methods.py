@@ -6,7 +6,8 @@ table covers exactly the client's public methods (a new tritonclient method fail
 until it is placed), and docs/api.md's table must say the same.
 
 The server has an API key: the client reaches it through a plugin that adds the bearer token,
-which is how the plugin methods are put to work.
+which is how the plugin methods are put to work. It traces to a real OTLP receiver, so that the
+trace settings it is given take effect.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import tritonclient.http as triton
 from tritonclient._plugin import InferenceServerClientPlugin
 from tritonclient.utils import InferenceServerException
 
+from bench.otlp_receiver import OtlpReceiver
 from ffn_client.testing import ServerProcess, start_server
 from tests.reference import demo_reference
 
@@ -43,8 +45,10 @@ class Bearer(InferenceServerClientPlugin):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with start_server(env={"FFN_API_KEY": KEY, "FFN_LOG_LEVEL": "warning"}) as srv:
-        yield srv
+    with OtlpReceiver() as receiver:
+        env = {"FFN_API_KEY": KEY, "FFN_LOG_LEVEL": "warning", "FFN_OTLP_ENDPOINT": receiver.url}
+        with start_server(env=env) as srv:
+            yield srv
 
 
 def new_client(server: ServerProcess, *, authorized: bool = True) -> Client:
@@ -114,7 +118,7 @@ def check_body_helpers(client: Client, server: ServerProcess) -> None:
 def check_metadata(client: Client, server: ServerProcess) -> None:
     meta = client.get_server_metadata()
     assert meta["name"] == "ffn-serve"
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace"]
 
 
 def check_model_metadata(client: Client, server: ServerProcess) -> None:
@@ -149,6 +153,30 @@ def check_health(client: Client, server: ServerProcess) -> None:
     assert client.is_server_live() is True and client.is_server_ready() is True
     assert client.is_model_ready("demo") is True and client.is_model_ready("demo", "1") is True
     assert client.is_model_ready("no-such-model") is False
+
+
+def check_trace_settings(client: Client, server: ServerProcess) -> None:
+    """Triton's trace extension: the server's settings, a model's over them, and null putting one back."""
+    defaults = {
+        "trace_level": ["TIMESTAMPS"],
+        "trace_rate": "1",
+        "trace_count": "-1",
+        "log_frequency": "0",
+        "trace_mode": "opentelemetry",
+    }
+    assert client.get_trace_settings() == defaults
+    try:
+        changed = client.update_trace_settings(settings={"trace_rate": "2", "trace_count": "5"})
+        assert changed == {**defaults, "trace_rate": "2", "trace_count": "5"}
+        assert client.get_trace_settings(model_name="demo") == changed  # the model follows the server
+        off = client.update_trace_settings(model_name="demo", settings={"trace_level": ["OFF"]})
+        assert off == {**changed, "trace_level": ["OFF"]}
+        assert client.get_trace_settings()["trace_level"] == ["TIMESTAMPS"]
+        back = client.update_trace_settings(model_name="demo", settings={"trace_level": None})
+        assert back == changed
+    finally:
+        cleared = client.update_trace_settings(settings=dict.fromkeys(["trace_rate", "trace_count"]))
+    assert cleared == defaults
 
 
 def check_plugins(client: Client, server: ServerProcess) -> None:
@@ -191,6 +219,8 @@ WORKS: dict[str, Check] = {
     "get_model_config": check_model_config,
     "get_inference_statistics": check_statistics,
     "get_model_repository_index": check_repository_index,
+    "get_trace_settings": check_trace_settings,
+    "update_trace_settings": check_trace_settings,
     "is_server_live": check_health,
     "is_server_ready": check_health,
     "is_model_ready": check_health,
@@ -207,8 +237,6 @@ REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
     "get_log_settings": (lambda c: c.get_log_settings(), "logging"),
     "update_log_settings": (lambda c: c.update_log_settings({"log_verbose_level": 1}), "logging"),
-    "get_trace_settings": (lambda c: c.get_trace_settings(model_name="demo"), "trace"),
-    "update_trace_settings": (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
     "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),
     "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64), "system_shared_memory"),
     "unregister_system_shared_memory": (lambda c: c.unregister_system_shared_memory(), "system_shared_memory"),

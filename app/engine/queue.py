@@ -44,6 +44,7 @@ class Entry:
     passes: MonteCarloPasses | None = None  # set on the device thread by the first slice
     compute_s: float = 0.0  # a Monte Carlo entry's forward time over its slices so far
     queued: bool = True  # still counted in the queue's work
+    tag: object | None = None  # the batch observer's mark of its request (app/engine/observe.py)
 
     @property
     def n(self) -> int:

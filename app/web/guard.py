@@ -49,6 +49,15 @@ def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
     ]
 
 
+def bearer_matches(given: bytes, key: bytes) -> bool:
+    """Whether an Authorization value (HTTP header or gRPC metadata) is `Bearer <key>`.
+
+    The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
+    """
+    scheme, _, token = given.partition(b" ")
+    return hmac.compare_digest(token, key) and scheme.lower() == b"bearer"
+
+
 class GuardMiddleware:
     def __init__(
         self, app: ASGIApp, *, api_key: str | None, max_header_bytes: int, metrics_port: int | None = None
@@ -86,9 +95,7 @@ class GuardMiddleware:
             return NotFound(f"only {METRICS_PATH} is served on the metrics port")
         if self._key is not None and not scope["path"].startswith(HEALTH_PREFIX):
             given = next((v for k, v in headers if k == b"authorization"), b"")
-            scheme, _, token = given.partition(b" ")
-            # The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
-            if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
+            if not bearer_matches(given, self._key):
                 reason = "missing" if not given else "wrong"
                 return Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
         return None

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
+from app import request_context
 from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from app.web.fields import header_int, header_number
 
@@ -84,7 +85,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
     watcher = asyncio.ensure_future(watch())
     try:
-        return await work
+        result = await work
+        request_context.resumed()  # a traced request's encode stage starts here
+        return result
     except asyncio.CancelledError:
         if gone:
             task.uncancel()

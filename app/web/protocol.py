@@ -18,7 +18,8 @@ connections. Each connection here:
   between two writes would leave a head without its body, which a proxy can no longer retry.
 
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
-the service's JSON error body instead of uvicorn's text/plain. After an error answer the
+the service's JSON error body instead of uvicorn's text/plain, with a request id of their own
+(body and X-Request-Id), as every answer has. After an error answer the
 connection lingers briefly, reading and discarding, so that a client still sending reads the
 answer instead of a reset.
 """
@@ -33,9 +34,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import httptools
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from app.errors import ServiceError
+from app.request_context import new_request_id
 from app.settings import Settings
 from app.web.errors import (
     HeaderTooLarge,
@@ -46,6 +49,7 @@ from app.web.errors import (
     error_response,
     kind_of,
 )
+from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
 
@@ -86,9 +90,13 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"http": protocol}
 
 
-_too_many_connections = error_response(
-    TooManyConnections("the server holds its maximum of open connections; retry shortly")
-)
+async def _refuse_connection(scope: Scope, receive: Receive, send: Send) -> None:
+    await error_response(TooManyConnections("the server holds its maximum of open connections; retry shortly"))(
+        scope, receive, send
+    )
+
+
+_too_many_connections = RequestIds(_refuse_connection)  # the app of a connection past the cap
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -307,11 +315,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
         kind = kind_of(error)
-        body = error_body(error.message, kind.error_type)
+        request_id = new_request_id()
+        body = error_body(error.message, kind.error_type, request_id)
         head = [STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [
             b"content-type: application/json\r\n",
+            b"x-request-id: " + request_id.encode("ascii") + b"\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
@@ -13,7 +13,11 @@ from app.control import Control
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
+from app.tracing.trace_settings import TraceSettings
 from app.web.errors import error_type_of
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.tracing.spans import Tracing
 
 
 @dataclass
@@ -22,16 +26,18 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
+    tracing: Tracing | None = None  # None: requests are not traced
 
     @contextmanager
-    def count(self, model: str) -> Iterator[None]:
-        """Count one request's outcome in ffn_requests_total{model, outcome}: ok or its error_type."""
+    def count(self, model: str, protocol: str = "http") -> Iterator[None]:
+        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type."""
         try:
             yield
         except Exception as exc:
-            self.metrics.requests.labels(model=model, outcome=error_type_of(exc)).inc()
+            self.metrics.requests.labels(model=model, outcome=error_type_of(exc), protocol=protocol).inc()
             raise
-        self.metrics.requests.labels(model=model, outcome="ok").inc()
+        self.metrics.requests.labels(model=model, outcome="ok", protocol=protocol).inc()
 
 
 def service_state(request: Request) -> ServiceState:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Sequence
 
 import numpy as np
 import orjson
@@ -27,11 +28,13 @@ _JSON_SLACK = 1024
 _WIDE_INTEGER = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{19,}(?![0-9.eE])")
 
 
-def check_shape(shape: tuple[int, ...], d_model: int) -> int:
+def check_shape(shape: Sequence[int], d_model: int) -> int:
     """Rows in a [rows, d_model] or [batch, seq, d_model] tensor; anything else is InvalidInput."""
     if not 2 <= len(shape) <= MAX_RANK:
+        # A shape can hold millions of dimensions: the message shows a few.
+        shown = list(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
         raise InvalidInput(
-            f"expected a tensor of shape [rows, {d_model}] or [batch, seq, {d_model}], got rank {len(shape)} {list(shape)}"
+            f"expected a tensor of shape [rows, {d_model}] or [batch, seq, {d_model}], got rank {len(shape)} {shown}"
         )
     if shape[-1] != d_model:
         raise InvalidInput(f"last dimension must be d_model={d_model}, got {shape[-1]} (shape {list(shape)})")

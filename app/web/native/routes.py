@@ -6,6 +6,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app import request_context
 from app.engine.service import ServedModel
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
@@ -43,6 +44,7 @@ async def transform(name: str, request: Request) -> Response:
             served,
             state.settings.max_queue_rows,
         )
+        request_context.decoded(decoded.shape, decoded.dtype.name)
         if asked is not None:
             result = await unless_disconnected(
                 request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)

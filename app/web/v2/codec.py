@@ -9,12 +9,14 @@ JSON header followed by the outputs asked for with `binary_data` (or `binary_dat
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import torch
 
+from app import request_context
 from app.web import mc_parameters, tensors
 from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
 from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
@@ -65,23 +67,18 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
+    request_context.named(request_id)  # from here on, an error answer carries the request's `id` too
     parameters = object_field(document, "parameters", "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     inputs = list_field(document, "inputs", "request")
     if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
     tensor = inputs[0]
-    name = str_field(tensor, "name", "input")
-    if name != INPUT_NAME:
-        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
-    datatype = str_field(tensor, "datatype", "input")
-    dtype = BY_V2.get(datatype) if datatype is not None else None
-    if dtype is None:
-        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
+    dtype = check_input(str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input"))
     shape = _shape(tensor.get("shape"))
     rows = tensors.check_shape(shape, d_model)
     input_parameters = object_field(tensor, "parameters", "input")
-    _refuse_extensions(parameters, input_parameters)
+    refuse_extensions(parameters, input_parameters)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if binary_size is not None:
         if "data" in tensor:
@@ -96,6 +93,16 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us)
 
 
+def check_input(name: str | None, datatype: str | None) -> DType:
+    """The input's dtype, once its name is the model's input and its datatype one served (both doors)."""
+    if name != INPUT_NAME:
+        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
+    dtype = BY_V2.get(datatype) if datatype is not None else None
+    if dtype is None:
+        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
+    return dtype
+
+
 SHARED_MEMORY_REGION = "shared_memory_region"
 # Request parameters of extensions this server does not implement: refused, never ignored.
 _SEQUENCE = ("sequence", "an FFN is position-wise and keeps no sequence state")
@@ -107,8 +114,8 @@ _EXTENSION_PARAMETERS = {
 }
 
 
-def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, Any]) -> None:
-    """Refuse a request that relies on an extension we do not implement, naming it."""
+def refuse_extensions(parameters: Mapping[str, Any], input_parameters: Mapping[str, Any]) -> None:
+    """Refuse a request that relies on an extension we do not implement, naming it (both doors)."""
     if SHARED_MEMORY_REGION in input_parameters:
         raise _shared_memory_unsupported()
     for name, (extension, detail) in _EXTENSION_PARAMETERS.items():
@@ -169,25 +176,30 @@ def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carl
         raise InvalidInput("'outputs' must be a list of objects")
     wanted: dict[str, bool] = {}
     for output in outputs:
-        name = str_field(output, "name", "output")
-        if name not in OUTPUT_NAMES:
-            raise InvalidInput(
-                f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
-                f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
-            )
-        if name == STD_OUTPUT_NAME and not monte_carlo:
-            raise InvalidInput(
-                f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
-                f"add parameters.{mc_parameters.PASSES}"
-            )
         output_parameters = object_field(output, "parameters", "output")
-        if "classification" in output_parameters:
-            raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
-        if SHARED_MEMORY_REGION in output_parameters:
-            raise _shared_memory_unsupported()
+        name = check_output(str_field(output, "name", "output"), output_parameters, monte_carlo)
         chosen = bool_field(output_parameters, "binary_data", "output parameter")
         wanted[name] = binary_output if chosen is None else chosen
     return wanted
+
+
+def check_output(name: str | None, output_parameters: Mapping[str, Any], monte_carlo: bool) -> str:
+    """A requested output's name, once it is one this request answers and asks for no extension (both doors)."""
+    if name not in OUTPUT_NAMES:
+        raise InvalidInput(
+            f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
+            f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
+        )
+    if name == STD_OUTPUT_NAME and not monte_carlo:
+        raise InvalidInput(
+            f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
+            f"add parameters.{mc_parameters.PASSES}"
+        )
+    if "classification" in output_parameters:
+        raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
+    if SHARED_MEMORY_REGION in output_parameters:
+        raise _shared_memory_unsupported()
+    return name
 
 
 def encode(

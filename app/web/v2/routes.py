@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app import __version__
+from app import __version__, request_context
 from app.engine.errors import Unavailable
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
@@ -24,7 +24,8 @@ async def server_metadata() -> ServerMetadata:
     return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
 
 
-def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+def metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+    """A model's metadata (both doors); ModelNotFound (404) for an unknown name or version."""
     served = state.engine.model(name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
     return ModelMetadata.model_validate(
@@ -57,6 +58,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         body = await read_body(request, state.settings.max_body_bytes)
         decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
         del body  # the decoded rows keep what they need of it (a view, for binary data)
+        request_context.decoded(decoded.shape, decoded.dtype.name)
         timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
         deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
         asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
@@ -79,11 +81,11 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
 
 
 async def model_metadata(name: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, None)
+    return metadata(state, name, None)
 
 
 async def model_version_metadata(name: str, version: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, version)
+    return metadata(state, name, version)
 
 
 async def model_ready(name: str, state: StateDep) -> Response:

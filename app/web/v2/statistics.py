@@ -5,8 +5,9 @@ No counters of its own: every number is a sample that /metrics exports too, read
 Samples of one model are summed over any other label, but the last-inference time, which is
 the latest.
 
-What Triton reports and the service does not measure is zero, never invented: compute_input
-and compute_output (host-device copies are timed inside compute_infer), the response cache
+What Triton reports and the service does not measure is zero, never invented: the time of
+compute_input and compute_output (host-device copies are timed inside compute_infer; their
+counts are compute_infer's, as perf_analyzer requires the three to be equal), the response cache
 (there is none), batch_stats (no per-batch-size timings) and response_stats.
 """
 
@@ -62,10 +63,11 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
             "success": _duration(succeeded, s["ffn_request_seconds_sum"]),
             "fail": _duration(s["ffn_failed_request_seconds_count"], s["ffn_failed_request_seconds_sum"]),
             "queue": _duration(s["ffn_queue_seconds_count"], s["ffn_queue_seconds_sum"]),
-            "compute_input": _NOT_MEASURED,
+            # Every request has its copies in and out: counted, their time (inside compute_infer) zero.
+            "compute_input": _duration(succeeded, 0.0),
             # As in Triton, per request: each request counts its batch's whole forward pass.
             "compute_infer": _duration(succeeded, s["ffn_request_compute_seconds_total"]),
-            "compute_output": _NOT_MEASURED,
+            "compute_output": _duration(succeeded, 0.0),
             "cache_hit": _NOT_MEASURED,
             "cache_miss": _NOT_MEASURED,
         },
