@@ -6,8 +6,9 @@ loads the models and serves (app/server.py); with more, a supervisor (app/superv
 that many worker processes on the sockets bound here.
 
 Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
-server failed while starting; 2 invalid settings or command line; 3 the address cannot be bound
-(the port is in use, or not allowed).
+server failed while starting; 2 invalid settings or command line, or an installed uvicorn that
+lacks what app/web/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
+allowed).
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
+    # Before torch, the models or a port: a uvicorn outside the pinned range fails here, in one line.
+    from app.web import uvicorn_members
+
+    mismatch = uvicorn_members.mismatch()
+    if mismatch is not None:
+        print(f"ffn-serve: {mismatch}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     # Imported here, once the settings are valid: torch, which the server imports, takes seconds.
     import torch
 

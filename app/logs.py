@@ -10,12 +10,18 @@ request's id (X-Request-Id) and, for a V2 request that sent one, its `id`: `requ
 in JSON, ` request_id=... id="..."` at the end of a text line. The V2 id is the client's own
 text: a line holds at most MAX_LOGGED_ID characters of it, and a text line JSON-quotes it (no
 newline or quote of it can forge a line).
+
+What is logged can change at runtime (the V2 logging extension): `LogSettings` switches each
+severity on or off, as Triton's log_info / log_warning / log_error / log_verbose_level do, and
+picks the format; `apply_log_settings` sets this process's loggers and handler to them, and
+`current_log_settings` reads them back from that handler.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -56,6 +62,76 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# uvicorn sets these loggers' own levels from its log_level: a new level must reach them too.
+_UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi")
+
+
+@dataclass(frozen=True)
+class LogSettings:
+    """Which severities are logged, in Triton's terms, and the format. Critical records always are."""
+
+    info: bool = True
+    warning: bool = True
+    error: bool = True
+    verbose_level: int = 0  # above 0: debug records too
+    format: LogFormat = "text"
+
+    @classmethod
+    def from_level(cls, level: str, log_format: LogFormat) -> LogSettings:
+        """The settings that log `level` (debug, info, warning, error, critical) and above."""
+        threshold = logging.getLevelNamesMapping()[level.upper()]
+        return cls(
+            info=threshold <= logging.INFO,
+            warning=threshold <= logging.WARNING,
+            error=threshold <= logging.ERROR,
+            verbose_level=1 if threshold <= logging.DEBUG else 0,
+            format=log_format,
+        )
+
+    def lowest_level(self) -> int:
+        """The lowest level any switched-on severity needs: the loggers' level, so that off costs nothing."""
+        for enabled, level in (
+            (self.verbose_level > 0, logging.DEBUG),
+            (self.info, logging.INFO),
+            (self.warning, logging.WARNING),
+            (self.error, logging.ERROR),
+        ):
+            if enabled:
+                return level
+        return logging.CRITICAL
+
+
+class _Severities(logging.Filter):
+    """Passes a record when its severity is switched on; the switches are independent, as in Triton."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settings = LogSettings()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        s, level = self.settings, record.levelno
+        if level >= logging.CRITICAL:
+            return True
+        if level >= logging.ERROR:
+            return s.error
+        if level >= logging.WARNING:
+            return s.warning
+        if level >= logging.INFO:
+            return s.info
+        return s.verbose_level > 0
+
+
+class _ServiceHandler(logging.StreamHandler):
+    """The one handler on the root logger: stderr, the severity switches, the worker's number."""
+
+    def __init__(self, worker: int | None) -> None:
+        super().__init__(sys.stderr)
+        self.worker = worker
+        self.severities = _Severities()
+        self.addFilter(self.severities)
+        self.addFilter(RequestIds())
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, the worker if any, and the traceback if any."""
 
@@ -91,16 +167,46 @@ def configure_logging(level: str, log_format: LogFormat, worker: int | None = No
     `worker`: the worker process's number, added to each record so that the lines of several
     processes sharing one stream can be told apart.
     """
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(JsonFormatter(worker))
-    else:
-        prefix = "" if worker is None else f"[worker {worker}] "
-        handler.setFormatter(TextFormatter(TEXT_FORMAT.replace("%(name)s", prefix + "%(name)s")))
-    handler.addFilter(RequestIds())
     root = logging.getLogger()
-    root.handlers = [handler]
-    root.setLevel(level.upper())
+    root.handlers = [_ServiceHandler(worker)]
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers = []
         logging.getLogger(name).propagate = True
+    apply_log_settings(LogSettings.from_level(level, log_format))
+
+
+def _formatter(log_format: LogFormat, worker: int | None) -> logging.Formatter:
+    if log_format == "json":
+        return JsonFormatter(worker)
+    prefix = "" if worker is None else f"[worker {worker}] "
+    return TextFormatter(TEXT_FORMAT.replace("%(name)s", prefix + "%(name)s"))
+
+
+def _service_handler() -> _ServiceHandler | None:
+    return next((h for h in logging.getLogger().handlers if isinstance(h, _ServiceHandler)), None)
+
+
+def apply_log_settings(settings: LogSettings) -> None:
+    """Log what `settings` switch on, in its format, from now on in this process."""
+    level = settings.lowest_level()
+    logging.getLogger().setLevel(level)
+    for name in _UVICORN_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level != logging.NOTSET:  # uvicorn set its own: keep it in step
+            logger.setLevel(level)
+    handler = _service_handler()
+    if handler is not None:
+        if handler.formatter is None or handler.severities.settings.format != settings.format:
+            handler.setFormatter(_formatter(settings.format, handler.worker))
+        handler.severities.settings = settings
+    else:  # logging left to the host (an app in a test): the level is all there is to set
+        _UNHANDLED.settings = settings
+
+
+_UNHANDLED = _Severities()  # the settings asked for where configure_logging was not called
+
+
+def current_log_settings() -> LogSettings:
+    """What this process logs now: its handler's switches and format."""
+    handler = _service_handler()
+    return handler.severities.settings if handler is not None else _UNHANDLED.settings

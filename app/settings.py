@@ -151,7 +151,9 @@ class Settings(BaseSettings):
         "flight per process (past it, RESOURCE_EXHAUSTED).",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
+        default=None,
+        description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
+        "visible ASCII, no spaces.",
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
@@ -199,6 +201,12 @@ class Settings(BaseSettings):
         description="Trace requests with OpenTelemetry, sending spans as OTLP/HTTP to this collector "
         "(http://host:4318; spans go to its path /v1/traces), as TEI's --otlp-endpoint. Unset: "
         "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing.",
+    )
+    shared_memory: bool = Field(
+        default=False,
+        description="Turn on the system shared-memory extension: clients on this host register POSIX shared-memory "
+        "regions (/dev/shm) and infer with tensors in them, sending no tensor bytes over the socket. A region may "
+        "be any object this server's user can open: give the API key to trusted local clients only.",
     )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 

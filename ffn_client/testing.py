@@ -237,12 +237,16 @@ async def wait_for_metrics(
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0.0 when the series does not exist yet)."""
+    """The sum of the samples of `name` whose labels include `labels`, in Prometheus text (0.0: none yet).
+
+    Labels left out are summed over, as PromQL's `sum` does (e.g. ffn_requests_total over both doors).
+    """
     # prometheus_client comes with the loadtest and test extras, not with the client library.
     from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )

@@ -173,8 +173,18 @@ async def test_many_concurrent_streams_are_all_answered_or_refused_past_the_call
         answered = [o for o in outcomes if isinstance(o, pb.ModelStreamInferResponse)]
         # A refused call's status may land after its read returned (EOF): wait for each one's status.
         unanswered = [c for c, o in zip(calls, outcomes, strict=True) if not isinstance(o, pb.ModelStreamInferResponse)]
-        refused = [c for c in unanswered if await c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert len(answered) + len(refused) == 60
+        codes = [await c.code() for c in unanswered]
+        details = [await c.details() for c in unanswered]
+        # A call the server refuses at once can lose the race with the client's own write of its
+        # request; grpc then reports the failed write (INTERNAL, "Internal error from Core")
+        # instead of the server's RESOURCE_EXHAUSTED. Anything else is a wrong answer.
+        refused = [
+            code
+            for code, detail in zip(codes, details, strict=True)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            or (code == grpc.StatusCode.INTERNAL and detail == "Internal error from Core")
+        ]
+        assert len(answered) + len(refused) == 60, list(zip(codes, details, strict=True))
         assert 0 < len(answered) <= 48 and refused
         for answer in answered:
             np.testing.assert_allclose(output_of(answer.infer_response), demo_reference(x), rtol=1e-5, atol=1e-5)

@@ -31,7 +31,9 @@ async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable
     with start_server(config=config) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http, stub(server.grpc_target) as s:
             before = await metrics(http)
-            in_flight = asyncio.ensure_future(s.ModelInfer(infer_request(np.ones((3072, D_MODEL), np.float32), "slow")))
+            # Four passes of a second or so each: the drain is still going when the checks below ask.
+            big = infer_request(np.ones((3072, D_MODEL), np.float32), "slow")
+            in_flight = asyncio.gather(*(s.ModelInfer(big) for _ in range(4)))
             await wait_for_metrics(
                 http,
                 lambda m: (
@@ -67,7 +69,9 @@ async def test_health_is_not_serving_while_draining(tmp_path: Path) -> None:
             health = health_pb2_grpc.HealthStub(channel)
             watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
-            in_flight = asyncio.ensure_future(s.ModelInfer(infer_request(np.ones((3072, D_MODEL), np.float32), "slow")))
+            # Four passes of a second or so each: the drain is still going when the checks below ask.
+            big = infer_request(np.ones((3072, D_MODEL), np.float32), "slow")
+            in_flight = asyncio.gather(*(s.ModelInfer(big) for _ in range(4)))
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
                 await wait_for_metrics(
                     http, lambda m: metric_value(m, "ffn_queue_seconds_count", model="slow") >= 1, "the pass to start"
@@ -76,7 +80,7 @@ async def test_health_is_not_serving_while_draining(tmp_path: Path) -> None:
             assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
             check = await health.Check(health_pb2.HealthCheckRequest(service="slow"))
             assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            await in_flight
+            assert all(output_of(answer).shape == (3072, D_MODEL) for answer in await in_flight)
         assert server.wait(60) == 0, server.logs()
 
 

@@ -293,7 +293,8 @@ async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, sche
         ("GET", "/v1/models"),
         ("GET", "/v2"),
         ("GET", "/v2/models/demo"),
-        ("GET", "/v2/models/demo/ready"),
+        ("POST", "/v2/models/demo/ready"),  # a probe is a GET: any other method needs the key
+        ("GET", "/v2/models/demo/ready/x"),
         ("POST", V2),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
@@ -307,8 +308,11 @@ async def test_every_route_but_health_needs_the_key(server: ServerProcess, metho
     assert_error(r, r.status)
 
 
-@pytest.mark.parametrize("path", ["/v2/health/live", "/v2/health/ready"])
-async def test_health_needs_no_key(server: ServerProcess, path: str) -> None:
+@pytest.mark.parametrize(
+    "path", ["/v2/health/live", "/v2/health/ready", "/v2/models/demo/ready", "/v2/models/demo/versions/1/ready"]
+)
+async def test_probes_need_no_key(server: ServerProcess, path: str) -> None:
+    """Server health and model readiness: what Kubernetes, KServe and tritonclient probe with, keyless."""
     assert (await send(server, "GET", path, auth=False)).status == 200
     assert (await send(server, "GET", path, {"Authorization": "Bearer wrong"}, auth=False)).status == 200
 

@@ -16,6 +16,8 @@ from ffn_client.testing import free_port, metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from tests.reference import numpy_ffn, numpy_weights
 
+pytestmark = pytest.mark.server  # every test here starts ffn-serve processes
+
 D_MODEL, D_FF = 64, 256
 ACTIVATION = {"geglu": "gelu", "relu": "relu"}  # the served models' activations, for the reference
 

@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.utils.shared_memory as shm
 from tritonclient._plugin import InferenceServerClientPlugin
 from tritonclient.utils import InferenceServerException
 
@@ -49,7 +50,7 @@ class Bearer(InferenceServerClientPlugin):
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     # Traced to a real OTLP receiver, so that the trace settings it is given take effect.
     with OtlpReceiver() as receiver:
-        env = {"FFN_LOG_LEVEL": "warning", "FFN_OTLP_ENDPOINT": receiver.url}
+        env = {"FFN_LOG_LEVEL": "warning", "FFN_OTLP_ENDPOINT": receiver.url, "FFN_SHARED_MEMORY": "true"}
         env |= {"FFN_API_KEY": KEY} if request.param == "key" else {}
         with start_server(env=env) as srv:
             srv.keyed = request.param == "key"  # type: ignore[attr-defined]
@@ -138,7 +139,15 @@ def check_stream(client: Client, server: ServerProcess) -> None:
 def check_metadata(client: Client, server: ServerProcess) -> None:
     meta = client.get_server_metadata(as_json=True)
     assert meta["name"] == "ffn-serve"
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace"]
+    assert meta["extensions"] == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+        "parameters",
+        "trace",
+        "logging",
+        "system_shared_memory",
+    ]
 
 
 def check_model_metadata(client: Client, server: ServerProcess) -> None:
@@ -239,6 +248,51 @@ def check_trace_settings(client: Client, server: ServerProcess) -> None:
     assert settings(cleared) == defaults
 
 
+def check_log_settings(client: Client, server: ServerProcess) -> None:
+    """LogSettings, the twin of /v2/logging: each setting in its own type, a change in every worker."""
+
+    def settings(answer: Any) -> dict[str, Any]:
+        return {key: getattr(value, value.WhichOneof("parameter_choice")) for key, value in answer.settings.items()}
+
+    before = settings(client.get_log_settings())
+    assert before == {
+        "log_file": "",
+        "log_info": False,  # the server runs at FFN_LOG_LEVEL=warning
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "text",
+    }
+    after = settings(client.update_log_settings({"log_info": True, "log_verbose_level": 2}))
+    assert after == {**before, "log_info": True, "log_verbose_level": 2}
+    assert settings(client.get_log_settings()) == after
+    assert settings(client.update_log_settings(before)) == before
+    with pytest.raises(InferenceServerException) as info:
+        client.update_log_settings({"log_file": "/tmp/elsewhere.log"})
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "log_file cannot be changed" in info.value.message()
+
+
+def check_system_shared_memory(client: Client, server: ServerProcess) -> None:
+    """Registering, listing and unregistering regions made with tritonclient's own shared-memory utilities."""
+    tag = f"g{server.port}{int(server.keyed)}"  # type: ignore[attr-defined]
+    handle = shm.create_shared_memory_region("in", f"/ffn_grpc_{tag}", 64)
+    try:
+        client.register_system_shared_memory("in", f"/ffn_grpc_{tag}", 64, offset=0)
+        status = client.get_system_shared_memory_status(as_json=True)["regions"]
+        assert status == {"in": {"name": "in", "key": f"/ffn_grpc_{tag}", "byte_size": "64"}}
+        with pytest.raises(InferenceServerException) as info:
+            client.register_system_shared_memory("in", f"/ffn_grpc_{tag}", 128)  # past the object's end
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        client.unregister_system_shared_memory("in")
+        assert client.get_system_shared_memory_status(as_json=True) == {}
+        with pytest.raises(InferenceServerException) as info:
+            client.get_system_shared_memory_status("in")
+        assert info.value.status() == "StatusCode.NOT_FOUND"
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle)
+
+
 Check = Callable[[Client, ServerProcess], None]
 WORKS: dict[str, Check] = {
     "infer": check_infer,
@@ -260,6 +314,11 @@ WORKS: dict[str, Check] = {
     "close": check_close,
     "get_trace_settings": check_trace_settings,
     "update_trace_settings": check_trace_settings,
+    "get_log_settings": check_log_settings,
+    "update_log_settings": check_log_settings,
+    "get_system_shared_memory_status": check_system_shared_memory,
+    "register_system_shared_memory": check_system_shared_memory,
+    "unregister_system_shared_memory": check_system_shared_memory,
 }
 
 # ----- the methods of extensions this server does not implement: UNIMPLEMENTED, naming them -------
@@ -267,11 +326,6 @@ WORKS: dict[str, Check] = {
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "load_model": (lambda c: c.load_model("demo"), "model_repository"),
     "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
-    "get_log_settings": (lambda c: c.get_log_settings(), "logging"),
-    "update_log_settings": (lambda c: c.update_log_settings({"log_verbose_level": 1}), "logging"),
-    "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),
-    "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64), "system_shared_memory"),
-    "unregister_system_shared_memory": (lambda c: c.unregister_system_shared_memory(), "system_shared_memory"),
     "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
@@ -317,11 +371,13 @@ def without_key_calls() -> dict[str, Callable[[Client], Any]]:
         "get_model_config": lambda c: c.get_model_config("demo"),
         "get_inference_statistics": lambda c: c.get_inference_statistics(),
         "get_model_repository_index": lambda c: c.get_model_repository_index(),
-        "is_server_live": lambda c: c.is_server_live(),
-        "is_server_ready": lambda c: c.is_server_ready(),
-        "is_model_ready": lambda c: c.is_model_ready("demo"),
         "get_trace_settings": lambda c: c.get_trace_settings(),
         "update_trace_settings": lambda c: c.update_trace_settings(settings={"trace_rate": "3"}),
+        "get_log_settings": lambda c: c.get_log_settings(),
+        "update_log_settings": lambda c: c.update_log_settings({"log_verbose_level": 1}),
+        "get_system_shared_memory_status": lambda c: c.get_system_shared_memory_status(),
+        "register_system_shared_memory": lambda c: c.register_system_shared_memory("r", "/k", 64),
+        "unregister_system_shared_memory": lambda c: c.unregister_system_shared_memory(),
         **{name: call for name, (call, _) in REFUSED.items()},
     }
 
@@ -336,9 +392,11 @@ def test_without_the_key_every_call_is_unauthenticated(server: ServerProcess) ->
                 call(client)
             assert info.value.status() == "StatusCode.UNAUTHENTICATED", name
             assert "missing API key" in info.value.message(), name
+        # The probes are open on both doors, as Kubernetes and load balancers send no key.
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("demo")
         wrong = Client(server.grpc_target)
         with pytest.raises(InferenceServerException) as info:
-            wrong.is_server_live(headers={"authorization": "Bearer not-the-key"})
+            wrong.get_server_metadata(headers={"authorization": "Bearer not-the-key"})
         assert info.value.status() == "StatusCode.UNAUTHENTICATED" and "wrong API key" in info.value.message()
         wrong.close()
         # The stream too: refused as it opens, its error reaches the callback (and the stream is closed).
@@ -353,7 +411,8 @@ def test_without_the_key_every_call_is_unauthenticated(server: ServerProcess) ->
         client.stop_stream()
     finally:
         client.close()
-    assert set(without_key_calls()) | {"async_infer", "start_stream", "async_stream_infer", "stop_stream"} == (
+    probes = {"is_server_live", "is_server_ready", "is_model_ready"}
+    assert set(without_key_calls()) | {"async_infer", "start_stream", "async_stream_infer", "stop_stream"} | probes == (
         public_methods() - CLIENT_SIDE
     )
 

@@ -1,8 +1,10 @@
 """The API key over gRPC: the `authorization: Bearer <key>` metadata, read as the HTTP guard reads the header.
 
-Installed only when a key is set (no cost otherwise). Every method but the health service's
-needs the key, compared in constant time (app/web/guard.py: bearer_matches); a call without it
-ends UNAUTHENTICATED before its handler runs, with the same message as HTTP's 401.
+Installed only when a key is set (no cost otherwise). Every method but the probes needs the key,
+compared in constant time (app/web/guard.py: bearer_matches); a call without it ends
+UNAUTHENTICATED before its handler runs, with the same message as HTTP's 401. The probes are the
+same on both doors: the health service, ServerLive, ServerReady and ModelReady, as
+/v2/health/* and /v2/models/{name}/ready over HTTP (docs/api.md: the probe rule).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from app.web.errors import Unauthorized
 from app.web.guard import bearer_matches
 
 OPEN_PREFIX = f"/{HEALTH_SERVICE}/"  # probes carry no key, as /v2/health/* over HTTP
+_INFERENCE = "/inference.GRPCInferenceService/"
+OPEN_METHODS = frozenset(_INFERENCE + name for name in ("ServerLive", "ServerReady", "ModelReady"))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -30,7 +34,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_PREFIX):
+        if handler is None or details.method in OPEN_METHODS or details.method.startswith(OPEN_PREFIX):
             return handler
         given = next((value for key, value in details.invocation_metadata or () if key == "authorization"), "")
         given_bytes = given if isinstance(given, bytes) else given.encode("latin-1", "replace")

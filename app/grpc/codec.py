@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from tritonclient.grpc import service_pb2 as pb
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.web import mc_parameters, tensors
-from app.web.errors import InvalidInput
+from app.web.errors import InvalidInput, UnsupportedExtension
 from app.web.fields import number_field
 from app.web.v2 import codec as v2
 from app.web.v2.codec import INPUT_NAME
@@ -66,6 +66,7 @@ def decode(request: pb.ModelInferRequest, d_model: int) -> GrpcInferRequest:
     rows = tensors.check_shape(tensor.shape, d_model)
     shape = tuple(tensor.shape)
     v2.refuse_extensions(parameters, parameters_of(tensor.parameters))
+    _refuse_shared_memory(tensor.parameters, *(output.parameters for output in request.outputs))
     typed = not request.raw_input_contents
     values = (
         _typed(tensor, shape, rows, d_model, dtype) if typed else _raw(request, tensor, shape, rows, d_model, dtype)
@@ -77,6 +78,14 @@ def decode(request: pb.ModelInferRequest, d_model: int) -> GrpcInferRequest:
         )
     )
     return GrpcInferRequest(values, shape, dtype, request.id, outputs or None, parameters, timeout_us, typed)
+
+
+def _refuse_shared_memory(*parameter_maps: Any) -> None:
+    """Tensors in shared memory are served over HTTP (the system_shared_memory extension), not over gRPC yet."""
+    if any(v2.SHARED_MEMORY_REGION in parameters for parameters in parameter_maps):
+        raise UnsupportedExtension(
+            "system_shared_memory", "over gRPC, send tensors in raw_input_contents; shared memory is served over HTTP"
+        )
 
 
 def _raw(

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
 from app import __version__
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.grpc import codec
 from app.grpc.malformed import Malformed
 from app.grpc.status import abort
@@ -32,7 +32,7 @@ from app.grpc.stream import StreamInfer
 from app.web import mc_parameters
 from app.web.http import deadline_from
 from app.web.state import ServiceState
-from app.web.v2 import extensions, statistics, trace_extension
+from app.web.v2 import extensions, log_settings, statistics, system_shared_memory, trace_extension
 from app.web.v2 import routes as v2_routes
 from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
 
@@ -97,7 +97,9 @@ class InferenceServicer(GRPCInferenceServiceServicer):
 
     @answered
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=extensions.extensions(self._state.settings)
+        )
 
     @answered
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
@@ -160,31 +162,48 @@ class InferenceServicer(GRPCInferenceServiceServicer):
             return deadline
         return min(deadline, asyncio.get_running_loop().time() + remaining)
 
-    # ----- extensions not implemented: each answers as its HTTP routes do ---------------------
+    # ----- the extensions: each the twin of its HTTP routes, through the same functions ----------
 
     @answered
-    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("system_shared_memory")
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        answer = pb.SystemSharedMemoryStatusResponse()
+        for region in system_shared_memory.status(self._state, request.name or None):
+            answer.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region["name"], key=region["key"], offset=region["offset"], byte_size=region["byte_size"]
+                )
+            )
+        return answer
 
     @answered
-    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("system_shared_memory")
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        system_shared_memory.regions_of(self._state)  # off: the same refusal as over HTTP
+        document = {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
+        await system_shared_memory.register_document(self._state, request.name, document)
+        return pb.SystemSharedMemoryRegisterResponse()
 
     @answered
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("system_shared_memory")
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        await system_shared_memory.unregister(self._state, request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     @answered
     async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("cuda_shared_memory")
+        await system_shared_memory.cuda_shared_memory()
 
     @answered
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("cuda_shared_memory")
+        await system_shared_memory.cuda_shared_memory()
 
     @answered
     async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("cuda_shared_memory")
+        await system_shared_memory.cuda_shared_memory()
 
     @answered
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
@@ -207,8 +226,24 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         return answer
 
     @answered
-    async def LogSettings(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("logging")
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        """The twin of GET and POST /v2/logging: no settings in the request reads them."""
+        update = {
+            key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+            for key, value in request.settings.items()
+        }
+        settings = await log_settings.log_settings(self._state, update)
+        answer = pb.LogSettingsResponse()
+        for key, value in settings.items():
+            kind = (
+                "bool_param"
+                if isinstance(value, bool)
+                else "uint32_param"
+                if isinstance(value, int)
+                else "string_param"
+            )
+            setattr(answer.settings[key], kind, value)
+        return answer
 
     @answered
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:

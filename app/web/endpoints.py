@@ -7,6 +7,12 @@ path templates (compiled by Starlette's own `compile_path`) and calls the very s
 rendering its errors through the one error table. Every endpoint is registered with FastAPI
 too, which gives the OpenAPI page and serves any request the fast path lets through.
 
+`ServiceApp` puts the edge's middleware (CORS, the guard, the fast path) in front of FastAPI's
+own stack rather than inside it: FastAPI wraps `add_middleware`'s middleware in Starlette's
+dispatch, its ServerErrorMiddleware (a wrapper around every `send`), its telemetry and body
+limit middleware, layers a tensor request crossed for nothing. Requests the edge passes on
+still go through all of them.
+
 The fast path is also where a tensor request's trace begins and ends (app/tracing/spans.py),
 when tracing is on: the route's template names the span, the path its model.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
@@ -46,15 +53,42 @@ class Endpoint:
     openapi: dict[str, Any] = field(default_factory=dict)  # FastAPI route options: summary, responses, ...
 
 
+class ServiceApp(FastAPI):
+    """FastAPI with an edge: middleware run in front of FastAPI's whole stack (see the module's docstring).
+
+    `add_edge_middleware` is `add_middleware` for the edge: the last added runs first. The edge
+    sees every scope (lifespan included) and passes what it does not answer to FastAPI.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.edge_middleware: list[Middleware] = []
+        self._edge: ASGIApp | None = None
+
+    def add_edge_middleware(self, cls: Any, **options: Any) -> None:
+        if self._edge is not None:
+            raise RuntimeError("edge middleware cannot be added once the app has started")
+        self.edge_middleware.insert(0, Middleware(cls, **options))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._edge is None:
+            edge: ASGIApp = super().__call__
+            for cls, args, options in reversed(self.edge_middleware):
+                edge = cls(edge, *args, **options)
+            self._edge = edge
+        scope["app"] = self  # as Starlette does: a fast handler reaches the service state through request.app
+        await self._edge(scope, receive, send)
+
+
 def register(
-    app: FastAPI, endpoints: Sequence[Endpoint], *, fast_path: bool = True, tracing: Tracing | None = None
+    app: ServiceApp, endpoints: Sequence[Endpoint], *, fast_path: bool = True, tracing: Tracing | None = None
 ) -> None:
-    """Add every endpoint to FastAPI, and the fast ones to a FastPath in front of it (which traces them)."""
+    """Add every endpoint to FastAPI, and the fast ones to a FastPath at the app's edge (which traces them)."""
     for endpoint in endpoints:
         app.add_api_route(endpoint.path, endpoint.handler, methods=[endpoint.method], **endpoint.openapi)
     fast = [endpoint for endpoint in endpoints if endpoint.fast]
     if fast_path and fast:
-        app.add_middleware(FastPath, endpoints=fast, tracing=tracing)
+        app.add_edge_middleware(FastPath, endpoints=fast, tracing=tracing)
 
 
 class FastPath:

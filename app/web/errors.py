@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app import request_context
+from app.control import Unanswered
 from app.engine import errors as engine
 from app.errors import ServiceError
 
@@ -90,6 +91,14 @@ class TooManyConnections(EdgeError):
     """The server holds its maximum of open connections; this one is answered and closed."""
 
 
+class NotApplied(EdgeError):
+    """A change every serving process must apply did not reach them all (one exited, or refused it)."""
+
+
+class RegionNotFound(EdgeError):
+    """No shared-memory region of that name is registered."""
+
+
 def _close_connection(exc: Exception) -> dict[str, str]:
     """Answers after which the connection cannot be trusted (framing, a half-read head): close it."""
     return {"Connection": "close"}
@@ -120,6 +129,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
         401, "unauthorized", StatusCode.UNAUTHENTICATED, lambda exc: {"WWW-Authenticate": "Bearer"}
     ),
     engine.ModelNotFound: ErrorKind(404, "model_not_found", StatusCode.NOT_FOUND),
+    RegionNotFound: ErrorKind(404, "region_not_found", StatusCode.NOT_FOUND),
     NotFound: ErrorKind(404, "not_found", StatusCode.NOT_FOUND),
     NotAcceptable: ErrorKind(406, "not_acceptable", StatusCode.INVALID_ARGUMENT),
     RequestTimeout: ErrorKind(408, "request_timeout", StatusCode.DEADLINE_EXCEEDED, _close_connection),
@@ -148,6 +158,8 @@ ERRORS: dict[type[Exception], ErrorKind] = {
         StatusCode.UNAVAILABLE,
         lambda exc: {"Retry-After": "1", **_close_connection(exc)},
     ),
+    NotApplied: ErrorKind(503, "unavailable", StatusCode.UNAVAILABLE, _retry_after(lambda exc: 1)),
+    Unanswered: ErrorKind(503, "unavailable", StatusCode.UNAVAILABLE, _retry_after(lambda exc: 1)),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded", StatusCode.DEADLINE_EXCEEDED),
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory", StatusCode.RESOURCE_EXHAUSTED),
 }

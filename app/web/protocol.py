@@ -9,7 +9,8 @@ connections. Each connection here:
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
 - must not pause for `read_timeout_s` inside a body: 408 (the timer runs only while a body is
-  incomplete, so a request that arrives in one piece, the common case, never arms it);
+  incomplete, so a request that arrives in one piece, the common case, never arms it; and it
+  does not count the time the server itself stopped reading because the app was behind);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - past `max_connections` open ones, gets 503 `too_many_connections` and is closed;
 - once the server drains (`close_connections`), answers with `Connection: close`, and is closed
@@ -17,11 +18,18 @@ connections. Each connection here:
 - writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
   between two writes would leave a head without its body, which a proxy can no longer retry.
 
+It also tells a request that its client left, through the callback the request left in its
+scope under ON_DISCONNECT (app/web/http.py: unless_disconnected), so that no task per request
+has to wait for the disconnect message.
+
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
 the service's JSON error body instead of uvicorn's text/plain, with a request id of their own
 (body and X-Request-Id), as every answer has. After an error answer the
 connection lingers briefly, reading and discarding, so that a client still sending reads the
 answer instead of a reset.
+
+It relies on private members of uvicorn's protocol; app/web/uvicorn_members.py lists them, and
+ffn-serve checks them before serving.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import ServiceError
 from app.request_context import new_request_id
@@ -49,6 +58,7 @@ from app.web.errors import (
     error_response,
     kind_of,
 )
+from app.web.http import ON_DISCONNECT
 from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
@@ -146,7 +156,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            hang_up: Callable[[], None] | None = cast(dict[str, Any], cycle.scope).get(ON_DISCONNECT)
+            if hang_up is not None:
+                hang_up()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -178,6 +193,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+        cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # see http.py: unless_disconnected
 
     def on_headers_complete(self) -> None:
         self._reading_head = False
@@ -280,9 +296,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
-        if not self.transport.is_closing():
-            # The app, still reading the body, sees the client gone; the client gets this answer.
-            self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            # The server stopped reading (the app has not yet taken what came, as on a busy
+            # machine): the pause is ours, not the client's. The timeout counts again from now.
+            self._arm_body_timer()
+            return
+        # The app, still reading the body, sees the client gone; the client gets this answer.
+        self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
@@ -317,7 +339,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         kind = kind_of(error)
         request_id = new_request_id()
         body = error_body(error.message, kind.error_type, request_id)
-        head = [STATUS_LINE[kind.status]]
+        head = [httptools_impl.STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [
             b"content-type: application/json\r\n",

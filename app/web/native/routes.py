@@ -58,7 +58,7 @@ async def transform(name: str, request: Request) -> Response:
 
 # A plain function, not a coroutine: on the hot path an extra await costs more than its work.
 def _decode(
-    body: bytearray,
+    body: bytes | bytearray,
     headers: Headers,
     encoding_in: codec.Encoding,
     encoding_out: codec.Encoding,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -17,11 +18,11 @@ from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
 from app.web.v2 import codec, extensions
 from app.web.v2.codec import PLATFORM, SERVER_NAME
-from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
+from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
 
-async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
+async def server_metadata(state: StateDep) -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.extensions(state.settings))
 
 
 def metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
@@ -41,8 +42,8 @@ def metadata(state: ServiceState, name: str, version: str | None) -> ModelMetada
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
     status = state.engine.model(name, version).status
-    if status.ready:
-        return Response(status_code=200)
+    if status.ready:  # KServe's body: its SDK may read it (tritonclient reads the status alone)
+        return Response(orjson.dumps({"name": name, "ready": True}), media_type="application/json")
     return error_response(Unavailable(f"model {name!r} is not ready: {status.reason}"))
 
 
@@ -56,7 +57,14 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
         body = await read_body(request, state.settings.max_body_bytes)
-        decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
+        decoded = codec.decode(
+            body,
+            header_length,
+            served.d_model,
+            state.settings.max_queue_rows,
+            state.shared_memory,
+            state.settings.max_body_bytes,
+        )
         del body  # the decoded rows keep what they need of it (a view, for binary data)
         request_context.decoded(decoded.shape, decoded.dtype.name)
         timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
@@ -112,9 +120,9 @@ _METADATA = {
     "tags": ["v2"],
 }
 _READY = {
-    "summary": "Model readiness",
-    "response_class": Response,  # 200 has no body
-    "responses": {200: {"content": {}}, **error_responses(401, 404, 503)},
+    "summary": "Model readiness (a probe: needs no API key)",
+    "response_model": ModelReady,
+    "responses": error_responses(404, 503),
     "tags": ["v2"],
 }
 _INFER: dict[str, Any] = {
