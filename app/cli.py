@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
 from app.logs import configure_logging
+from app.metrics_folder import MetricsFolderError, check_metrics_dir
 from app.settings import Settings, command_line, load_settings, misspelt_variables
 from app.settings_problems import SettingsError
 from app.tracing import config as tracing_config
@@ -36,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"ffn-serve: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if settings.workers > 1:
+        try:
+            check_metrics_dir(settings.metrics_dir)
+        except MetricsFolderError as exc:
+            print(f"ffn-serve: invalid setting {exc}", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
     tracing_problems = tracing_config.problems(settings.otlp_endpoint, os.environ)
     for problem in tracing_problems:
         print(f"ffn-serve: {problem}", file=sys.stderr)

@@ -6,6 +6,7 @@ The same code runs the whole service (`workers = 1`) and each of the supervisor'
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -24,7 +25,7 @@ from app.grpc.server import GrpcServer
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
-from app.web.protocol import uvicorn_options
+from app.web.protocol import LimitedHttpToolsProtocol, uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
@@ -63,7 +64,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains the batchers before shutting down.
 
     While draining the socket stays open: readiness answers 503 (so load balancers and
-    Kubernetes take the pod out), new work gets 503, and every accepted request is answered.
+    Kubernetes take the pod out), new work gets 503, and every accepted request is answered,
+    each answer with `Connection: close` (app/web/protocol.py): a kept-alive connection would
+    be closed under the next request its client writes when the process exits.
     A second signal exits at once. `on_started` is called once the sockets accept connections.
     """
 
@@ -97,13 +100,6 @@ class DrainingServer(uvicorn.Server):
         if self._on_started is not None:
             self._on_started()
 
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # The drain has finished the accepted work: gRPC calls still open (streams, health watches) get the
-        # same grace as HTTP connections, and new calls are refused.
-        if self._grpc is not None:
-            await self._grpc.stop(0 if self.force_exit else CONNECTION_CLOSE_GRACE_S)
-        await super().shutdown(sockets)
-
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or not self.started:
             super().handle_exit(sig, frame)  # second signal, or still starting: uvicorn's own way
@@ -113,7 +109,39 @@ class DrainingServer(uvicorn.Server):
         )
         self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit())
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Stop the gRPC door, then uvicorn's shutdown, after taking in the connections waiting in the
+        listening sockets' backlog.
+
+        Closing a listening socket resets the connections the kernel completed but nobody accepted
+        yet, and their clients may have written a request already. Accepted here, in the same step
+        as the close, they are answered (503, `Connection: close`) like any other.
+        """
+        waiting = [connection for sock in sockets or [] for connection in _accept_waiting(sock)]
+        for server in self.servers:
+            server.close()  # at once: from here a connect is refused, and nothing is written
+        loop = asyncio.get_running_loop()
+        protocol = functools.partial(
+            self._protocol_class(),
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+        for connection in waiting:
+            await loop.connect_accepted_socket(protocol, connection)
+        # The drain has finished the accepted work: gRPC calls still open (streams, health watches) get the
+        # same grace as HTTP connections, and new calls are refused.
+        if self._grpc is not None:
+            await self._grpc.stop(0 if self.force_exit else CONNECTION_CLOSE_GRACE_S)
+        await super().shutdown(sockets)
+
+    def _protocol_class(self) -> type[LimitedHttpToolsProtocol]:
+        protocol = self.config.http_protocol_class
+        assert issubclass(protocol, LimitedHttpToolsProtocol), "uvicorn_options sets the protocol. This is a bug."
+        return protocol
+
     async def _drain_then_exit(self) -> None:
+        self._protocol_class().close_connections(self.server_state.connections)
         finished = await self._engine.drain()
         if not finished:
             log.warning("drain timeout reached with work still queued; answering it 503")
@@ -178,6 +206,20 @@ def serve_here(
     if server.exit_code != EXIT_OK:
         return server.exit_code
     return EXIT_OK if server.started else EXIT_START_FAILED
+
+
+def _accept_waiting(sock: socket.socket) -> list[socket.socket]:
+    """Every connection waiting in a listening socket's backlog (it is non-blocking under asyncio)."""
+    accepted: list[socket.socket] = []
+    while True:
+        try:
+            connection, _ = sock.accept()
+        except ConnectionAbortedError:  # reset by its client while it waited: nothing to answer
+            continue
+        except OSError:  # none waiting (EAGAIN), or the socket is closed already
+            return accepted
+        connection.setblocking(False)
+        accepted.append(connection)
 
 
 def log_start(settings: Settings, listeners: Listeners) -> None:

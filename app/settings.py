@@ -98,6 +98,11 @@ class Settings(BaseSettings):
         le=64,
         description="Server processes sharing the port, each with its own models; 1 = one process, no supervisor.",
     )
+    metrics_dir: Path | None = Field(
+        default=None,
+        description="Workers > 1: the folder where they keep their metrics, e.g. a tmpfs under a read-only root; "
+        "emptied of stale metrics files at start, never removed. Unset: a fresh temporary folder, removed at exit.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="Logging level of the service and uvicorn."
     )

@@ -190,9 +190,11 @@ def test_entrypoint_serves_demo_without_a_config_and_the_mounted_config_with_one
 
 
 def test_entrypoint_passes_flags_to_ffn_serve_and_runs_other_commands(tmp_path: Path) -> None:
-    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(tmp_path)})
+    models = tmp_path / "models"
+    models.mkdir()
+    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-serve" and seen["args"] == ["--port", "9000"] and seen["same_pid"]
-    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(tmp_path)})
+    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-loadtest" and seen["args"] == ["--duration", "1"]
 
 
@@ -208,11 +210,13 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
     serve.chmod(0o755)
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    models = tmp_path / "models"
+    models.mkdir()
     env = {
         **clean,
         "PATH": f"{bin_dir}:{clean['PATH']}",
         "PYTHONPATH": str(ROOT),
-        "MODELS_DIR": str(tmp_path),  # empty: the built-in demo model
+        "MODELS_DIR": str(models),  # empty: the built-in demo model
         "FFN_HOST": "127.0.0.1",  # the image says 0.0.0.0; a test stays on loopback
         "FFN_PORT": str(port),
         "FFN_GRPC_PORT": "0",  # any free port: 8001 may be taken on a shared machine
@@ -229,7 +233,7 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
         )
     try:
         deadline = time.monotonic() + 180
-        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) != 0:
+        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(models)}) != 0:
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "not ready within 180 s"
             time.sleep(0.5)
@@ -249,8 +253,16 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading Compose's `!reset` tag as the plain value it tags."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))  # type: ignore[arg-type]
+
+
 COMPOSE = load_yaml(ROOT / "docker-compose.yml")
 COMPOSE_GPU = load_yaml(DEPLOY / "compose.gpu.yml")
+COMPOSE_LB = yaml.load((DEPLOY / "compose.lb.yml").read_text(), Loader=ComposeLoader)
 SERVICES = COMPOSE["services"]
 SERVER = SERVICES["ffn"]
 
@@ -342,18 +354,22 @@ def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
 
 
 def test_compose_load_balancer_profile_fronts_the_replicas() -> None:
-    lb = SERVICES["lb"]
-    assert lb["profiles"] == ["lb"]
+    lb = COMPOSE_LB["services"]["lb"]
     assert lb["depends_on"]["ffn"]["condition"] == "service_healthy"
     assert READY_PATH in " ".join(lb["healthcheck"]["test"])
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
+    assert re.search(rf"^\s*proxy_pass http://\$replicas:{SERVICE_PORT};", conf, re.M), "every `ffn` replica"
+    assert re.search(r"^\s*set \$replicas ffn;", conf, re.M)
     assert re.search(rf"^\s*listen {container_port(lb)};", conf, re.M), "nginx listens where compose publishes"
     (conf_mount,) = lb["volumes"]
     assert (ROOT / conf_mount["source"]).is_file()
     body = re.search(r"client_max_body_size (\d+)m;", conf)
     assert body and int(body[1]) * 2**20 == Settings.model_fields["max_body_bytes"].default, "nginx takes what we take"
-    # A scaled service needs a host port per replica, hence PUBLISH (an address:port or a range).
+    assert "non_idempotent" in conf and "http_503" in conf
+    # One replica alone is published on PUBLISH (and gRPC on GRPC_PUBLISH); behind the balancer,
+    # replicas publish nothing.
     assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000", "${GRPC_PUBLISH:-127.0.0.1:8001}:8001"]
+    assert COMPOSE_LB["services"]["ffn"] == {"ports": []}  # `!reset []`, read by PyYAML as a plain list
 
 
 def compose_command() -> tuple[list[str] | None, str]:
@@ -373,7 +389,14 @@ def compose_command() -> tuple[list[str] | None, str]:
     return compose_v2()
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]])
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "deploy/compose.gpu.yml"],
+        ["docker-compose.yml", "deploy/compose.lb.yml"],
+    ],
+)
 def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> None:
     command, why = compose_command()
     if command is None:
@@ -381,12 +404,12 @@ def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> 
     args = [*command, "--project-directory", str(ROOT)]
     for f in files:
         args += ["-f", str(ROOT / f)]
-    args += ["--profile", "lb", "--profile", "loadtest", "config", "--format", "json"]
+    args += ["--profile", "loadtest", "config", "--format", "json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))}
     result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
-    assert set(resolved) == {"ffn", "lb", "loadtest"}
+    assert set(resolved) == {"ffn", "loadtest"} | ({"lb"} if "deploy/compose.lb.yml" in files else set())
     environment = resolved["ffn"]["environment"]
     assert all(setting_name(name) for name in environment), environment
     # Passed through only when set (nothing is set here: nothing overrides the mounted config),
@@ -399,12 +422,11 @@ def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> 
 
 
 def test_nginx_config_is_accepted_by_nginx_where_installed(tmp_path: Path) -> None:
-    """Syntax only, with a local nginx: `resolve` (nginx >= 1.27.3) and the `ffn` name are swapped out."""
+    """Syntax only, with a local nginx, on the file as it is (the `ffn` name is looked up per request)."""
     nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
     if nginx is None:
         pytest.skip("nginx is not installed")
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
-    conf = conf.replace(f"server ffn:{SERVICE_PORT} resolve", f"server 127.0.0.1:{SERVICE_PORT}")
     (tmp_path / "ffn.conf").write_text(conf)
     (tmp_path / "nginx.conf").write_text(
         f"pid {tmp_path}/nginx.pid;\nerror_log stderr;\nevents {{}}\n"
@@ -447,7 +469,13 @@ def resolve_port(container: dict[str, Any], port: int | str) -> int:
 def test_kubernetes_manifests_validate_against_the_kubernetes_schemas() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     core = [(p, d) for p, d in manifests() if not d["apiVersion"].startswith("serving.kserve.io/")]
-    assert {d["kind"] for _, d in core} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for _, d in core} == {
+        "Namespace",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     for path, document in core:
         for version in ("1.28.0", kubernetes_validate.latest_version()):
             try:
@@ -540,7 +568,7 @@ def test_kubernetes_models_volume_is_read_only_at_the_images_path() -> None:
     for path, deployment in deployments():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        (mount,) = container["volumeMounts"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
         assert mount["mountPath"] == IMAGE_MODELS_DIR and mount["readOnly"] is True, path
         assert mount["name"] in {v["name"] for v in pod["volumes"]}
 

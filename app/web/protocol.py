@@ -12,7 +12,11 @@ connections. Each connection here:
   incomplete, so a request that arrives in one piece, the common case, never arms it; and it
   does not count the time the server itself stopped reading because the app was behind);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
-- past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
+- past `max_connections` open ones, gets 503 `too_many_connections` and is closed;
+- once the server drains (`close_connections`), answers with `Connection: close`, and is closed
+  when idle: a client is never left with a request on a connection the process is about to close;
+- writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
+  between two writes would leave a head without its body, which a proxy can no longer retry.
 
 It also tells a request that its client left, through the callback the request left in its
 scope under ON_DISCONNECT (app/web/http.py: unless_disconnected), so that no task per request
@@ -33,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -60,6 +64,11 @@ from app.web.request_ids import RequestIds
 log = logging.getLogger("ffn_serve")
 
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
+# While draining, an idle connection is closed once quiet this long: a client that has just read
+# an answer may be writing its next request, which a close at that moment would lose.
+IDLE_CLOSE_S = 0.5
+# Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
+ONE_WRITE_BYTES = 64 * 1024
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 
 
@@ -104,10 +113,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a bounded head, head and send timeouts, and a connection cap."""
 
     limits: ClassVar[ConnectionLimits]
+    closing: ClassVar[bool] = False  # the server drains: every connection closes after its answer
     _last_cap_warning: ClassVar[float] = 0.0
+
+    @classmethod
+    def close_connections(cls, connections: Iterable[Any]) -> None:
+        """From now on, answer every request with `Connection: close` and close idle connections (`shutdown`)."""
+        cls.closing = True
+        for connection in list(connections):
+            connection.shutdown()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._idle_since = 0.0  # when the connection opened or last finished an answer
+        self._quiet_timer: asyncio.TimerHandle | None = None
         self._reading_head = True  # between one message's end and the next one's headers
         self._head_begun = False
         self._head_bytes = 0
@@ -130,7 +149,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 log.warning(
                     "%d connections open: refusing new ones with 503 (max_connections)", len(self.connections) - 1
                 )
+        self._idle_since = self.loop.time()
         self._arm_head_timer()
+        if self.closing:
+            self._close_when_quiet()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
@@ -178,6 +200,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._awaiting_body = True
         self._cancel_head_timer()
         super().on_headers_complete()
+        self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
+        if self.closing:
+            self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -191,7 +216,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
         super().on_response_complete()
         if idle and not self.transport.is_closing():
+            self._idle_since = self.loop.time()
             self._arm_head_timer()
+
+    # ----- closing while the server drains -----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close gracefully: the answer under way says `Connection: close`; an idle connection is
+        closed once it has been quiet for IDLE_CLOSE_S (uvicorn's own closes it at once)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        elif not (self._head_begun or self._head_bytes):
+            self._close_when_quiet()
+        # else a request's head is arriving: its answer will say Connection: close
+
+    def _close_when_quiet(self) -> None:
+        if self._quiet_timer is None:
+            delay = max(0.0, self._idle_since + IDLE_CLOSE_S - self.loop.time())
+            self._quiet_timer = self.loop.call_later(delay, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        self._quiet_timer = None
+        busy = (self.cycle is not None and not self.cycle.response_complete) or self._head_begun or self._head_bytes
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
 
     # ----- flow control: the send timeout ----------------------------------------------------
 
@@ -260,6 +308,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -309,3 +360,46 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _close_after_linger(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class OneWriteAnswers:
+    """The transport as a request's cycle sees it: a write is held until the loop's next turn, and
+    one that follows in the same turn goes out with it in one write.
+
+    uvicorn writes an answer's head, then its body: two writes. A process killed between them (a
+    SIGKILL, a crash) leaves its client a head without a body; behind a proxy that has passed the
+    head on, the request can no longer be sent to another replica. In one write, the whole answer
+    reaches the socket, whose data the kernel still sends after the process is gone, or none of
+    it does, and the proxy retries. A body above ONE_WRITE_BYTES is written apart, not copied.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            if len(data) <= ONE_WRITE_BYTES:
+                self._held = data
+                self._loop.call_soon(self._flush)
+            else:
+                self._transport.write(data)
+        elif len(data) <= ONE_WRITE_BYTES:
+            self._transport.write(held + data)
+        else:
+            self._transport.write(held)
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
