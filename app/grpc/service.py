@@ -254,6 +254,9 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         raise extensions.unsupported("model_repository")
 
 
+DEADLINE_SKEW_S = 0.5  # how much earlier than the server's the client's copy of a deadline may end
+
+
 @contextmanager
 def _counted_if_cancelled(state: ServiceState, served: ServedModel, context: Context) -> Iterator[None]:
     """Count a call cancelled while it waits: by its client (client_closed_request) or by its deadline.
@@ -264,6 +267,9 @@ def _counted_if_cancelled(state: ServiceState, served: ServedModel, context: Con
         yield
     except asyncio.CancelledError:
         remaining = context.time_remaining()
-        outcome = "deadline_exceeded" if remaining is not None and remaining <= 0 else "client_closed_request"
+        # The client ends the call at its own deadline, which is earlier than the server's copy by the
+        # time the call took to arrive: a cancellation that close to the deadline is the deadline.
+        near = remaining is not None and remaining <= DEADLINE_SKEW_S
+        outcome = "deadline_exceeded" if near else "client_closed_request"
         state.metrics.requests.labels(model=served.name, outcome=outcome, protocol=PROTOCOL).inc()
         raise
