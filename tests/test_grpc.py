@@ -166,6 +166,20 @@ async def test_every_bad_request_is_refused_as_over_http(demo_server: ServerProc
             assert trailers(info.value)["ffn-error-type"] == expected["error_type"], what
 
 
+async def test_shared_memory_while_off_is_refused_naming_the_setting(demo_server: ServerProcess) -> None:
+    """An input or an output naming a region, with the extension off: the HTTP door's refusal, on either."""
+    async with stub(demo_server.grpc_target) as s:
+        for where in ("input", "output"):
+            request = as_grpc(case())
+            tensor = request.inputs[0] if where == "input" else request.outputs.add(name="output")
+            tensor.parameters["shared_memory_region"].string_param = "r"
+            tensor.parameters["shared_memory_byte_size"].int64_param = 2 * D_MODEL * 4
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await s.ModelInfer(request)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, where
+            assert "system_shared_memory" in info.value.details() and "shared_memory = true" in info.value.details()
+
+
 async def test_byte_counts_that_do_not_match_shape_and_dtype_are_invalid(demo_server: ServerProcess) -> None:
     x = np.ones((2, D_MODEL), "<f4")
     async with stub(demo_server.grpc_target) as s:

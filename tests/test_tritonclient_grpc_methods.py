@@ -291,6 +291,56 @@ def check_system_shared_memory(client: Client, server: ServerProcess) -> None:
     finally:
         client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(handle)
+    check_infer_through_shared_memory(client, tag)
+
+
+def check_infer_through_shared_memory(client: Client, tag: str) -> None:
+    """Tensors in regions instead of the message: the input read from one, outputs written to another."""
+    x = rows(3, 21)
+    handle_in = shm.create_shared_memory_region("x", f"/ffn_grpc_{tag}_in", x.nbytes)
+    handle_out = shm.create_shared_memory_region("y", f"/ffn_grpc_{tag}_out", 16 + x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle_in, [x])
+        client.register_system_shared_memory("x", f"/ffn_grpc_{tag}_in", x.nbytes)
+        client.register_system_shared_memory("y", f"/ffn_grpc_{tag}_out", 16 + x.nbytes)
+        tensor = triton.InferInput("input", list(x.shape), "FP32")
+        tensor.set_shared_memory("x", x.nbytes)
+        output = triton.InferRequestedOutput("output")
+        output.set_shared_memory("y", x.nbytes, offset=16)
+        result = client.infer("demo", [tensor], outputs=[output])
+        assert result.get_output("output").shape == list(x.shape)
+        assert_demo_answer(shm.get_contents_as_numpy(handle_out, np.float32, x.shape, offset=16), x)
+        # One output in a region, the other in the message: the message's entries stay in order.
+        mc = {"mc_passes": 8, "mc_dropout": 0.25, "mc_seed": 5}
+        outputs = [triton.InferRequestedOutput("output"), triton.InferRequestedOutput("output_std")]
+        plain = client.infer("demo", [input_tensor(x)], outputs=outputs, parameters=mc)
+        outputs[0].set_shared_memory("y", x.nbytes, offset=16)
+        split = client.infer("demo", [tensor], outputs=outputs, parameters=mc)
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle_out, np.float32, x.shape, 16), plain.as_numpy("output")
+        )
+        np.testing.assert_array_equal(split.as_numpy("output_std"), plain.as_numpy("output_std"))
+        # Refused as over HTTP: a span that does not hold the output, an input with its values too.
+        small = triton.InferRequestedOutput("output")
+        small.set_shared_memory("y", x.nbytes - 4)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("demo", [tensor], outputs=[small])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "the output needs" in info.value.message()
+        both = input_tensor(x)
+        both._input.parameters["shared_memory_region"].string_param = "x"
+        both._input.parameters["shared_memory_byte_size"].int64_param = x.nbytes
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("demo", [both])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "send one of them" in info.value.message()
+        missing = triton.InferInput("input", list(x.shape), "FP32")
+        missing.set_shared_memory("nope", x.nbytes)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("demo", [missing])
+        assert info.value.status() == "StatusCode.NOT_FOUND" and "'nope'" in info.value.message()
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle_in)
+        shm.destroy_shared_memory_region(handle_out)
 
 
 Check = Callable[[Client, ServerProcess], None]

@@ -24,10 +24,11 @@ from tritonclient.grpc import service_pb2 as pb
 
 from app.engine.service import ServedModel
 from app.web import mc_parameters, tensors
-from app.web.errors import InvalidInput, UnsupportedExtension
+from app.web.errors import InvalidInput
 from app.web.fields import number_field
+from app.web.shared_memory import SharedMemoryRegions
 from app.web.v2 import codec as v2
-from app.web.v2.codec import INPUT_NAME
+from app.web.v2.codec import INPUT_NAME, SHARED_MEMORY_REGION, SharedMemorySpan
 from ffn_core.dtypes import DType
 
 FP32 = "FP32"
@@ -43,6 +44,7 @@ class GrpcInferRequest:
     parameters: dict[str, Any]  # request parameters as JSON would carry them: timeout, mc_passes, ...
     timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
     typed: bool  # the input came as typed contents: answered as typed contents too
+    shared_memory_outputs: Mapping[str, SharedMemorySpan]  # outputs written to a region, not sent
 
 
 def parameters_of(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
@@ -55,8 +57,18 @@ def _value(parameter: pb.InferParameter) -> Any:
     return None if which is None else getattr(parameter, which)
 
 
-def decode(request: pb.ModelInferRequest, d_model: int) -> GrpcInferRequest:
-    """The request's one input tensor and its options; every field checked as the HTTP door checks it."""
+def decode(
+    request: pb.ModelInferRequest,
+    d_model: int,
+    shared_memory: SharedMemoryRegions | None = None,
+    max_rows: int = 0,
+    max_bytes: int = 0,
+) -> GrpcInferRequest:
+    """The request's one input tensor and its options; every field checked as the HTTP door checks it.
+
+    `shared_memory`: the registered regions (None: the extension is off). An input read from one
+    counts against `max_rows` and `max_bytes` as the HTTP door counts it: it is copied into memory.
+    """
     parameters = parameters_of(request.parameters)
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     if len(request.inputs) != 1:
@@ -65,27 +77,55 @@ def decode(request: pb.ModelInferRequest, d_model: int) -> GrpcInferRequest:
     dtype = v2.check_input(tensor.name, tensor.datatype)
     rows = tensors.check_shape(tensor.shape, d_model)
     shape = tuple(tensor.shape)
-    v2.refuse_extensions(parameters, parameters_of(tensor.parameters))
-    _refuse_shared_memory(tensor.parameters, *(output.parameters for output in request.outputs))
-    typed = not request.raw_input_contents
-    values = (
-        _typed(tensor, shape, rows, d_model, dtype) if typed else _raw(request, tensor, shape, rows, d_model, dtype)
-    )
+    input_parameters = parameters_of(tensor.parameters)
+    v2.refuse_extensions(parameters, input_parameters)
+    typed = not request.raw_input_contents and SHARED_MEMORY_REGION not in input_parameters
+    if SHARED_MEMORY_REGION in input_parameters:
+        _check_shared_memory_input(request, tensor, input_parameters, shared_memory)
+        values = v2.shared_memory_tensor(
+            input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes
+        )
+    elif typed:
+        values = _typed(tensor, shape, rows, d_model, dtype)
+    else:
+        values = _raw(request, tensor, shape, rows, d_model, dtype)
     monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
-    outputs = tuple(
-        dict.fromkeys(
-            v2.check_output(output.name, parameters_of(output.parameters), monte_carlo) for output in request.outputs
-        )
+    output_bytes = rows * d_model * dtype.itemsize
+    outputs: dict[str, None] = {}
+    in_shared_memory: dict[str, SharedMemorySpan] = {}
+    for output in request.outputs:
+        output_parameters = parameters_of(output.parameters)
+        name = v2.check_output(output.name, output_parameters, monte_carlo)
+        outputs[name] = None
+        if SHARED_MEMORY_REGION in output_parameters:
+            in_shared_memory[name] = _output_span(name, output_parameters, shared_memory, output_bytes)
+    return GrpcInferRequest(
+        values, shape, dtype, request.id, tuple(outputs) or None, parameters, timeout_us, typed, in_shared_memory
     )
-    return GrpcInferRequest(values, shape, dtype, request.id, outputs or None, parameters, timeout_us, typed)
 
 
-def _refuse_shared_memory(*parameter_maps: Any) -> None:
-    """Tensors in shared memory are served over HTTP (the system_shared_memory extension), not over gRPC yet."""
-    if any(v2.SHARED_MEMORY_REGION in parameters for parameters in parameter_maps):
-        raise UnsupportedExtension(
-            "system_shared_memory", "over gRPC, send tensors in raw_input_contents; shared memory is served over HTTP"
+def _check_shared_memory_input(
+    request: pb.ModelInferRequest,
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    parameters: dict[str, Any],
+    regions: SharedMemoryRegions | None,
+) -> None:
+    """An input in a region carries no values of its own; with the extension off, its 400 comes first."""
+    if regions is None:
+        v2.shared_memory_span(parameters, regions, "input")  # raises the extension's refusal, naming the setting
+    if request.raw_input_contents or tensor.HasField("contents"):
+        raise InvalidInput("input 'input' names a shared_memory_region and also carries contents; send one of them")
+
+
+def _output_span(
+    name: str, parameters: dict[str, Any], regions: SharedMemoryRegions | None, output_bytes: int
+) -> SharedMemorySpan:
+    span = v2.shared_memory_span(parameters, regions, f"output {name!r}")
+    if span.byte_size < output_bytes:
+        raise InvalidInput(
+            f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
         )
+    return span
 
 
 def _raw(
@@ -148,7 +188,12 @@ def encode(
     for name in request.outputs if request.outputs is not None else tuple(answers):
         wire = tensors.to_wire_dtype(answers[name], request.dtype)
         output = response.outputs.add(name=name, datatype=request.dtype.v2, shape=request.shape)
-        if request.typed:
+        span = request.shared_memory_outputs.get(name)
+        if span is not None:  # written to the region; an empty raw entry keeps the entries in order
+            span.region.write(span.offset, tensors.raw_bytes(wire), f"output {name!r}")
+            if not request.typed:
+                response.raw_output_contents.append(b"")
+        elif request.typed:
             output.contents.fp32_contents.extend(wire.numpy().reshape(-1).tolist())
         else:
             response.raw_output_contents.append(bytes(tensors.raw_bytes(wire)))

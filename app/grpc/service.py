@@ -143,7 +143,10 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         served = self._engine.model(request.model_name, _version(request.model_version))
         with self._state.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):
             served.check_serving()
-            decoded = codec.decode(request, served.d_model)
+            settings = self._state.settings
+            decoded = codec.decode(
+                request, served.d_model, self._state.shared_memory, settings.max_queue_rows, settings.max_body_bytes
+            )
             deadline = self._deadline(decoded.timeout_us, context)
             asked = mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)
             if asked is None:
