@@ -200,7 +200,9 @@ class Supervisor:
     def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
         log.info("worker %d (pid %s) ready", slot.index, slot.pid)
-        if not self._serving and all(s.ready for s in self._slots):
+        # A worker that finishes warming up after the stop began announces nothing: the listening
+        # sockets are closed by then, and the service is not starting but stopping.
+        if not self._serving and self._stop_deadline is None and all(s.ready for s in self._slots):
             self._serving = True
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
