@@ -13,6 +13,10 @@ worker over that worker's pipe and collects the replies.
   replacement worker serves the same log level, regions and models as the others.
 - A worker applies what arrives before its handlers are registered once they are (`open()`, in the
   app's start-up), in arrival order.
+- Numbered: every command's args carry `sequence` (SEQUENCE), its number among the commands of the
+  same name and key, 1, 2, 3..., given by the one place that orders them (the supervisor, or this
+  process alone), so every worker reads the same number, a replayed command included (a model's
+  version is its load's number).
 
 Handlers run on the process's event loop: `async def handler(args) -> dict`. A ServiceError they
 raise is the reply's error, for the caller to read; anything else is logged and reported as a bug.
@@ -45,6 +49,7 @@ APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key)
 APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
 DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...])
 
+SEQUENCE = "sequence"  # the key every command's args gain: its number among its name's commands under its key
 THE_ONE_PROCESS = 0  # the worker number of a service without workers
 RELAY_MARGIN_S = 5.0  # the supervisor answers by a broadcast's timeout; this covers the relay itself
 
@@ -63,6 +68,19 @@ class Unanswered(ServiceError):
     """No process answered a broadcast in time."""
 
 
+class Numbering:
+    """Commands numbered 1, 2, 3... per name and key, where they are ordered (see SEQUENCE)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], int] = {}
+
+    def stamp(self, name: str, key: str, args: dict[str, Any]) -> dict[str, Any]:
+        """`args` with the command's number added under SEQUENCE."""
+        number = self._last.get((key, name), 0) + 1
+        self._last[(key, name)] = number
+        return {**args, SEQUENCE: number}
+
+
 class Control:
     """The handlers of this process, and broadcasts to every serving process."""
 
@@ -79,6 +97,7 @@ class Control:
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._numbering = Numbering()  # alone; with workers the supervisor numbers the commands
 
     def register(self, name: str, handler: Handler) -> None:
         assert name not in self._handlers, f"two handlers for control command {name!r}; this is a bug."
@@ -103,7 +122,8 @@ class Control:
         `sticky`: a key under which the command is remembered and replayed to workers started later.
         """
         if self._conn is None:
-            return [await self._apply(name, args, sticky or name)]
+            key = sticky or name
+            return [await self._apply(name, self._numbering.stamp(name, key, args), key)]
         loop = asyncio.get_running_loop()
         request_id = next(self._ids)
         answer: asyncio.Future[list[Reply]] = loop.create_future()

@@ -3,7 +3,8 @@
 A worker's BROADCAST goes to every worker that has a pipe (ready or still starting, the sender
 too); each answers APPLIED; once all have, or have exited, or the broadcast's time is up, the
 sender gets DONE with one Reply per worker. Sticky commands are kept, the latest per key, and
-replayed in order to every worker started afterwards, before it takes traffic.
+replayed in order to every worker started afterwards, before it takes traffic. Every command is
+numbered here (app/control.py: SEQUENCE), the one place that orders them, and kept with its number.
 
 Pure bookkeeping over the workers' pipes: no processes, no clock of its own (the supervisor's
 loop passes `now` and asks `next_deadline()`), so it is tested with plain pipes.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from app.control import APPLIED, APPLY, BROADCAST, DONE, Reply
+from app.control import APPLIED, APPLY, BROADCAST, DONE, Numbering, Reply
 
 
 class Worker(Protocol):
@@ -47,6 +48,7 @@ class Relay:
         self._broadcasts: dict[int, Broadcast] = {}
         self._ids = itertools.count(1)
         self._workers: dict[int, Worker] = {}
+        self._numbering = Numbering()
 
     def started(self, worker: Worker) -> None:
         """A worker (re)started: replay the sticky commands to it, in order."""
@@ -83,6 +85,7 @@ class Relay:
         self, origin: Worker, request_id: int, name: str, args: dict[str, Any], sticky: str | None, timeout_s: float
     ) -> None:
         key = sticky or name
+        args = self._numbering.stamp(name, key, args)
         if sticky is not None:
             self._sticky.pop(key, None)  # re-inserted last: replayed after what it may depend on
             self._sticky[key] = (name, args)
