@@ -213,8 +213,6 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/models/plain/trace/setting", "trace"),
     ("GET", "/v2/logging", "logging"),
     ("POST", "/v2/logging", "logging"),
-    ("POST", "/v2/repository/models/plain/load", "model_repository"),
-    ("POST", "/v2/repository/models/plain/unload", "model_repository"),
     ("POST", "/v2/models/plain/generate", "generate"),
     ("POST", "/v2/models/plain/generate_stream", "generate"),
     ("POST", "/v2/models/plain/versions/1/generate", "generate"),

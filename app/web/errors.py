@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from app.control import Unanswered
 from app.engine import errors as engine
 from app.errors import ServiceError
 
@@ -106,6 +107,9 @@ class ErrorKind:
 ERRORS: dict[type[Exception], ErrorKind] = {
     InvalidInput: ErrorKind(400, "invalid_input"),
     UnsupportedExtension: ErrorKind(400, "unsupported_extension"),
+    engine.ModelControlOff: ErrorKind(400, "model_control_off"),
+    # Triton answers a failed load 400, whatever the reason; tritonclient raises on any of them.
+    engine.LoadFailed: ErrorKind(400, "load_failed"),
     Unauthorized: ErrorKind(401, "unauthorized", lambda exc: {"WWW-Authenticate": "Bearer"}),
     engine.ModelNotFound: ErrorKind(404, "model_not_found"),
     NotFound: ErrorKind(404, "not_found"),
@@ -129,6 +133,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
         503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}
     ),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded"),
+    Unanswered: ErrorKind(504, "unanswered"),  # a command (a load) the workers did not all answer in time
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory"),
 }
 # Anything else is a bug: answered 500 with nothing internal in the message.

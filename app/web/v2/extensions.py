@@ -1,9 +1,10 @@
 """Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
 
-The extensions this server does not implement (shared memory, trace, logging, repository
-load/unload, generate) have their routes too, so that a client calling one learns which
-extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
-`EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
+The extensions this server does not implement (shared memory, trace, logging, generate) have
+their routes too, so that a client calling one learns which extension it asked for and why it
+is missing: a 400 `unsupported_extension`, not a bare 404. `listed` (GET /v2) names exactly the
+ones implemented here, in the infer route and, with model_control = explicit, the repository's
+load and unload (app/web/v2/model_control.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from app.engine.service import ServedModel
+from app.engine.service import ServedModel, UnloadedModel
 from app.settings import Settings
 from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
@@ -28,8 +29,12 @@ from app.web.v2.schemas import (
 )
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
-# model_repository is not listed: of its three APIs only the index is served.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+
+
+def listed(settings: Settings) -> list[str]:
+    """GET /v2's extensions: model_repository once its three APIs work (index, load, unload)."""
+    return EXTENSIONS + (["model_repository"] if settings.model_control == "explicit" else [])
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -123,7 +128,7 @@ async def version_stats(name: str, version: str, state: StateDep) -> dict[str, A
 # ----- model repository ------------------------------------------------------------------------
 
 
-def _repository_entry(served: ServedModel) -> RepositoryModel:
+def _repository_entry(served: ServedModel | UnloadedModel) -> RepositoryModel:
     status = served.status
     return RepositoryModel(
         name=served.name, version=str(served.version), state=status.state.value, reason=status.reason
@@ -131,7 +136,9 @@ def _repository_entry(served: ServedModel) -> RepositoryModel:
 
 
 async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
+    # Unloaded models too, as Triton lists them: UNAVAILABLE, "unloaded", with the version they last served.
     entries = [_repository_entry(served) for served in state.engine.models()]
+    entries += [_repository_entry(unloaded) for unloaded in state.engine.unloaded()]
     if body is not None and body.ready:
         entries = [entry for entry in entries if entry.state == "READY"]
     return entries
@@ -172,14 +179,6 @@ _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
     ("logging", "the log level and format are settings fixed at start (FFN_LOG_LEVEL, FFN_LOG_FORMAT)"): [
         "GET /v2/logging",
         "POST /v2/logging",
-    ],
-    (
-        "model_repository",
-        "the models are fixed at start by the config file, so load and unload are refused; "
-        "POST /v2/repository/index lists them",
-    ): [
-        "POST /v2/repository/models/{name}/load",
-        "POST /v2/repository/models/{name}/unload",
     ],
     ("generate", "the FFN maps embeddings to embeddings, not text to text; use /infer"): [
         "POST /v2/models/{name}/generate",
