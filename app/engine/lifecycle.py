@@ -3,9 +3,11 @@
 The Engine broadcasts LOAD_MODEL and UNLOAD_MODEL (app/control.py) and every serving process
 applies them here; commands for one model apply in order, for different models concurrently.
 
-A load builds a new copy beside the one serving: read the file into host memory (on a thread),
-place the weights on the device, start its batcher and warm it up (on its own thread on the CPU,
-so the serving copy's batches never wait for it). Only then is the registry's entry swapped, in
+A load builds a new copy beside the one serving: read the file into host memory, place the
+weights on the device, start its batcher and warm it up. On the CPU all three run on a thread of
+the load's own at a lower priority (nice +10), so that the serving copy's batches neither wait
+behind them nor lose their cores to them; on CUDA placing and warming run on the device's thread,
+as at start (graph capture must meet no other work on the device). Only then is the registry's entry swapped, in
 one step on the event loop: requests looked up from then on go to the new copy, those admitted
 before finish on the old one, which then stops and lets its memory go. The model stays READY
 throughout. A failure at any step (a missing or replaced file, wrong shapes, NaN weights, a
@@ -17,10 +19,16 @@ admitted, stops it and frees it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +44,9 @@ from ffn_core import FeedForward, WeightsError
 log = logging.getLogger("ffn_serve")
 
 LOAD_MODEL, UNLOAD_MODEL = "load_model", "unload_model"
+LOADER_NICENESS = 10  # the CPU work of a load yields to serving: "nice +10", as a batch job would run
+
+T = TypeVar("T")
 
 
 def model_key(name: str) -> str:
@@ -128,49 +139,48 @@ class Lifecycle:
         self, spec: ModelSpec, source: WeightsFile | None, version: int, current: ServedModel | None, t: Timings
     ) -> ServedModel:
         what = source.path if source is not None else "the built-in demo weights"
-        started = time.perf_counter()
         try:
             device = resolve_device(spec.device)
-            model = await asyncio.to_thread(_read, spec, source)
-        except WeightsError as exc:  # its message names the file
+        except ValueError as exc:
             raise LoadFailed(str(exc)) from None
-        except (ValueError, OSError) as exc:
-            raise LoadFailed(f"cannot load {what}: {exc}") from None
-        except OUT_OF_MEMORY:
-            raise LoadFailed(f"out of host memory reading {what}") from None
-        t.read_s = time.perf_counter() - started
-        if current is not None and model.config.d_model != current.d_model:
-            raise LoadFailed(
-                f"{what} has d_model {model.config.d_model}, the served copy {current.d_model}: a reload keeps "
-                "d_model, so that the rows clients send still fit; unload the model first to change it"
-            )
-        started = time.perf_counter()
-        try:
-            placed = await self._on_device(device, place, model, device, fuse=self._settings.fuse_gate)
-        except OUT_OF_MEMORY:
-            raise LoadFailed(_no_room(device, model, current)) from None
-        del model  # the host copy: freed now, not after the warm-up
-        served = self._registry.build(spec, placed, version=version, source=source)
-        await served.start()
-        t.build_s = time.perf_counter() - started
-        started = time.perf_counter()
-        try:
-            await served.warm_up(self._settings.warmup, beside_serving=True)
-        except OUT_OF_MEMORY:
-            await self._discard(served)
-            raise LoadFailed(_no_room(device, placed, current)) from None
-        except BaseException:
-            await self._discard(served)
-            raise
-        t.warm_up_s = time.perf_counter() - started
+        with _loader_thread() as loader:
+            # On CUDA the device's own thread places and warms up; on the CPU the load's thread does.
+            on_device = self._registry.executor(device) if device.type == "cuda" else loader
+            started = time.perf_counter()
+            try:
+                model = await _run(loader, functools.partial(_read, spec, source))
+            except WeightsError as exc:  # its message names the file
+                raise LoadFailed(str(exc)) from None
+            except (ValueError, OSError) as exc:
+                raise LoadFailed(f"cannot load {what}: {exc}") from None
+            except OUT_OF_MEMORY:
+                raise LoadFailed(f"out of host memory reading {what}") from None
+            t.read_s = time.perf_counter() - started
+            if current is not None and model.config.d_model != current.d_model:
+                raise LoadFailed(
+                    f"{what} has d_model {model.config.d_model}, the served copy {current.d_model}: a reload keeps "
+                    "d_model, so that the rows clients send still fit; unload the model first to change it"
+                )
+            started = time.perf_counter()
+            try:
+                placed = await _run(on_device, functools.partial(place, model, device, fuse=self._settings.fuse_gate))
+            except OUT_OF_MEMORY:
+                raise LoadFailed(_no_room(device, model, current)) from None
+            del model  # on CUDA, the host copy: freed now, not after the warm-up
+            served = self._registry.build(spec, placed, version=version, source=source)
+            await served.start()
+            t.build_s = time.perf_counter() - started
+            started = time.perf_counter()
+            try:
+                await served.warm_up(self._settings.warmup, executor=on_device)
+            except OUT_OF_MEMORY:
+                await self._discard(served)
+                raise LoadFailed(_no_room(device, placed, current)) from None
+            except BaseException:
+                await self._discard(served)
+                raise
+            t.warm_up_s = time.perf_counter() - started
         return served
-
-    async def _on_device(self, device: torch.device, work: Any, *args: Any, **kwargs: Any) -> Any:
-        """On CUDA, the device's thread (nothing else touches the device meanwhile); on the CPU, a thread of its own."""
-        if device.type != "cuda":
-            return await asyncio.to_thread(work, *args, **kwargs)
-        executor = self._registry.executors.get(str(device))
-        return await asyncio.get_running_loop().run_in_executor(executor, lambda: work(*args, **kwargs))
 
     async def _discard(self, served: ServedModel) -> None:
         await served.retire(0)
@@ -192,6 +202,27 @@ class Lifecycle:
             self._retiring.discard(served)
         _free_cached(served.device)
         return time.perf_counter() - started
+
+
+@contextmanager
+def _loader_thread() -> Iterator[Executor]:
+    """A thread for one load's CPU work, at a lower priority (Linux: a thread has its own nice value)."""
+
+    def lower_priority() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
+        except OSError:  # not allowed here: run at the same priority
+            pass
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ffn-load", initializer=lower_priority)
+    try:
+        yield executor
+    finally:
+        executor.shutdown(wait=False)
+
+
+async def _run(executor: Executor | None, work: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(executor, work)
 
 
 def _read(spec: ModelSpec, source: WeightsFile | None) -> FeedForward:

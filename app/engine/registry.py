@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from app.engine.batcher import Batcher
-from app.engine.errors import ModelNotFound, Unavailable
+from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.repository import Served, WeightsFile
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import READY, UNLOADED, ModelState, ModelStatus
+from app.engine.unloaded import UnloadedModel, unloaded_error
 from app.metrics import Metrics
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
@@ -174,16 +175,14 @@ class ServedModel:
     async def start(self) -> None:
         await self._batcher.start()
 
-    async def warm_up(self, enabled: bool, *, beside_serving: bool = False) -> None:
-        """Run every batch-size bucket once on the device thread (unless not `enabled`), then turn READY.
+    async def warm_up(self, enabled: bool, *, executor: Executor | None = None) -> None:
+        """Run every batch-size bucket once (unless not `enabled`), then turn READY.
 
-        `beside_serving`: a new copy warming up while another serves. On the CPU it warms up on a
-        thread of its own, so that the serving copy's batches never wait behind it; on CUDA the
-        device thread still does it, as graph capture must not meet other work on the device.
+        On the device's thread, or on `executor` (a new copy on the CPU warming up beside the one
+        serving, so that the serving copy's batches do not wait behind it).
         """
         if enabled and not self._retired:
-            executor = None if beside_serving and self.device.type != "cuda" else self._executor
-            self._warming = asyncio.get_running_loop().run_in_executor(executor, self._runner.warm_up)
+            self._warming = asyncio.get_running_loop().run_in_executor(executor or self._executor, self._runner.warm_up)
             try:
                 sizes = await self._warming
             finally:
@@ -237,37 +236,6 @@ class ServedModel:
         """Mean and std of a Monte Carlo dropout request's passes over `rows` (n, d_model)."""
         self.check_serving()
         return await self._batcher.submit_monte_carlo(rows, request, deadline=deadline)
-
-
-def unloaded_error(name: str) -> ModelNotFound:
-    """Infer, metadata and the rest for an unloaded model: 404, as Triton answers ("no available versions")."""
-    return ModelNotFound(
-        f"model {name[:100]!r} is unloaded; POST /v2/repository/models/{name[:100]}/load serves it again"
-    )
-
-
-class UnloadedModel:
-    """A model unloaded while serving: no weights, still listed, UNAVAILABLE ("unloaded"), with its last version."""
-
-    def __init__(self, served: ServedModel) -> None:
-        self.spec = served.spec
-        self.version = served.version
-        self._description = served.describe() | {
-            "ready": False,
-            "state": UNLOADED.state.value,
-            "reason": UNLOADED.reason,
-        }
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def status(self) -> ModelStatus:
-        return UNLOADED
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self._description)
 
 
 def read_weights(spec: ModelSpec) -> FeedForward:
@@ -340,8 +308,7 @@ class Registry:
     def build(self, spec: ModelSpec, model: FeedForward, *, version: int, source: WeightsFile | None) -> ServedModel:
         """A ServedModel around weights already on their device: its runner and batcher, not yet started."""
         s = self.settings
-        device = next(model.parameters()).device
-        executor = self.executors.setdefault(str(device), device_executor(device))
+        executor = self.executor(next(model.parameters()).device)
         runner = build_runner(model, s)
         batcher = Batcher(
             runner,
@@ -359,6 +326,12 @@ class Registry:
         return ServedModel(
             spec, model, runner, batcher, self.metrics, executor=executor, version=version, source=source
         )
+
+    def executor(self, device: torch.device) -> ThreadPoolExecutor:
+        """The one thread that runs `device`'s work, shared by every model on it."""
+        if str(device) not in self.executors:
+            self.executors[str(device)] = device_executor(device)
+        return self.executors[str(device)]
 
     def serve(self, served: ServedModel) -> ServedModel | None:
         """Serve `served` under its name from now on; the copy it replaces, if any (to be retired)."""

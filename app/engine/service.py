@@ -28,9 +28,10 @@ import torch
 from app.control import Control, Reply
 from app.engine.errors import LoadFailed, ModelControlOff, ModelNotFound, Unavailable
 from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
-from app.engine.registry import Registry, ServedModel, UnloadedModel, unloaded_error
+from app.engine.registry import Registry, ServedModel
 from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import READY, ModelState, ModelStatus
+from app.engine.unloaded import UnloadedModel, unloaded_error
 from app.settings import ModelSpec, Settings, configured_models
 from app.settings_problems import SettingsError
 
