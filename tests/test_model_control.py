@@ -132,7 +132,7 @@ async def test_replacing_the_file_then_loading_changes_the_answers_and_the_versi
 
 
 async def test_requests_admitted_before_a_reload_finish_on_the_old_copy_and_readiness_never_drops(
-    start_app: StartApp, repository: Path
+    start_app: StartApp, repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a = write_ffn(repository / "a.safetensors", 1, d_model=D)
     service = await serve(start_app, repository)
@@ -147,13 +147,24 @@ async def test_requests_admitted_before_a_reload_finish_on_the_old_copy_and_read
         return forward(parts)
 
     old._batcher._forward = held
+    warming, warm = threading.Event(), threading.Event()
+    warm_up = ModelRunner.warm_up
+
+    def held_warm_up(runner: ModelRunner) -> list[int]:  # the new copy's warm-up waits too
+        warming.set()
+        assert warm.wait(60), "the test never let the warm-up go"
+        return warm_up(runner)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", held_warm_up)
     not_ready: list[int] = []
 
-    async def watch_readiness() -> None:
+    async def watch_readiness() -> None:  # the endpoint and the gauge, both read the model's one state
         while True:
             status = (await client.get("/v2/models/m/ready")).status_code
             if status != 200:
                 not_ready.append(status)
+            if await metric(client, "ffn_model_state", model="m", state="READY") != 1:
+                not_ready.append(0)
             await asyncio.sleep(0)
 
     watcher = asyncio.create_task(watch_readiness())
@@ -163,7 +174,12 @@ async def test_requests_admitted_before_a_reload_finish_on_the_old_copy_and_read
         assert await asyncio.to_thread(entered.wait, 60)
         b = write_ffn(repository / "a.safetensors", 2, d_model=D)
         loading = asyncio.create_task(load(client))
-        while engine.model("m") is old:  # the new copy is built and warmed beside the held one
+        assert await asyncio.to_thread(warming.wait, 60)  # built beside the serving copy, warming up
+        assert (await client.get("/v2/models/m/ready")).status_code == 200
+        assert await metric(client, "ffn_model_state", model="m", state="READY") == 1
+        assert await metric(client, "ffn_model_state", model="m", state="LOADING") == 0
+        warm.set()
+        while engine.model("m") is old:  # the new copy is warm: it takes the old one's place
             await asyncio.sleep(0.005)
         second = asyncio.create_task(infer(client, x2))  # admitted to the new copy
         await asyncio.sleep(0.05)
@@ -172,6 +188,7 @@ async def test_requests_admitted_before_a_reload_finish_on_the_old_copy_and_read
         (y1, v1), (y2, v2), response = await asyncio.gather(first, second, loading)
     finally:
         release.set()
+        warm.set()
         watcher.cancel()
     assert response.status_code == 200, response.text
     assert matches(y1, a, x1) and v1 == "1"

@@ -63,10 +63,12 @@ class ServedModel:
         self._batcher = batcher
         self._executor = executor
         self._state_gauge = metrics.model_state
+        # ffn_model_state follows a copy while it is the registry's entry for its name (enter_service),
+        # not while it is built beside the serving copy, nor once retired.
+        self._in_service = False
         self._retired = False
         self._warming: asyncio.Future[list[int]] | None = None  # the warm-up on its thread, while it runs
         self._status = ModelStatus(ModelState.LOADING, "warming up")  # its weights are loaded already
-        self._set_status(self._status)
         batcher.on_failure = lambda reason: self._set_status(ModelStatus(ModelState.UNAVAILABLE, reason))
 
     # ----- what it is ------------------------------------------------------------------------
@@ -151,12 +153,17 @@ class ServedModel:
         return self._status
 
     def _set_status(self, status: ModelStatus) -> None:
-        """The one place a model's state changes; ffn_model_state follows it (until a successor owns the name's)."""
+        """The one place a model's state changes; ffn_model_state follows it while this copy is in service."""
         self._status = status
-        if self._retired:
+        if not self._in_service:
             return
         for state in ModelState:
             self._state_gauge.labels(model=self.name, state=state.value).set(1 if state is status.state else 0)
+
+    def enter_service(self) -> None:
+        """This copy is now the registry's entry for its name: every surface, the gauge too, reads it."""
+        self._in_service = False
+        self._set_status(self._status)
 
     def warmed_up(self) -> None:
         if self._status.state is ModelState.LOADING:
@@ -206,7 +213,7 @@ class ServedModel:
         No new request can reach a retired copy: a request looks its model up after its body has
         been read, and nothing awaits between that lookup and the admission to the batcher.
         """
-        self._retired = True
+        self._in_service, self._retired = False, True
         self._batcher.on_failure = None  # the lambda refers back to this object: no cycle left behind
         finished = await self._batcher.drain(timeout_s)
         await self._batcher.stop()
@@ -338,6 +345,7 @@ class Registry:
         previous = self.models.get(served.name)
         self.models[served.name] = served
         self.unloaded.pop(served.name, None)
+        served.enter_service()
         self.metrics.model_version.labels(model=served.name).set(served.version)
         return previous
 
