@@ -12,6 +12,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -292,6 +293,23 @@ async def test_a_load_reads_no_file_outside_the_repository(start_app: StartApp, 
         assert "outside the model repository" in response.json()["error"]
     index = (await service.client.post("/v2/repository/index")).json()
     assert [entry["name"] for entry in index] == ["m", "other"]
+
+
+async def test_a_load_of_no_regular_file_fails_and_never_blocks(start_app: StartApp, repository: Path) -> None:
+    a = write_ffn(repository / "a.safetensors", 1, d_model=D)
+    os.mkfifo(repository / "pipe.safetensors")  # opening a FIFO to read it would wait for a writer forever
+    (repository / "folder.safetensors").mkdir()
+    service = await serve(start_app, repository)
+    for weights, fragment in (
+        ("pipe.safetensors", "not a regular file"),
+        ("folder.safetensors", "not a regular file"),
+        ("a\u0000b.safetensors", "null"),
+    ):
+        response = await load(service.client, "m", {"weights": weights})
+        assert response.status_code == 400 and response.json()["error_type"] == "load_failed", response.text
+        assert fragment in response.json()["error"], response.text
+    y, version = await infer(service.client, rows(1, 9))
+    assert matches(y, a, rows(1, 9)) and version == "1"
 
 
 @pytest.mark.parametrize(

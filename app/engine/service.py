@@ -199,9 +199,17 @@ class Engine:
                 *(self.unload(name) for name in plan.removed),
                 return_exceptions=True,
             )
-            for result in results:
+            done = ["serving"] * len(specs) + ["unloaded"] * len(plan.removed)
+            for result, what in zip(results, done, strict=True):
                 if isinstance(result, dict):
-                    log.info("SIGHUP: model %s: %s", result["name"], _done(result))
+                    processes = len(result["workers"])
+                    log.info(
+                        "SIGHUP: model %s: version %d %s in %d process(es)",
+                        result["name"],
+                        result["version"],
+                        what,
+                        processes,
+                    )
                 elif isinstance(result, Exception):
                     log.error("SIGHUP: %s", result)
 
@@ -260,10 +268,3 @@ def _outcome(name: str, what: str, replies: list[Reply]) -> dict[str, Any]:
         )
     workers = [{"worker": reply.worker, **reply.result} for reply in replies]
     return {"name": name, "version": workers[0]["version"], "workers": workers}
-
-
-def _done(result: dict[str, Any]) -> str:
-    workers = result["workers"]
-    if "read_s" in workers[0]:
-        return f"version {result['version']} serving in {len(workers)} process(es)"
-    return f"version {result['version']} unloaded in {len(workers)} process(es)"
