@@ -162,7 +162,7 @@ class ServedModel:
 
     def enter_service(self) -> None:
         """This copy is now the registry's entry for its name: every surface, the gauge too, reads it."""
-        self._in_service = False
+        self._in_service = True
         self._set_status(self._status)
 
     def warmed_up(self) -> None:
