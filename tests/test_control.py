@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from app.control import SEQUENCE, Control, Reply, Unanswered
+from app.control import Control, Reply, Unanswered, command_number
 from app.errors import ServiceError
 from app.relay import Relay
 
@@ -170,8 +170,8 @@ async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_i
 
 def numbered(log: list[tuple[int, str, int]], worker: int):
     async def record(args: dict[str, Any]) -> dict[str, Any]:
-        log.append((worker, args["value"], args[SEQUENCE]))
-        return {"sequence": args[SEQUENCE]}
+        log.append((worker, args["value"], command_number.get()))
+        return {"sequence": command_number.get(), "args": sorted(args)}
 
     return record
 
@@ -196,7 +196,10 @@ async def test_every_worker_reads_the_same_number_and_a_replay_keeps_it(cluster:
         await control.open()
     await one.broadcast("load", {"value": "a"}, sticky="m")
     replies = await two.broadcast("load", {"value": "b"}, sticky="m")  # numbered where they are ordered
-    assert [(r.worker, r.result) for r in replies] == [(1, {"sequence": 2}), (2, {"sequence": 2})]
+    assert [(r.worker, r.result) for r in replies] == [
+        (1, {"sequence": 2, "args": ["value"]}),  # the number comes beside the args, not in them
+        (2, {"sequence": 2, "args": ["value"]}),
+    ]
     await one.broadcast("load", {"value": "c"}, sticky="n")
     late = cluster.start_worker(3)
     late.register("load", numbered(log, 3))
@@ -205,6 +208,27 @@ async def test_every_worker_reads_the_same_number_and_a_replay_keeps_it(cluster:
         while len([entry for entry in log if entry[0] == 3]) < 2:
             await asyncio.sleep(0.01)
     assert [entry for entry in log if entry[0] == 3] == [(3, "b", 2), (3, "c", 1)]
+
+
+async def test_a_forgetting_command_is_applied_and_its_key_no_longer_replayed(cluster: Cluster) -> None:
+    """What a region's unregister does: live workers apply it, later ones hear of neither it nor the register."""
+    one = cluster.start_worker(1)
+    await one.open()
+    await one.broadcast("set", {"value": "register r1"}, sticky="r1")
+    await one.broadcast("set", {"value": "register r2"}, sticky="r2")
+    replies = await one.broadcast("set", {"value": "unregister r1"}, sticky="r1", forget=True)
+    assert [(r.worker, r.ok) for r in replies] == [(1, True)]
+    assert cluster.relay._sticky.keys() == {"r2"}  # the supervisor keeps only keys in use
+    late = cluster.start_worker(2)
+    await late.open()
+    await late.broadcast("set", {"value": "after"})  # ordered behind the replay on the same pipe
+    assert [value for worker, value in cluster.log if worker == 2] == ["register r2", "after"]
+    assert [value for worker, value in cluster.log if worker == 1] == [
+        "register r1",
+        "register r2",
+        "unregister r1",
+        "after",
+    ]
 
 
 async def test_a_worker_that_exits_or_never_answers_is_reported(cluster: Cluster) -> None:

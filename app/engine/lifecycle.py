@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from app.control import SEQUENCE
+from app.control import command_number
 from app.engine.batcher import OUT_OF_MEMORY
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry, ServedModel, place, read_weights
@@ -80,12 +80,13 @@ class Lifecycle:
         self._at_start = {spec.name for spec in self._settings.served_models()}
         self._retiring: set[ServedModel] = set()
         self.closed = False  # draining: no new copy enters service
+        self.prepare: Callable[[ServedModel], None] | None = None  # called on a new copy before it serves
 
     async def apply_load(self, args: dict[str, Any]) -> dict[str, Any]:
         """LOAD_MODEL: {"spec": a ModelSpec as JSON, "source": a WeightsFile's args or None} -> version, timings."""
         spec = ModelSpec.model_validate(args["spec"])
         source = WeightsFile.from_args(args.get("source"))
-        version = int(args[SEQUENCE]) + (1 if spec.name in self._at_start else 0)
+        version = command_number.get() + (1 if spec.name in self._at_start else 0)
         current = self._registry.models.get(spec.name)
         timings = Timings()
         try:
@@ -99,6 +100,8 @@ class Lifecycle:
         if self.closed:  # a drain began while it was built: it would only have to drain at once
             await served.retire(0)
             raise Unavailable(f"model {spec.name!r}: version {version} not loaded: the server is shutting down")
+        if self.prepare is not None:
+            self.prepare(served)
         started = time.perf_counter()
         previous = self._registry.serve(served)
         timings.switch_s = time.perf_counter() - started

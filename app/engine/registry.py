@@ -18,6 +18,7 @@ import torch
 from app.engine.batcher import Batcher
 from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import READY, UNLOADED, ModelState, ModelStatus
@@ -221,6 +222,14 @@ class ServedModel:
             await asyncio.wait([self._warming])
         self._runner.release()
         return finished
+
+    def computed_rows(self, rows: int) -> int:
+        """The rows the device computes for a batch of `rows`: its padded bucket where batches are padded."""
+        return self._runner.computed_rows(rows)
+
+    def set_observer(self, observer: BatchObserver | None) -> None:
+        """Tell `observer` of every batch and Monte Carlo slice this model runs (the tracing's hook)."""
+        self._batcher.observer = observer
 
     # ----- its work --------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +81,17 @@ class Engine:
     def unloaded(self) -> list[UnloadedModel]:
         """The models unloaded while serving: listed (UNAVAILABLE, "unloaded"), but not served."""
         return list(self._registry.unloaded.values())
+
+    def on_serving(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call `prepare(served)` for every copy serving now and for each one a load puts in service,
+        before it takes any request (the edge's metrics and tracing hooks)."""
+        for served in self.models():
+            prepare(served)
+        self._lifecycle.prepare = prepare
+
+    def listed(self) -> list[ServedModel | UnloadedModel]:
+        """Every model a list shows (GET /v1/models, the repository index): served, then unloaded."""
+        return [*self.models(), *self.unloaded()]
 
     # ----- status ----------------------------------------------------------------------------
 

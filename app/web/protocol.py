@@ -9,14 +9,27 @@ connections. Each connection here:
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
 - must not pause for `read_timeout_s` inside a body: 408 (the timer runs only while a body is
-  incomplete, so a request that arrives in one piece, the common case, never arms it);
+  incomplete, so a request that arrives in one piece, the common case, never arms it; and it
+  does not count the time the server itself stopped reading because the app was behind);
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
-- past `max_connections` open ones, gets 503 `too_many_connections` and is closed.
+- past `max_connections` open ones, gets 503 `too_many_connections` and is closed;
+- once the server drains (`close_connections`), answers with `Connection: close`, and is closed
+  when idle: a client is never left with a request on a connection the process is about to close;
+- writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
+  between two writes would leave a head without its body, which a proxy can no longer retry.
+
+It also tells a request that its client left, through the callback the request left in its
+scope under ON_DISCONNECT (app/web/http.py: unless_disconnected), so that no task per request
+has to wait for the disconnect message.
 
 Parser-level refusals (malformed request line, bad header bytes, broken chunked framing) get
-the service's JSON error body instead of uvicorn's text/plain. After an error answer the
+the service's JSON error body instead of uvicorn's text/plain, with a request id of their own
+(body and X-Request-Id), as every answer has. After an error answer the
 connection lingers briefly, reading and discarding, so that a client still sending reads the
 answer instead of a reset.
+
+It relies on private members of uvicorn's protocol; app/web/uvicorn_members.py lists them, and
+ffn-serve checks them before serving.
 """
 
 from __future__ import annotations
@@ -24,13 +37,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import ServiceError
+from app.request_context import new_request_id
 from app.settings import Settings
 from app.web.errors import (
     HeaderTooLarge,
@@ -41,10 +58,17 @@ from app.web.errors import (
     error_response,
     kind_of,
 )
+from app.web.http import ON_DISCONNECT
+from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
 
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
+# While draining, an idle connection is closed once quiet this long: a client that has just read
+# an answer may be writing its next request, which a close at that moment would lose.
+IDLE_CLOSE_S = 0.5
+# Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
+ONE_WRITE_BYTES = 64 * 1024
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 
 
@@ -76,19 +100,33 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"http": protocol}
 
 
-_too_many_connections = error_response(
-    TooManyConnections("the server holds its maximum of open connections; retry shortly")
-)
+async def _refuse_connection(scope: Scope, receive: Receive, send: Send) -> None:
+    await error_response(TooManyConnections("the server holds its maximum of open connections; retry shortly"))(
+        scope, receive, send
+    )
+
+
+_too_many_connections = RequestIds(_refuse_connection)  # the app of a connection past the cap
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a bounded head, head and send timeouts, and a connection cap."""
 
     limits: ClassVar[ConnectionLimits]
+    closing: ClassVar[bool] = False  # the server drains: every connection closes after its answer
     _last_cap_warning: ClassVar[float] = 0.0
+
+    @classmethod
+    def close_connections(cls, connections: Iterable[Any]) -> None:
+        """From now on, answer every request with `Connection: close` and close idle connections (`shutdown`)."""
+        cls.closing = True
+        for connection in list(connections):
+            connection.shutdown()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._idle_since = 0.0  # when the connection opened or last finished an answer
+        self._quiet_timer: asyncio.TimerHandle | None = None
         self._reading_head = True  # between one message's end and the next one's headers
         self._head_begun = False
         self._head_bytes = 0
@@ -111,11 +149,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 log.warning(
                     "%d connections open: refusing new ones with 503 (max_connections)", len(self.connections) - 1
                 )
+        self._idle_since = self.loop.time()
         self._arm_head_timer()
+        if self.closing:
+            self._close_when_quiet()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            hang_up: Callable[[], None] | None = cast(dict[str, Any], cycle.scope).get(ON_DISCONNECT)
+            if hang_up is not None:
+                hang_up()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -147,12 +193,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+        cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # see http.py: unless_disconnected
 
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._awaiting_body = True
         self._cancel_head_timer()
         super().on_headers_complete()
+        self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
+        if self.closing:
+            self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -166,7 +216,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
         super().on_response_complete()
         if idle and not self.transport.is_closing():
+            self._idle_since = self.loop.time()
             self._arm_head_timer()
+
+    # ----- closing while the server drains -----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close gracefully: the answer under way says `Connection: close`; an idle connection is
+        closed once it has been quiet for IDLE_CLOSE_S (uvicorn's own closes it at once)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+        elif not (self._head_begun or self._head_bytes):
+            self._close_when_quiet()
+        # else a request's head is arriving: its answer will say Connection: close
+
+    def _close_when_quiet(self) -> None:
+        if self._quiet_timer is None:
+            delay = max(0.0, self._idle_since + IDLE_CLOSE_S - self.loop.time())
+            self._quiet_timer = self.loop.call_later(delay, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        self._quiet_timer = None
+        busy = (self.cycle is not None and not self.cycle.response_complete) or self._head_begun or self._head_bytes
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
 
     # ----- flow control: the send timeout ----------------------------------------------------
 
@@ -223,12 +296,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
-        if not self.transport.is_closing():
-            # The app, still reading the body, sees the client gone; the client gets this answer.
-            self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            # The server stopped reading (the app has not yet taken what came, as on a busy
+            # machine): the pause is ours, not the client's. The timeout counts again from now.
+            self._arm_body_timer()
+            return
+        # The app, still reading the body, sees the client gone; the client gets this answer.
+        self._refuse(RequestTimeout(f"no part of the body arrived for {self.limits.read_timeout_s:g} s"))
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -255,11 +337,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
         kind = kind_of(error)
-        body = error_body(error.message, kind.error_type)
-        head = [STATUS_LINE[kind.status]]
+        request_id = new_request_id()
+        body = error_body(error.message, kind.error_type, request_id)
+        head = [httptools_impl.STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [
             b"content-type: application/json\r\n",
+            b"x-request-id: " + request_id.encode("ascii") + b"\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
         ]
@@ -276,3 +360,46 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _close_after_linger(self) -> None:
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class OneWriteAnswers:
+    """The transport as a request's cycle sees it: a write is held until the loop's next turn, and
+    one that follows in the same turn goes out with it in one write.
+
+    uvicorn writes an answer's head, then its body: two writes. A process killed between them (a
+    SIGKILL, a crash) leaves its client a head without a body; behind a proxy that has passed the
+    head on, the request can no longer be sent to another replica. In one write, the whole answer
+    reaches the socket, whose data the kernel still sends after the process is gone, or none of
+    it does, and the proxy retries. A body above ONE_WRITE_BYTES is written apart, not copied.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            if len(data) <= ONE_WRITE_BYTES:
+                self._held = data
+                self._loop.call_soon(self._flush)
+            else:
+                self._transport.write(data)
+        elif len(data) <= ONE_WRITE_BYTES:
+            self._transport.write(held + data)
+        else:
+            self._transport.write(held)
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

@@ -6,6 +6,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app import request_context
 from app.engine.service import ServedModel
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
@@ -43,6 +44,7 @@ async def transform(name: str, request: Request) -> Response:
             asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
         decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
         del body
+        request_context.decoded(decoded.shape, decoded.dtype.name)
         if asked is not None:
             result = await unless_disconnected(
                 request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
@@ -56,7 +58,7 @@ async def transform(name: str, request: Request) -> Response:
 
 # A plain function, not a coroutine: on the hot path an extra await costs more than its work.
 def _decode(
-    body: bytearray,
+    body: bytes | bytearray,
     headers: Headers,
     encoding_in: codec.Encoding,
     encoding_out: codec.Encoding,
@@ -76,7 +78,7 @@ def _decode(
 
 async def list_models(state: StateDep) -> Response:
     # A trailing newline, so that `curl /v1/models` leaves the shell prompt on a line of its own.
-    listed = [m.describe() for m in state.engine.models()] + [m.describe() for m in state.engine.unloaded()]
+    listed = [m.describe() for m in state.engine.listed()]
     models = ModelList.model_validate({"models": listed})
     return Response(models.model_dump_json().encode() + b"\n", media_type="application/json")
 

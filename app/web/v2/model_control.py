@@ -64,7 +64,7 @@ async def unload(name: str, request: Request) -> dict[str, Any]:
     return await service_state(request).engine.unload(name)
 
 
-_CONTROL = {"tags": ["v2 extensions"], "responses": error_responses(400, 401, 404, 503, 504)}
+_CONTROL = {"tags": ["v2 extensions"], "responses": error_responses(400, 401, 404, 503)}
 
 ENDPOINTS = [
     Endpoint(
