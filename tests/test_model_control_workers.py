@@ -16,8 +16,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from tritonclient.grpc import InferenceServerClient, InferInput
 
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_client.testing import ServerProcess, http_request, metric_value, raw_request, start_server
 from tests.model_files import matches, write_ffn
 from tests.test_workers import replaced, scrape, worker_pids
 
@@ -176,3 +177,32 @@ async def test_sighup_to_one_process_applies_the_config_file_and_with_control_of
         status, result = await infer(server.port, "m", rows(2, 2))
         assert status == 200 and matches(result[0], a, rows(2, 2))  # type: ignore[index]
         assert result[1] == "1"  # type: ignore[index]
+
+
+def test_a_grpc_load_reaches_both_workers_and_answers_once_both_serve_the_new_weights(tmp_path: Path) -> None:
+    """tritonclient.grpc's load_model with 2 workers: the same broadcast as the HTTP route's, so
+    when it returns every worker serves version 2 (the gauge is the lowest any worker serves)."""
+    write_ffn(tmp_path / "a.safetensors", 1, d_model=D)
+    env = {"FFN_WORKERS": "2", "FFN_API_KEY": KEY}
+    with start_server(config=config(tmp_path, M), env=env) as server:
+        b = write_ffn(tmp_path / "a.safetensors", 2, d_model=D)  # the operator's workflow: replace, then load
+        headers = {"authorization": f"Bearer {KEY}"}
+        client = InferenceServerClient(server.grpc_target)
+        try:
+            client.load_model("m", headers=headers)
+        finally:
+            client.close()
+        page = scrape(server.url, AUTH)
+        assert metric_value(page, "ffn_model_version", model="m") == 2  # livemin: both workers
+        assert metric_value(page, "ffn_model_loads_total", model="m", outcome="ok") == 2  # one per worker
+        for seed in range(8):  # a channel each: the kernel spreads them over the workers
+            x = rows(3, seed)
+            client = InferenceServerClient(server.grpc_target)
+            try:
+                tensor = InferInput("input", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
+                result = client.infer("m", [tensor], headers=headers)
+            finally:
+                client.close()
+            assert result.get_response().model_version == "2"
+            assert matches(result.as_numpy("output"), b, x)

@@ -3,16 +3,17 @@
 The servicer is tritonclient's generated base class (tritonclient.grpc.service_pb2_grpc), so the
 method paths and messages are Triton's own. Every answer is read from the same places as its
 HTTP twin: metadata (app/web/v2/routes.py), model configuration, statistics and the repository
-index (app/web/v2/extensions.py), and every failure goes through the one error table
+index (app/web/v2/extensions.py), load and unload (app/web/v2/model_control.py's parameter checks,
+then Engine.load / Engine.unload), and every failure goes through the one error table
 (app/grpc/status.py). The methods of extensions this server does not implement answer
 UNIMPLEMENTED with the message their HTTP routes give; each is one method below, so serving
-one later (logging, trace, shared memory, load/unload) means replacing that method.
+one later (CUDA shared memory) means replacing that method.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -30,10 +31,9 @@ from app.grpc.malformed import Malformed
 from app.grpc.status import abort
 from app.grpc.stream import StreamInfer
 from app.web import mc_parameters
-from app.web.errors import UnsupportedExtension
 from app.web.http import deadline_from
 from app.web.state import ServiceState
-from app.web.v2 import extensions, log_settings, statistics, system_shared_memory, trace_extension
+from app.web.v2 import extensions, log_settings, model_control, statistics, system_shared_memory, trace_extension
 from app.web.v2 import routes as v2_routes
 from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
 
@@ -65,12 +65,14 @@ def answered(
     return wrapper
 
 
-def _repository_over_http() -> UnsupportedExtension:
-    """Load and unload are the HTTP door's until this door's twins exist: the refusal says where they are."""
-    return UnsupportedExtension(
-        "model_repository",
-        "load and unload are served over HTTP only: POST /v2/repository/models/{name}/load and /unload",
-    )
+def _repository_parameters(parameters: Mapping[str, pb.ModelRepositoryParameter]) -> dict[str, Any]:
+    """A ModelRepositoryParameter map as the HTTP body's `parameters` would hold it: key -> the value
+    set (None where none is), so that app/web/v2/model_control.py checks both doors' alike."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        values[key] = None if kind is None else getattr(parameter, kind)
+    return values
 
 
 def _version(version: str) -> str | None:
@@ -255,12 +257,21 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         return answer
 
     @answered
-    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        raise _repository_over_http()
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        # The HTTP route's parameters and the engine's load: the same checks, errors and broadcast.
+        config = model_control.load_config(_repository_parameters(request.parameters))
+        await self._engine.load(request.model_name, config)
+        return pb.RepositoryModelLoadResponse()  # Triton's answer is empty; the version is in the index
 
     @answered
-    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        raise _repository_over_http()
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        model_control.check_unload(_repository_parameters(request.parameters))
+        await self._engine.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
 
 @contextmanager

@@ -4,8 +4,9 @@ The body is empty or `{"parameters": {...}}`. A load takes `config`: a JSON stri
 a `[[models]]` table (tritonclient's `load_model(name, config=...)`); an unload takes Triton's
 `unload_dependents` (there are none here). Anything else is a 400 naming it, `file:` parameters
 (tritonclient's `files=`) included: weights are read from the model repository folder only.
-The work is the engine's (`Engine.load`, `Engine.unload`), so that every door answers alike;
-with `model_control = none` both answer 400 naming the setting.
+The work is the engine's (`Engine.load`, `Engine.unload`) and the parameters are read here
+(`load_config`, `check_unload`), so that both doors (the gRPC twins: app/grpc/service.py)
+answer alike; with `model_control = none` both answer 400 naming the setting.
 
 A success is 200 with a JSON body: the model, its version and each worker's reply (Triton's body
 is empty; tritonclient reads only the status).
@@ -13,6 +14,7 @@ is empty; tritonclient reads only the status).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -32,8 +34,28 @@ _FILES = (
 )
 
 
-async def _parameters(request: Request, allowed: set[str]) -> dict[str, Any]:
-    """The body's `parameters` object ({} for an empty body), every key among `allowed`."""
+def load_config(parameters: Mapping[str, Any]) -> str | None:
+    """A load's `config` parameter (both doors); InvalidInput for any other parameter."""
+    _only(parameters, {"config"})
+    return str_field(parameters, "config", "parameter")
+
+
+def check_unload(parameters: Mapping[str, Any]) -> None:
+    """An unload's parameters (both doors): Triton's `unload_dependents`, a boolean (a model here has none)."""
+    _only(parameters, {"unload_dependents"})
+    bool_field(parameters, "unload_dependents", "parameter")
+
+
+def _only(parameters: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in parameters:
+        if key.startswith("file:"):
+            raise InvalidInput(_FILES)
+        if key not in allowed:
+            raise InvalidInput(f"unknown parameter {key[:64]!r}; this request takes {', '.join(sorted(allowed))}")
+
+
+async def _parameters(request: Request) -> dict[str, Any]:
+    """The body's `parameters` object ({} for an empty body)."""
     body = await read_body(request, MAX_BODY_BYTES)
     if not body.strip():
         return {}
@@ -43,24 +65,16 @@ async def _parameters(request: Request, allowed: set[str]) -> dict[str, Any]:
     unknown = sorted(set(document) - {"parameters"})
     if unknown:
         raise InvalidInput(f"unknown member {unknown[0][:64]!r}: the body holds only parameters")
-    parameters = object_field(document, "parameters", "member")
-    for key in parameters:
-        if key.startswith("file:"):
-            raise InvalidInput(_FILES)
-        if key not in allowed:
-            raise InvalidInput(f"unknown parameter {key[:64]!r}; this request takes {', '.join(sorted(allowed))}")
-    return parameters
+    return object_field(document, "parameters", "member")
 
 
 async def load(name: str, request: Request) -> dict[str, Any]:
-    parameters = await _parameters(request, {"config"})
-    config = str_field(parameters, "config", "parameter")
+    config = load_config(await _parameters(request))
     return await service_state(request).engine.load(name, config)
 
 
 async def unload(name: str, request: Request) -> dict[str, Any]:
-    parameters = await _parameters(request, {"unload_dependents"})
-    bool_field(parameters, "unload_dependents", "parameter")  # checked; a model here has no dependents
+    check_unload(await _parameters(request))
     return await service_state(request).engine.unload(name)
 
 
