@@ -15,6 +15,10 @@ worker over that worker's pipe and collects the replies.
   other, and the key is then forgotten, neither replayed: the supervisor remembers only keys in use.
 - A worker applies what arrives before its handlers are registered once they are (`open()`, in the
   app's start-up), in arrival order.
+- Numbered: a handler reads its command's number, `command_number.get()`: how many commands of
+  that name were broadcast under that key, this one included (1, 2, 3...), given by the one place
+  that orders them (the supervisor, or this process alone), so every worker reads the same
+  number, a replayed command too (a model's version is its load's number).
 
 Handlers run on the process's event loop: `async def handler(args) -> dict`. A ServiceError they
 raise is the reply's error, for the caller to read; anything else is logged and reported as a bug.
@@ -30,6 +34,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -43,10 +48,12 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # Messages on a worker's pipe, as tuples: the first item says which.
 READY = "ready"  # worker -> supervisor: warm, taking traffic
 BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s, forget)
-APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key)
+APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key, number)
 APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
 DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...])
 
+# The number of the command being applied (see "Numbered" above); set around each handler's call.
+command_number: ContextVar[int] = ContextVar("command_number", default=0)
 THE_ONE_PROCESS = 0  # the worker number of a service without workers
 RELAY_MARGIN_S = 5.0  # the supervisor answers by a broadcast's timeout; this covers the relay itself
 
@@ -65,6 +72,18 @@ class Unanswered(ServiceError):
     """No process answered a broadcast in time."""
 
 
+class Numbering:
+    """Commands numbered 1, 2, 3... per name and key, where they are ordered (see command_number)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], int] = {}
+
+    def next(self, name: str, key: str) -> int:
+        number = self._last.get((key, name), 0) + 1
+        self._last[(key, name)] = number
+        return number
+
+
 class Control:
     """The handlers of this process, and broadcasts to every serving process."""
 
@@ -81,6 +100,7 @@ class Control:
         self._ids = itertools.count(1)
         self._send_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._numbering = Numbering()  # alone; with workers the supervisor numbers the commands
 
     def register(self, name: str, handler: Handler) -> None:
         assert name not in self._handlers, f"two handlers for control command {name!r}; this is a bug."
@@ -114,7 +134,8 @@ class Control:
         """
         assert sticky is not None or not forget, "forget names the sticky key it clears; this is a bug."
         if self._conn is None:
-            return [await self._apply(name, args, sticky or name)]
+            key = sticky or name
+            return [await self._apply(name, args, key, self._numbering.next(name, key))]
         loop = asyncio.get_running_loop()
         request_id = next(self._ids)
         answer: asyncio.Future[list[Reply]] = loop.create_future()
@@ -165,8 +186,8 @@ class Control:
     async def _on_message(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == APPLY:
-            _, request_id, name, args, key = message
-            reply = await self._apply(name, args, key)
+            _, request_id, name, args, key, number = message
+            reply = await self._apply(name, args, key, number)
             if request_id is not None:
                 self._send((APPLIED, request_id, reply))
         elif kind == DONE:
@@ -187,13 +208,14 @@ class Control:
 
     # ----- applying ----------------------------------------------------------------------------
 
-    async def _apply(self, name: str, args: dict[str, Any], key: str) -> Reply:
-        """Run the handler, after every earlier command of the same key."""
+    async def _apply(self, name: str, args: dict[str, Any], key: str, number: int) -> Reply:
+        """Run the handler, after every earlier command of the same key, with command_number set."""
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # asyncio's locks are fair: first come, first applied
             handler = self._handlers.get(name)
             if handler is None:
                 return Reply(self.worker, ok=False, error=f"no handler for control command {name!r}")
+            numbered = command_number.set(number)
             try:
                 return Reply(self.worker, ok=True, result=await handler(args))
             except ServiceError as exc:
@@ -201,3 +223,5 @@ class Control:
             except Exception:
                 log.exception("control command %s failed; this is a bug", name)
                 return Reply(self.worker, ok=False, error="internal error")
+            finally:
+                command_number.reset(numbered)

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from app import __version__
 from app.control import Control
 from app.engine.registry import Registry
-from app.engine.service import Engine
+from app.engine.service import Engine, ServedModel
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tracing import TraceSettings, start_tracing
@@ -47,8 +47,8 @@ def create_app(
     `control`: how commands reach every serving process (a worker's pipe); by default, this one only.
     """
     registry = registry or Registry(settings, Metrics())
-    engine = Engine(settings, registry)
     control = control or Control()
+    engine = Engine(settings, registry, control)
     export = traces_export(settings.otlp_endpoint, os.environ)
     trace_settings = TraceSettings(tracing=export is not None)
     tracing = start_tracing(export, trace_settings)
@@ -65,10 +65,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: ServiceApp) -> AsyncIterator[None]:
         await engine.start()
-        for served in engine.models():
+
+        def prepare(served: ServedModel) -> None:
             state.count_from_zero(served.name)
-            if tracing is not None:  # the models are loaded now: each one's batches are traced
+            if tracing is not None:  # each copy's batches are traced
                 served.set_observer(tracing.observer(served))
+
+        engine.on_serving(prepare)  # the copies loaded now, and each that a load puts in service later
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:

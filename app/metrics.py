@@ -41,6 +41,8 @@ LATENCY_BUCKETS = (
     5.0,
     10.0,
 )
+# A load takes from tens of milliseconds (a small FFN on the CPU) to minutes (a large one read from a slow disk).
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -158,6 +160,28 @@ class Metrics:
             ["model", "state"],
             registry=r,
             multiprocess_mode="livesum",
+        )
+        # Explicit model control (app/engine/lifecycle.py). Loads are counted where they are
+        # applied: with workers, a load that every worker applies counts once per worker.
+        self.model_version = Gauge(
+            "ffn_model_version",
+            "The version of the model served (0: unloaded); with workers, the lowest any live worker serves.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.model_loads = Counter(
+            "ffn_model_loads",
+            "Loads and reloads applied while serving, by outcome (ok, failed); with workers, one per worker.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.model_load_seconds = Histogram(
+            "ffn_model_load_seconds",
+            "From a load's start to its copy serving: read, build, warm-up and switch.",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
         )
         # Whole HTTP requests, as users see them (the histograms above start at the batcher). The
         # route is the endpoint's template, never the raw path, so the series stay bounded.

@@ -4,7 +4,8 @@ A worker's BROADCAST goes to every worker that has a pipe (ready or still starti
 too); each answers APPLIED; once all have, or have exited, or the broadcast's time is up, the
 sender gets DONE with one Reply per worker. Sticky commands are kept, the latest per key, and
 replayed in order to every worker started afterwards, before it takes traffic; a command that
-forgets its key (a region unregistered) drops it, so only keys in use are kept.
+forgets its key (a region unregistered) drops it, so only keys in use are kept. Every command is
+numbered here (app/control.py: command_number), the one place that orders them, and kept with its number.
 
 Pure bookkeeping over the workers' pipes: no processes, no clock of its own (the supervisor's
 loop passes `now` and asks `next_deadline()`), so it is tested with plain pipes.
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from app.control import APPLIED, APPLY, BROADCAST, DONE, Reply
+from app.control import APPLIED, APPLY, BROADCAST, DONE, Numbering, Reply
 
 
 class Worker(Protocol):
@@ -44,16 +45,18 @@ class Broadcast:
 
 class Relay:
     def __init__(self) -> None:
-        self._sticky: dict[str, tuple[str, dict[str, Any]]] = {}  # key -> the latest (name, args), oldest first
+        # key -> the latest (name, args, number), oldest first
+        self._sticky: dict[str, tuple[str, dict[str, Any], int]] = {}
         self._broadcasts: dict[int, Broadcast] = {}
         self._ids = itertools.count(1)
         self._workers: dict[int, Worker] = {}
+        self._numbering = Numbering()
 
     def started(self, worker: Worker) -> None:
         """A worker (re)started: replay the sticky commands to it, in order."""
         self._workers[worker.index] = worker
-        for key, (name, args) in self._sticky.items():
-            _send(worker, (APPLY, None, name, args, key))
+        for key, (name, args, number) in self._sticky.items():
+            _send(worker, (APPLY, None, name, args, key, number))
 
     def received(self, worker: Worker, message: tuple[Any, ...]) -> None:
         """A control message from `worker`'s pipe."""
@@ -91,16 +94,17 @@ class Relay:
         forget: bool = False,
     ) -> None:
         key = sticky or name
+        number = self._numbering.next(name, key)
         if sticky is not None:
             self._sticky.pop(key, None)  # re-inserted last: replayed after what it may depend on
             if not forget:
-                self._sticky[key] = (name, args)
+                self._sticky[key] = (name, args, number)
         broadcast_id = next(self._ids)
         targets = [worker for worker in self._workers.values() if worker.conn is not None]
         broadcast = Broadcast(origin, request_id, {w.index for w in targets}, time.monotonic() + timeout_s)
         self._broadcasts[broadcast_id] = broadcast
         for worker in targets:
-            _send(worker, (APPLY, broadcast_id, name, args, key))
+            _send(worker, (APPLY, broadcast_id, name, args, key, number))
         self._finish_if_answered(broadcast_id, broadcast)
 
     def _answered(self, worker: Worker, broadcast_id: int, reply: Reply) -> None:

@@ -1,17 +1,20 @@
 """One serving process: load the models, run the app on the listening sockets, drain on SIGTERM.
 
 The same code runs the whole service (`workers = 1`) and each of the supervisor's workers.
+SIGHUP reads the config file again and applies its [[models]] (Engine.apply_config_file); with
+workers the supervisor passes it to one of them, whose loads reach them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from types import FrameType
 
@@ -84,8 +87,32 @@ class DrainingServer(uvicorn.Server):
         self._grpc = grpc_server
         self._drain_task: asyncio.Task[None] | None = None
         self.exit_code = EXIT_OK
+        self._serving_loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's SIGTERM and SIGINT, and SIGHUP: read the config file again, while serving."""
+        previous = signal.signal(signal.SIGHUP, self._hang_up)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
+    def _hang_up(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop.
+        loop = self._serving_loop
+        if loop is not None and not self.should_exit:
+            loop.call_soon_threadsafe(self._apply_config_file)
+
+    def _apply_config_file(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._engine.apply_config_file(), name="sighup")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._serving_loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if not self.started or self.should_exit:
             return
@@ -162,6 +189,8 @@ def serve_here(
     As a worker: accept nothing until warm (the port already serves through the other workers),
     then call `on_ready`. `control`: the worker's link to the others (app/control.py).
     """
+    # Until the server runs (and reads the config file again on SIGHUP), a SIGHUP must not end the start.
+    signal.signal(signal.SIGHUP, _hang_up_unless_serving)
     registry = Registry(settings, metrics)
     try:
         registry.load()
@@ -206,6 +235,10 @@ def serve_here(
     if server.exit_code != EXIT_OK:
         return server.exit_code
     return EXIT_OK if server.started else EXIT_START_FAILED
+
+
+def _hang_up_unless_serving(sig: int, frame: FrameType | None) -> None:
+    log.warning("SIGHUP ignored: the config file is read again only while serving")
 
 
 def _accept_waiting(sock: socket.socket) -> list[socket.socket]:

@@ -209,6 +209,16 @@ class Settings(BaseSettings):
         "be any object this server's user can open: give the API key to trusted local clients only.",
     )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
+    model_control: Literal["none", "explicit"] = Field(
+        default="none",
+        description="none: the models are fixed at start (load and unload answer 400). explicit: "
+        "POST /v2/repository/models/{name}/load|unload and SIGHUP load, reload and unload models while serving.",
+    )
+    model_repository: Path | None = Field(
+        default=None,
+        description="The folder a load's config parameter may name weight files in (relative to it, never "
+        "outside it); unset: the config file's folder.",
+    )
 
     @model_validator(mode="after")
     def _ports_differ(self) -> Settings:
@@ -217,6 +227,16 @@ class Settings(BaseSettings):
         if self.grpc and self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
             raise ValueError(f"grpc_port must differ from port and metrics_port (it is {self.grpc_port})")
         return self
+
+    @field_validator("model_repository")
+    @classmethod
+    def _repository_is_a_folder(cls, folder: Path | None) -> Path | None:
+        # Resolved once, here: every path a load names is checked against this one real folder.
+        if folder is None:
+            return None
+        if not folder.is_dir():
+            raise ValueError(f"{folder} is not a folder")
+        return folder.resolve()
 
     @field_validator("api_key")
     @classmethod
@@ -245,15 +265,30 @@ class Settings(BaseSettings):
     @field_validator("models")
     @classmethod
     def _unique_names(cls, models: list[ModelSpec]) -> list[ModelSpec]:
-        names = [m.name for m in models]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
-            raise ValueError(f"model names must be unique, repeated: {duplicates}")
-        return models
+        return unique_names(models)
 
     def served_models(self) -> list[ModelSpec]:
         """The configured models, or the built-in `demo` when none are."""
-        return self.models or [ModelSpec(name="demo")]
+        return served_models(self.models)
+
+    def repository(self) -> Path | None:
+        """The folder loads may read from: model_repository, else the config file's folder; None: neither is set."""
+        if self.model_repository is not None:
+            return self.model_repository
+        return self.config.resolve().parent if self.config is not None else None
+
+
+def unique_names(models: list[ModelSpec]) -> list[ModelSpec]:
+    names = [m.name for m in models]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"model names must be unique, repeated: {duplicates}")
+    return models
+
+
+def served_models(models: list[ModelSpec]) -> list[ModelSpec]:
+    """`models`, or the built-in `demo` when there are none (the rule at start and when SIGHUP re-reads the file)."""
+    return models or [ModelSpec(name="demo")]
 
 
 class ConfigFileError(SettingsError):
@@ -279,6 +314,32 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if isinstance(model, dict) and isinstance(model.get("weights"), str):
             model["weights"] = str((path.parent / model["weights"]).resolve())
     return values
+
+
+def configured_models(path: Path) -> list[ModelSpec]:
+    """The [[models]] tables of the config file at `path`, read again (SIGHUP, a load without a config).
+
+    Raises SettingsError naming the file and each problem (ConfigFileError: it cannot be read).
+    """
+    values = read_config_file(path)
+    try:
+        models = _ModelTables.model_validate({"models": values.get("models", [])}).models
+    except ValidationError as exc:
+        origins = Origins(ENV_PREFIX, config=path, file_keys={"models"})
+        problems = validation_problems(exc, origins, ["models"], list(ModelSpec.model_fields))
+        raise SettingsError(problems) from None
+    return served_models(models)
+
+
+class _ModelTables(BaseModel):
+    """The models of a config file alone, checked as Settings checks them."""
+
+    models: list[ModelSpec]
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelSpec]) -> list[ModelSpec]:
+        return unique_names(models)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -11,6 +11,9 @@ a connection is only ever accepted by a warm worker.
   stopped and the parent exits with that worker's code (no restart loop on a bad model).
 - SIGTERM or SIGINT is passed to every worker, which drains what it accepted; the parent exits
   0 once all have exited 0. A second signal is passed on too (the workers then exit at once).
+- SIGHUP goes to one ready worker, which reads the config file again and loads, reloads or
+  unloads what changed in every worker (app/control.py carries it); the workers started later
+  replay those loads.
 - If the parent dies, each worker sees its pipe close and drains and exits by itself.
 - Metrics: the workers write theirs in one folder (prometheus_client's multiprocess mode): a fresh
   one removed at exit, or `metrics_dir` (app/metrics_folder.py); a dead worker's gauges are
@@ -105,7 +108,7 @@ class Supervisor:
         wakeup_read, wakeup_write = socket.socketpair()
         wakeup_read.setblocking(False)
         wakeup_write.setblocking(False)
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         previous_wakeup = signal.set_wakeup_fd(wakeup_write.fileno())
         try:
             for slot in self._slots:
@@ -140,7 +143,10 @@ class Supervisor:
                     except BlockingIOError:
                         break
             for sig in self._signals:
-                self._stop(sig)
+                if sig == signal.SIGHUP:
+                    self._hang_up()
+                else:
+                    self._stop(sig)
             self._signals.clear()
             for slot in self._slots:
                 if slot.conn is not None and slot.conn in woken:
@@ -238,6 +244,17 @@ class Supervisor:
         delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
         log.error("worker %d (pid %d) %s; starting another in %.1f s", slot.index, process.pid, how, delay)
+
+    def _hang_up(self) -> None:
+        """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
+        if self._stop_deadline is not None:
+            return
+        slot = next((s for s in self._slots if s.ready and s.process is not None and s.process.is_alive()), None)
+        if slot is None or slot.pid is None:
+            log.warning("received SIGHUP with no worker ready to apply the config file: ignored")
+            return
+        log.info("received SIGHUP: worker %d reads the config file again and applies it to every worker", slot.index)
+        os.kill(slot.pid, signal.SIGHUP)
 
     def _stop(self, sig: int | None) -> None:
         """Pass a stop on to every worker; the first one starts the countdown to killing them."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from app.control import Control, Reply, Unanswered
+from app.control import Control, Reply, Unanswered, command_number
 from app.errors import ServiceError
 from app.relay import Relay
 
@@ -166,6 +166,48 @@ async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_i
     assert [value for worker, value in cluster.log if worker == 2] == ["b", "c"]
     replies = await late.broadcast("set", {"value": "d"}, sticky="first")
     assert [r.worker for r in replies if r.ok] == [1, 2]
+
+
+def numbered(log: list[tuple[int, str, int]], worker: int):
+    async def record(args: dict[str, Any]) -> dict[str, Any]:
+        log.append((worker, args["value"], command_number.get()))
+        return {"sequence": command_number.get(), "args": sorted(args)}
+
+    return record
+
+
+async def test_in_one_process_commands_are_numbered_per_name_and_key() -> None:
+    log: list[tuple[int, str, int]] = []
+    control = Control()
+    control.register("load", numbered(log, 0))
+    control.register("unload", numbered(log, 0))
+    await control.open()
+    for name, value, key in [("load", "a", "m"), ("load", "b", "m"), ("unload", "c", "m"), ("load", "d", "n")]:
+        await control.broadcast(name, {"value": value}, sticky=key)
+    await control.broadcast("load", {"value": "e"}, sticky="m")
+    assert log == [(0, "a", 1), (0, "b", 2), (0, "c", 1), (0, "d", 1), (0, "e", 3)]
+
+
+async def test_every_worker_reads_the_same_number_and_a_replay_keeps_it(cluster: Cluster) -> None:
+    log: list[tuple[int, str, int]] = []
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    for index, control in ((1, one), (2, two)):
+        control.register("load", numbered(log, index))
+        await control.open()
+    await one.broadcast("load", {"value": "a"}, sticky="m")
+    replies = await two.broadcast("load", {"value": "b"}, sticky="m")  # numbered where they are ordered
+    assert [(r.worker, r.result) for r in replies] == [
+        (1, {"sequence": 2, "args": ["value"]}),  # the number comes beside the args, not in them
+        (2, {"sequence": 2, "args": ["value"]}),
+    ]
+    await one.broadcast("load", {"value": "c"}, sticky="n")
+    late = cluster.start_worker(3)
+    late.register("load", numbered(log, 3))
+    await late.open()
+    async with asyncio.timeout(30):  # the replay travels through the supervisor's thread
+        while len([entry for entry in log if entry[0] == 3]) < 2:
+            await asyncio.sleep(0.01)
+    assert [entry for entry in log if entry[0] == 3] == [(3, "b", 2), (3, "c", 1)]
 
 
 async def test_a_forgetting_command_is_applied_and_its_key_no_longer_replayed(cluster: Cluster) -> None:

@@ -55,7 +55,7 @@ async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             if not refusals:  # still draining: the engine's refusal, with its reason
                 assert info.value.details() == "model 'slow' is not ready: draining before shutdown"
-            answer = await in_flight
+            answer = await in_flight  # accepted before the signal: answered in full
             assert output_of(answer).shape == (3072, D_MODEL)
         assert server.wait(60) == 0, server.logs()
 

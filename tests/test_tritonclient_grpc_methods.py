@@ -8,12 +8,15 @@ is placed), and docs/api.md's gRPC table must say the same.
 
 Two servers: one with an API key, reached through a plugin that adds the `authorization`
 metadata (which puts the plugin methods to work), and one without. Against the first, every
-method that calls the server fails UNAUTHENTICATED without the key.
+method that calls the server fails UNAUTHENTICATED without the key. Both run with
+model_control = explicit, so that load_model and unload_model work; with the default (none) they
+are refused naming the setting.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import queue
 import re
 from collections.abc import Callable, Iterator
@@ -31,6 +34,7 @@ from tritonclient.utils import InferenceServerException
 from bench.otlp_receiver import OtlpReceiver
 from ffn_client.encodings import as_wire_values
 from ffn_client.testing import ServerProcess, start_server
+from tests.model_files import matches, write_ffn
 from tests.reference import demo_reference
 
 KEY = "tritonclient-grpc-key"
@@ -46,14 +50,22 @@ class Bearer(InferenceServerClientPlugin):
         request.headers["authorization"] = f"Bearer {KEY}"
 
 
+EXTRA: dict[str, np.ndarray] = {}  # the weights of extra.safetensors, which load_model loads
+
+
 @pytest.fixture(scope="module", params=["key", "no key"])
-def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # The config file's folder is the model repository: `demo` configured, extra.safetensors there to load.
+    folder = tmp_path_factory.mktemp("grpc-repository")
+    (folder / "ffn.toml").write_text('model_control = "explicit"\n\n[[models]]\nname = "demo"\n')
+    EXTRA.update(write_ffn(folder / "extra.safetensors", 7, d_model=16))
     # Traced to a real OTLP receiver, so that the trace settings it is given take effect.
     with OtlpReceiver() as receiver:
         env = {"FFN_LOG_LEVEL": "warning", "FFN_OTLP_ENDPOINT": receiver.url, "FFN_SHARED_MEMORY": "true"}
         env |= {"FFN_API_KEY": KEY} if request.param == "key" else {}
-        with start_server(env=env) as srv:
+        with start_server(env=env, config=folder / "ffn.toml") as srv:
             srv.keyed = request.param == "key"  # type: ignore[attr-defined]
+            srv.repository = folder  # type: ignore[attr-defined]
             yield srv
 
 
@@ -147,6 +159,7 @@ def check_metadata(client: Client, server: ServerProcess) -> None:
         "trace",
         "logging",
         "system_shared_memory",
+        "model_repository",
     ]
 
 
@@ -181,7 +194,49 @@ def check_statistics(client: Client, server: ServerProcess) -> None:
 
 def check_repository_index(client: Client, server: ServerProcess) -> None:
     index = client.get_model_repository_index(as_json=True)
-    assert index == {"models": [{"name": "demo", "version": "1", "state": "READY"}]}  # an empty reason is left out
+    demo = [entry for entry in index["models"] if entry["name"] == "demo"]
+    assert demo == [{"name": "demo", "version": "1", "state": "READY"}]  # an empty reason is left out
+
+
+def check_load_and_unload(client: Client, server: ServerProcess) -> None:
+    """A model loaded from the repository with a config, its file replaced and reloaded, refused
+    loads leaving it serving, then unloaded: each step seen by the client, answers against numpy."""
+    x = np.random.default_rng(8).standard_normal((3, 16)).astype(np.float32)
+    # A version grows with each load: so this check may run more than once (it is listed twice).
+    index = client.get_model_repository_index(as_json=True)["models"]
+    last = int(next((e["version"] for e in index if e["name"] == "extra"), 0))
+    client.load_model("extra", config=json.dumps({"weights": "extra.safetensors"}))
+    assert client.is_model_ready("extra")
+    result = client.infer("extra", [input_tensor(x)])
+    assert matches(result.as_numpy("output"), EXTRA, x) and result.get_response().model_version == str(last + 1)
+
+    # The operator's workflow: replace the weight file, then load (no config: the table it serves with).
+    old = dict(EXTRA)
+    EXTRA.clear()
+    EXTRA.update(write_ffn(server.repository / "extra.safetensors", 100 + last, d_model=16))  # type: ignore[attr-defined]
+    client.load_model("extra")
+    result = client.infer("extra", [input_tensor(x)])
+    answered = result.as_numpy("output")
+    assert matches(answered, EXTRA, x) and not matches(answered, old, x)  # the new weights answer
+    assert result.get_response().model_version == str(last + 2)
+    assert client.get_model_metadata("extra").versions == [str(last + 2)]
+
+    for refused in ({"config": json.dumps({"weights": "../ffn.toml"})}, {"files": {"file:1/m.bin": b"x"}}):
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model("extra", **refused)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value.message()
+    # The failed loads left the copy serving: the same version, the same answers.
+    assert client.get_model_metadata("extra").versions == [str(last + 2)]
+    assert matches(client.infer("extra", [input_tensor(x)]).as_numpy("output"), EXTRA, x)
+
+    client.unload_model("extra")
+    assert client.is_model_ready("extra") is False
+    with pytest.raises(InferenceServerException) as gone:
+        client.infer("extra", [input_tensor(x)])
+    assert gone.value.status() == "StatusCode.NOT_FOUND" and "is unloaded" in gone.value.message()
+    index = client.get_model_repository_index(as_json=True)["models"]
+    (entry,) = [e for e in index if e["name"] == "extra"]
+    assert entry == {"name": "extra", "version": str(last + 2), "state": "UNAVAILABLE", "reason": "unloaded"}
 
 
 def check_health(client: Client, server: ServerProcess) -> None:
@@ -355,6 +410,8 @@ WORKS: dict[str, Check] = {
     "get_model_config": check_model_config,
     "get_inference_statistics": check_statistics,
     "get_model_repository_index": check_repository_index,
+    "load_model": check_load_and_unload,
+    "unload_model": check_load_and_unload,
     "is_server_live": check_health,
     "is_server_ready": check_health,
     "is_model_ready": check_health,
@@ -374,8 +431,6 @@ WORKS: dict[str, Check] = {
 # ----- the methods of extensions this server does not implement: UNIMPLEMENTED, naming them -------
 
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
-    "load_model": (lambda c: c.load_model("demo"), "model_repository"),
-    "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
     "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
@@ -412,6 +467,20 @@ def test_method_is_refused_naming_its_extension(client: Client, method: str) -> 
     assert f"the {extension} extension is not supported" in info.value.message()
 
 
+@pytest.mark.parametrize("call", ["load_model", "unload_model"])
+def test_with_model_control_none_load_and_unload_are_refused_naming_the_setting(
+    demo_server: ServerProcess, call: str
+) -> None:
+    client = Client(demo_server.grpc_target)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            getattr(client, call)("demo")
+    finally:
+        client.close()
+    assert info.value.status() == "StatusCode.UNIMPLEMENTED"  # as an extension a setting turned off
+    assert "model_control = none" in info.value.message() and "--model-control explicit" in info.value.message()
+
+
 def without_key_calls() -> dict[str, Callable[[Client], Any]]:
     x = rows(1, 7)
     return {
@@ -428,6 +497,8 @@ def without_key_calls() -> dict[str, Callable[[Client], Any]]:
         "get_system_shared_memory_status": lambda c: c.get_system_shared_memory_status(),
         "register_system_shared_memory": lambda c: c.register_system_shared_memory("r", "/k", 64),
         "unregister_system_shared_memory": lambda c: c.unregister_system_shared_memory(),
+        "load_model": lambda c: c.load_model("demo"),
+        "unload_model": lambda c: c.unload_model("demo"),
         **{name: call for name, (call, _) in REFUSED.items()},
     }
 

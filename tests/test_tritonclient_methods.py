@@ -8,12 +8,14 @@ until it is placed), and docs/api.md's table must say the same.
 
 The server has an API key: the client reaches it through a plugin that adds the bearer token,
 which is how the plugin methods are put to work. It traces to a real OTLP receiver, so that the
-trace settings it is given take effect.
+trace settings it is given take effect, and runs with model_control = explicit, so that
+load_model and unload_model work; with the default (none) they get a 400 naming the setting.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +32,7 @@ from tritonclient.utils import InferenceServerException
 
 from bench.otlp_receiver import OtlpReceiver
 from ffn_client.testing import ServerProcess, start_server
+from tests.model_files import matches, write_ffn
 from tests.reference import demo_reference
 
 KEY = "tritonclient-table-key"
@@ -45,8 +48,20 @@ class Bearer(InferenceServerClientPlugin):
         request.headers["Authorization"] = f"Bearer {KEY}"
 
 
+EXTRA: dict[str, np.ndarray] = {}  # the weights of extra.safetensors, which load_model loads
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The config file's folder, the model repository: `demo` configured, extra.safetensors there to load."""
+    folder = tmp_path_factory.mktemp("tritonclient-repository")
+    (folder / "ffn.toml").write_text('model_control = "explicit"\n\n[[models]]\nname = "demo"\n')
+    EXTRA.update(write_ffn(folder / "extra.safetensors", 7, d_model=16))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path) -> Iterator[ServerProcess]:
     with OtlpReceiver() as receiver:
         env = {
             "FFN_API_KEY": KEY,
@@ -54,7 +69,7 @@ def server() -> Iterator[ServerProcess]:
             "FFN_OTLP_ENDPOINT": receiver.url,
             "FFN_SHARED_MEMORY": "true",
         }
-        with start_server(env=env) as srv:
+        with start_server(config=repository / "ffn.toml", env=env) as srv:
             yield srv
 
 
@@ -133,6 +148,7 @@ def check_metadata(client: Client, server: ServerProcess) -> None:
         "trace",
         "logging",
         "system_shared_memory",
+        "model_repository",
     ]
 
 
@@ -161,7 +177,34 @@ def check_statistics(client: Client, server: ServerProcess) -> None:
 
 
 def check_repository_index(client: Client, server: ServerProcess) -> None:
-    assert client.get_model_repository_index() == [{"name": "demo", "version": "1", "state": "READY", "reason": ""}]
+    index = [entry for entry in client.get_model_repository_index() if entry["name"] == "demo"]
+    assert index == [{"name": "demo", "version": "1", "state": "READY", "reason": ""}]
+
+
+def check_load_and_unload(client: Client, server: ServerProcess) -> None:
+    """A model loaded from the repository with a config, reloaded, unloaded: each step seen by the client."""
+    weights = EXTRA
+    x = np.random.default_rng(8).standard_normal((3, 16)).astype(np.float32)
+    # A version grows with each load: so this check may run more than once (it is listed twice).
+    last = int(next((e["version"] for e in client.get_model_repository_index() if e["name"] == "extra"), 0))
+    client.load_model("extra", config=json.dumps({"weights": "extra.safetensors"}))
+    assert client.is_model_ready("extra")
+    result = client.infer("extra", [input_tensor(x)])
+    assert matches(result.as_numpy("output"), weights, x) and result.get_response()["model_version"] == str(last + 1)
+    client.load_model("extra")  # again, the same table: a reload
+    assert client.get_model_metadata("extra")["versions"] == [str(last + 2)]
+    with pytest.raises(InferenceServerException) as refused:
+        client.load_model("extra", config=json.dumps({"weights": "../ffn.toml"}))
+    assert refused.value.status() == "400" and "outside the model repository" in refused.value.message()
+    assert client.get_model_metadata("extra")["versions"] == [str(last + 2)]  # the failed load left it serving
+
+    client.unload_model("extra")
+    assert client.is_model_ready("extra") is False
+    with pytest.raises(InferenceServerException) as gone:
+        client.infer("extra", [input_tensor(x)])
+    assert gone.value.status() == "404" and "is unloaded" in gone.value.message()
+    (entry,) = [e for e in client.get_model_repository_index() if e["name"] == "extra"]
+    assert entry == {"name": "extra", "version": str(last + 2), "state": "UNAVAILABLE", "reason": "unloaded"}
 
 
 def check_health(client: Client, server: ServerProcess) -> None:
@@ -290,6 +333,8 @@ WORKS: dict[str, Check] = {
     "get_model_config": check_model_config,
     "get_inference_statistics": check_statistics,
     "get_model_repository_index": check_repository_index,
+    "load_model": check_load_and_unload,
+    "unload_model": check_load_and_unload,
     "get_trace_settings": check_trace_settings,
     "update_trace_settings": check_trace_settings,
     "is_server_live": check_health,
@@ -309,8 +354,6 @@ WORKS: dict[str, Check] = {
 # ----- the methods of extensions this server does not implement: a 400 that names them ----------
 
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
-    "load_model": (lambda c: c.load_model("demo"), "model_repository"),
-    "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
     "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
@@ -342,6 +385,20 @@ def test_method_is_refused_naming_its_extension(client: Client, method: str) -> 
         call(client)
     assert info.value.status() == "400"
     assert f"the {extension} extension is not supported" in info.value.message()
+
+
+@pytest.mark.parametrize("call", ["load_model", "unload_model"])
+def test_with_model_control_none_load_and_unload_are_a_400_naming_the_setting(
+    demo_server: ServerProcess, call: str
+) -> None:
+    client = Client(demo_server.url.removeprefix("http://"))
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            getattr(client, call)("demo")
+    finally:
+        client.close()
+    assert info.value.status() == "400"
+    assert "model_control = none" in info.value.message() and "--model-control explicit" in info.value.message()
 
 
 def test_last_inference_is_the_time_of_the_last_pass(client: Client) -> None:

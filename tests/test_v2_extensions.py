@@ -219,8 +219,6 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/cudasharedmemory/region/r0/register", "cuda_shared_memory"),
     ("POST", "/v2/cudasharedmemory/region/r0/unregister", "cuda_shared_memory"),
     ("POST", "/v2/cudasharedmemory/unregister", "cuda_shared_memory"),
-    ("POST", "/v2/repository/models/plain/load", "model_repository"),
-    ("POST", "/v2/repository/models/plain/unload", "model_repository"),
     ("POST", "/v2/models/plain/generate", "generate"),
     ("POST", "/v2/models/plain/generate_stream", "generate"),
     ("POST", "/v2/models/plain/versions/1/generate", "generate"),

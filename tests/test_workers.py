@@ -220,12 +220,14 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
 
         clients = [asyncio.create_task(load(seed)) for seed in range(8)]
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as probe:
+            # Both workers serving before the signal: the server is ready once one is, and a worker
+            # still warming up when SIGTERM comes has accepted nothing, so it exits without a drain.
             for _ in range(3000):  # a bound, so that a hang fails instead
-                if sum(o == "200" for _, o in outcomes) >= 40:
+                if sum(o == "200" for _, o in outcomes) >= 40 and "ready: 2 workers" in server.logs():
                     break
                 await asyncio.sleep(0.02)
             else:
-                raise AssertionError(f"40 requests were never answered; log:\n{server.logs()}")
+                raise AssertionError(f"40 requests were never answered by 2 ready workers; log:\n{server.logs()}")
             # A slow request computing when the signal comes: the drain lasts at least its pass. Its
             # 4 MiB answer must be read within the server's 3 s close grace after the drain, on a
             # busy machine too: the clients check their answers only after the run, not meanwhile.

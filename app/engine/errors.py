@@ -43,3 +43,11 @@ class InsufficientMemory(EngineError):
 
 class ModelError(EngineError):
     """The forward pass failed for a reason that is not the client's: a bug or a device fault."""
+
+
+class ModelControlOff(EngineError):
+    """A load or unload while the models are fixed at start (model_control = none)."""
+
+
+class LoadFailed(EngineError):
+    """A load that did not happen (or not in every worker): the message names the file and why."""

@@ -89,6 +89,13 @@ class BucketedForward:
 
         return call
 
+    def release(self) -> None:
+        """Drop the padded calls and graphs: they refer back to this object and its model, a cycle that
+        would keep the weights alive past their model's retirement (gc.freeze hides it from the collector)."""
+        self._calls.clear()
+        self.graphed.clear()
+        self._input = None
+
     def capture(self) -> None:
         """Capture one CUDA graph per bucket, largest first, sharing one memory pool; every batch is then padded.
 

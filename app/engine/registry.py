@@ -1,4 +1,10 @@
-"""The served models: each one's weights on its device, its runner, its batcher and its status."""
+"""The served models: each one's weights on its device, its runner, its batcher and its status.
+
+A name maps to one ServedModel at a time, a copy of the weights with its own runner, batcher and
+version. A reload builds a new copy beside the old and swaps the entry (app/engine/lifecycle.py);
+the old copy then `retire`s: it finishes what it admitted, stops and lets its memory go. An
+unloaded name keeps an UnloadedModel entry, so that it is still listed (UNAVAILABLE, "unloaded").
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ from app.engine.batcher import Batcher
 from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
+from app.engine.repository import Served, WeightsFile
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
-from app.engine.status import READY, ModelState, ModelStatus
+from app.engine.status import READY, UNLOADED, ModelState, ModelStatus
+from app.engine.unloaded import UnloadedModel, unloaded_error
 from app.metrics import Metrics
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
@@ -44,17 +52,24 @@ class ServedModel:
         *,
         executor: Executor | None = None,
         version: int = 1,
+        source: WeightsFile | None = None,
     ) -> None:
-        """`executor`: the device's thread, which warm-up runs on."""
+        """`executor`: the device's thread, which warm-up runs on. `source`: the weights file's identity
+        when it was read (None: the built-in demo weights)."""
         self.spec = spec
         self.version = version
+        self.source = source
         self._model = model
         self._runner = runner
         self._batcher = batcher
         self._executor = executor
         self._state_gauge = metrics.model_state
+        # ffn_model_state follows a copy while it is the registry's entry for its name (enter_service),
+        # not while it is built beside the serving copy, nor once retired.
+        self._in_service = False
+        self._retired = False
+        self._warming: asyncio.Future[list[int]] | None = None  # the warm-up on its thread, while it runs
         self._status = ModelStatus(ModelState.LOADING, "warming up")  # its weights are loaded already
-        self._set_status(self._status)
         batcher.on_failure = lambda reason: self._set_status(ModelStatus(ModelState.UNAVAILABLE, reason))
 
     # ----- what it is ------------------------------------------------------------------------
@@ -127,6 +142,11 @@ class ServedModel:
             "reason": status.reason,
         }
 
+    @property
+    def served(self) -> Served:
+        """The table and the file identity this copy was loaded from (what SIGHUP compares)."""
+        return Served(self.spec, self.source)
+
     # ----- its status ------------------------------------------------------------------------
 
     @property
@@ -134,10 +154,17 @@ class ServedModel:
         return self._status
 
     def _set_status(self, status: ModelStatus) -> None:
-        """The one place a model's state changes; ffn_model_state follows it."""
+        """The one place a model's state changes; ffn_model_state follows it while this copy is in service."""
         self._status = status
+        if not self._in_service:
+            return
         for state in ModelState:
             self._state_gauge.labels(model=self.name, state=state.value).set(1 if state is status.state else 0)
+
+    def enter_service(self) -> None:
+        """This copy is now the registry's entry for its name: every surface, the gauge too, reads it."""
+        self._in_service = True
+        self._set_status(self._status)
 
     def warmed_up(self) -> None:
         if self._status.state is ModelState.LOADING:
@@ -147,16 +174,28 @@ class ServedModel:
         if self._status.state is not ModelState.UNAVAILABLE:
             self._set_status(ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown"))
 
+    def unloaded(self) -> None:
+        """Unloaded: listed UNAVAILABLE ("unloaded"), and a request still on its way here answers 404."""
+        self._set_status(UNLOADED)
+
     # ----- its life, driven by the Engine ----------------------------------------------------
 
     async def start(self) -> None:
         await self._batcher.start()
 
-    async def warm_up(self, enabled: bool) -> None:
-        """Run every batch-size bucket once on the device thread (unless not `enabled`), then turn READY."""
-        if enabled:
-            sizes = await asyncio.get_running_loop().run_in_executor(self._executor, self._runner.warm_up)
-            log.info("model %s warm at batch sizes %s", self.name, sizes)
+    async def warm_up(self, enabled: bool, *, executor: Executor | None = None) -> None:
+        """Run every batch-size bucket once (unless not `enabled`), then turn READY.
+
+        On the device's thread, or on `executor` (a new copy on the CPU warming up beside the one
+        serving, so that the serving copy's batches do not wait behind it).
+        """
+        if enabled and not self._retired:
+            self._warming = asyncio.get_running_loop().run_in_executor(executor or self._executor, self._runner.warm_up)
+            try:
+                sizes = await self._warming
+            finally:
+                self._warming = None
+            log.info("model %s version %d warm at batch sizes %s", self.name, self.version, sizes)
         self.warmed_up()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -167,6 +206,22 @@ class ServedModel:
     async def stop(self) -> None:
         """Answer whatever is still pending 503."""
         await self._batcher.stop()
+
+    async def retire(self, timeout_s: float) -> bool:
+        """Leave service for good (its successor, if any, owns the name): finish the admitted work
+        within `timeout_s` (the rest is answered 503), stop, and let the weights go. True if all finished.
+
+        No new request can reach a retired copy: a request looks its model up after its body has
+        been read, and nothing awaits between that lookup and the admission to the batcher.
+        """
+        self._in_service, self._retired = False, True
+        self._batcher.on_failure = None  # the lambda refers back to this object: no cycle left behind
+        finished = await self._batcher.drain(timeout_s)
+        await self._batcher.stop()
+        if self._warming is not None:  # replaced while warming up (a worker's replayed load): let that end first
+            await asyncio.wait([self._warming])
+        self._runner.release()
+        return finished
 
     def computed_rows(self, rows: int) -> int:
         """The rows the device computes for a batch of `rows`: its padded bucket where batches are padded."""
@@ -179,9 +234,11 @@ class ServedModel:
     # ----- its work --------------------------------------------------------------------------
 
     def check_serving(self) -> None:
-        """Refuse new work unless READY: warming up, draining, or its batcher gone (503, with why)."""
+        """Refuse new work unless READY: warming up, draining, or its batcher gone (503, with why); unloaded (404)."""
         status = self._status
         if not status.ready:
+            if status is UNLOADED:
+                raise unloaded_error(self.name)
             raise Unavailable(f"model {self.name!r} is not ready: {status.reason}")
 
     async def infer(self, rows: torch.Tensor, *, deadline: float | None) -> torch.Tensor:
@@ -197,22 +254,31 @@ class ServedModel:
         return await self._batcher.submit_monte_carlo(rows, request, deadline=deadline)
 
 
-def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -> FeedForward:
-    """The model's weights on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
+def read_weights(spec: ModelSpec) -> FeedForward:
+    """The spec's weights read into host memory, in its dtype (the built-in demo weights without a file)."""
     dtype = DTYPES[spec.dtype].torch
     if spec.weights is None:
-        model = demo_ffn().to(device=device, dtype=dtype).requires_grad_(False)
-    else:
-        model = load_ffn(
-            spec.weights,
-            format=spec.format,
-            layer=spec.layer,
-            activation=spec.activation,
-            gated=spec.gated,
-            dtype=dtype,
-            device=device,
-        )
+        return demo_ffn().to(dtype=dtype).requires_grad_(False)
+    return load_ffn(
+        spec.weights,
+        format=spec.format,
+        layer=spec.layer,
+        activation=spec.activation,
+        gated=spec.gated,
+        dtype=dtype,
+        device="cpu",
+    )
+
+
+def place(model: FeedForward, device: torch.device, *, fuse: bool = False) -> FeedForward:
+    """The weights on `device`; gated ones with W1‖V fused when `fuse`."""
+    model = model.to(device)
     return fuse_gate(model) if fuse and isinstance(model, GatedFeedForward) else model
+
+
+def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -> FeedForward:
+    """The model's weights on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
+    return place(read_weights(spec), device, fuse=fuse)
 
 
 def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
@@ -228,45 +294,77 @@ def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
 
 
 class Registry:
-    """Name -> ServedModel, plus one executor thread per device shared by that device's models."""
+    """Name -> ServedModel (and the names unloaded), plus one executor thread per device shared by its models."""
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
+        self.unloaded: dict[str, UnloadedModel] = {}
         self.executors: dict[str, ThreadPoolExecutor] = {}
 
     def load(self) -> None:
-        """Load every configured model; the first that fails raises ModelLoadError."""
+        """Load every configured model as version 1; the first that fails raises ModelLoadError."""
         s = self.settings
         set_tf32(s.tf32)
         for spec in s.served_models():
-            source = str(spec.weights) if spec.weights else "built-in demo weights"
+            what = str(spec.weights) if spec.weights else "built-in demo weights"
             try:
                 device = resolve_device(spec.device)
+                source = None if spec.weights is None else WeightsFile.of(spec.weights)
                 model = load_weights(spec, device, fuse=s.fuse_gate)
             except WeightsError as exc:  # its message already names the file
                 raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
             except (ValueError, OSError) as exc:
-                raise ModelLoadError(f"model {spec.name!r}: cannot load {source}: {exc}") from exc
-            executor = self.executors.setdefault(str(device), device_executor(device))
-            runner = build_runner(model, s)
-            batcher = Batcher(
-                runner,
-                name=spec.name,
-                max_batch_rows=s.max_batch_rows,
-                max_wait_s=s.max_wait_ms / 1000.0,
-                max_queue_rows=s.max_queue_rows,
-                executor=executor,
-                metrics=self.metrics,
-                # Staged: the next batch is launched while the last one computes (double-buffered).
-                launch=runner.launch if runner.staged else None,
-                max_in_flight=2,
-                monte_carlo=runner.start_monte_carlo,
-            )
-            served = ServedModel(spec, model, runner, batcher, self.metrics, executor=executor)
-            self.models[spec.name] = served
+                raise ModelLoadError(f"model {spec.name!r}: cannot load {what}: {exc}") from exc
+            served = self.build(spec, model, version=1, source=source)
+            self.serve(served)
             log.info("loaded model %s", served.summary())
+
+    def build(self, spec: ModelSpec, model: FeedForward, *, version: int, source: WeightsFile | None) -> ServedModel:
+        """A ServedModel around weights already on their device: its runner and batcher, not yet started."""
+        s = self.settings
+        executor = self.executor(next(model.parameters()).device)
+        runner = build_runner(model, s)
+        batcher = Batcher(
+            runner,
+            name=spec.name,
+            max_batch_rows=s.max_batch_rows,
+            max_wait_s=s.max_wait_ms / 1000.0,
+            max_queue_rows=s.max_queue_rows,
+            executor=executor,
+            metrics=self.metrics,
+            # Staged: the next batch is launched while the last one computes (double-buffered).
+            launch=runner.launch if runner.staged else None,
+            max_in_flight=2,
+            monte_carlo=runner.start_monte_carlo,
+        )
+        return ServedModel(
+            spec, model, runner, batcher, self.metrics, executor=executor, version=version, source=source
+        )
+
+    def executor(self, device: torch.device) -> ThreadPoolExecutor:
+        """The one thread that runs `device`'s work, shared by every model on it."""
+        if str(device) not in self.executors:
+            self.executors[str(device)] = device_executor(device)
+        return self.executors[str(device)]
+
+    def serve(self, served: ServedModel) -> ServedModel | None:
+        """Serve `served` under its name from now on; the copy it replaces, if any (to be retired)."""
+        previous = self.models.get(served.name)
+        self.models[served.name] = served
+        self.unloaded.pop(served.name, None)
+        served.enter_service()
+        self.metrics.model_version.labels(model=served.name).set(served.version)
+        return previous
+
+    def unload(self, name: str) -> ServedModel:
+        """Serve nothing under `name` from now on (it is listed as unloaded); the copy, to be retired."""
+        served = self.models.pop(name)
+        served.unloaded()
+        self.unloaded[name] = UnloadedModel(served)
+        self.metrics.model_version.labels(model=name).set(0)
+        return served
 
     def shutdown_executors(self) -> None:
         for executor in self.executors.values():

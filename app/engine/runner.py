@@ -208,6 +208,10 @@ class ModelRunner:
         )
         return self.bucketed.buckets
 
+    def release(self) -> None:
+        """Let the weights go with the last reference to this runner (a reloaded or unloaded model's copy)."""
+        self.bucketed.release()
+
     def _check_fused_gate(self, generator: torch.Generator, bound: float) -> None:
         """The fused W1‖V GEMM against the two apart; past the bound, the model runs unfused."""
         if not isinstance(self.model, FusedGatedFeedForward):

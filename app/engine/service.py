@@ -9,34 +9,56 @@ start: load (unless already loaded), start every batcher, then warm up in the ba
 each model turns READY once it has run its batch-size buckets. drain: every model turns
 UNAVAILABLE and the accepted work finishes. stop: answer whatever is left and release the
 device threads.
+
+Model control (model_control = explicit): `load` and `unload` (one call each, whichever door
+asks: V2 over HTTP, gRPC) resolve the model's table here, then broadcast the command to every
+serving process (app/control.py), which applies it (app/engine/lifecycle.py); the answer comes
+once all have, and names those that failed. `apply_config_file` is SIGHUP's: the config file
+read again, and what differs loaded or unloaded the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from app.engine.errors import ModelNotFound
+from app.control import Control, Reply
+from app.engine.errors import LoadFailed, ModelControlOff, ModelNotFound, Unavailable
+from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
 from app.engine.registry import Registry, ServedModel
+from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import READY, ModelState, ModelStatus
-from app.settings import Settings
+from app.engine.unloaded import UnloadedModel, unloaded_error
+from app.settings import ModelSpec, Settings, configured_models
+from app.settings_problems import SettingsError
 
-__all__ = ["Engine", "ServedModel"]  # the edge's whole view of the engine, with its errors and status
+__all__ = ["Engine", "ServedModel", "UnloadedModel"]  # the edge's whole view of the engine, with its errors and status
 
 log = logging.getLogger("ffn_serve")
+
+# A load's answer waits this long for every worker: reading a large checkpoint from a slow disk takes minutes.
+LOAD_TIMEOUT_S = 300.0
 
 
 class Engine:
     """The served models, looked up by name, and their lifecycle from start to drain."""
 
-    def __init__(self, settings: Settings, registry: Registry) -> None:
+    def __init__(self, settings: Settings, registry: Registry, control: Control | None = None) -> None:
+        """`control`: how a load reaches every serving process (by default this one alone)."""
         self.settings = settings
         self._registry = registry
         self._started = False
         self._draining = False
         self._warm_up_task: asyncio.Task[None] | None = None
+        self._control = control or Control()
+        self._lifecycle = Lifecycle(registry)
+        self._control.register(LOAD_MODEL, self._lifecycle.apply_load)
+        self._control.register(UNLOAD_MODEL, self._lifecycle.apply_unload)
+        self._config_lock = asyncio.Lock()  # one SIGHUP applied at a time
 
     # ----- lookup ----------------------------------------------------------------------------
 
@@ -44,6 +66,8 @@ class Engine:
         """The model served as `name` (and `version`, where a path names one); ModelNotFound (404) if none."""
         served = self._registry.models.get(name)
         if served is None:
+            if name in self._registry.unloaded:
+                raise unloaded_error(name)
             raise ModelNotFound(f"model {name[:100]!r} is not served here; GET /v1/models lists the models")
         if version is not None and version != str(served.version):
             raise ModelNotFound(
@@ -54,14 +78,33 @@ class Engine:
     def models(self) -> list[ServedModel]:
         return list(self._registry.models.values())
 
+    def unloaded(self) -> list[UnloadedModel]:
+        """The models unloaded while serving: listed (UNAVAILABLE, "unloaded"), but not served."""
+        return list(self._registry.unloaded.values())
+
+    def on_serving(self, prepare: Callable[[ServedModel], None]) -> None:
+        """Call `prepare(served)` for every copy serving now and for each one a load puts in service,
+        before it takes any request (the edge's metrics and tracing hooks)."""
+        for served in self.models():
+            prepare(served)
+        self._lifecycle.prepare = prepare
+
+    def listed(self) -> list[ServedModel | UnloadedModel]:
+        """Every model a list shows (GET /v1/models, the repository index): served, then unloaded."""
+        return [*self.models(), *self.unloaded()]
+
     # ----- status ----------------------------------------------------------------------------
 
     def readiness(self) -> ModelStatus:
-        """The server's status: READY when every model is; otherwise the first reason why not."""
+        """The server's status: READY when every loaded model is (as Triton); otherwise the first reason why not.
+
+        Unloaded models do not count: a server whose models were all unloaded is ready (with
+        nothing to serve), so that a load can still reach it through a load balancer.
+        """
         if self._draining:
             return ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown")
         models = self.models()
-        if not self._started or not models:
+        if not self._started or not (models or self._registry.unloaded):
             return ModelStatus(ModelState.LOADING, "models are still loading")
         unavailable = [
             f"model {m.name!r}: {m.status.reason}" for m in models if m.status.state is ModelState.UNAVAILABLE
@@ -100,6 +143,7 @@ class Engine:
         True if everything accepted was answered within the drain timeout.
         """
         self._draining = True
+        self._lifecycle.closed = True  # a load under way serves nothing now
         models = self.models()
         finished = all(await asyncio.gather(*(m.drain(self.settings.drain_timeout_s) for m in models)))
         if not finished:
@@ -115,9 +159,124 @@ class Engine:
             self._warm_up_task.cancel()
         for served in self.models():
             await served.stop()
+        await self._lifecycle.stop()
         self._registry.shutdown_executors()
 
     async def _warm_up(self) -> None:
         for served in self.models():
             await served.warm_up(self.settings.warmup)
         log.info("ready: %s", ", ".join(self._registry.models))
+
+    # ----- model control ---------------------------------------------------------------------
+
+    async def load(self, name: str, config: str | None = None) -> dict[str, Any]:
+        """Load or reload `name` in every serving process: {"name", "version", "workers": [...]}.
+
+        `config`: a [[models]] table as JSON (its weights inside the model repository); without
+        it, the config file's table of that name, read again, else the table it was served with.
+        LoadFailed names the file and why, and the workers that failed (they keep their copy).
+        """
+        self._check_control()
+        return await self._load(self._table(name, config))
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """Unload `name` in every serving process: {"name", "version" (the one unloaded), "workers"}."""
+        self._check_control()
+        if name not in self._registry.models and name not in self._registry.unloaded:
+            raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload")
+        replies = await asyncio.shield(self._control.broadcast(UNLOAD_MODEL, {"name": name}, sticky=model_key(name)))
+        return _outcome(name, "unload", replies)
+
+    async def apply_config_file(self) -> None:
+        """SIGHUP: read the config file again; load the models added or changed (table edited, file
+        replaced), unload those removed. Each change and its outcome is logged."""
+        async with self._config_lock:
+            path = self.settings.config
+            if self.settings.model_control != "explicit":
+                log.warning("SIGHUP ignored: model_control is none, the models are fixed at start")
+                return
+            if path is None:
+                log.warning("SIGHUP ignored: there is no config file to read again (--config, FFN_CONFIG)")
+                return
+            try:
+                wanted = await asyncio.to_thread(configured_models, path)
+            except SettingsError as exc:
+                log.error("SIGHUP: config file %s not applied: %s", path, "; ".join(exc.problems))
+                return
+            plan = changes({m.name: m.served for m in self.models()}, wanted)
+            log.info("SIGHUP: config file %s read again: %s", path, plan.summary())
+            specs = [*plan.added, *(spec for spec, _ in plan.changed)]
+            results = await asyncio.gather(
+                *(self._load(spec) for spec in specs),
+                *(self.unload(name) for name in plan.removed),
+                return_exceptions=True,
+            )
+            done = ["serving"] * len(specs) + ["unloaded"] * len(plan.removed)
+            for result, what in zip(results, done, strict=True):
+                if isinstance(result, dict):
+                    processes = len(result["workers"])
+                    log.info(
+                        "SIGHUP: model %s: version %d %s in %d process(es)",
+                        result["name"],
+                        result["version"],
+                        what,
+                        processes,
+                    )
+                elif isinstance(result, Exception):
+                    log.error("SIGHUP: %s", result)
+
+    def _check_control(self) -> None:
+        if self.settings.model_control != "explicit":
+            raise ModelControlOff(
+                "model control is off (model_control = none): the models are fixed at start; "
+                "start with --model-control explicit (FFN_MODEL_CONTROL=explicit) to load and unload them"
+            )
+        if self._draining:
+            raise Unavailable("the server is draining before shutdown: nothing is loaded or unloaded")
+
+    def _table(self, name: str, config: str | None) -> ModelSpec:
+        """The table a load of `name` applies: its config parameter, the config file's, or the one it was served with."""
+        if config is not None:
+            return spec_from_config(name, config, self.settings.repository())
+        path = self.settings.config
+        if path is not None:
+            try:
+                tables = configured_models(path)
+            except SettingsError as exc:
+                raise LoadFailed(f"config file {path}: {'; '.join(exc.problems)}") from None
+            for spec in tables:
+                if spec.name == name:
+                    return spec
+        known = self._registry.models.get(name) or self._registry.unloaded.get(name)
+        if known is not None:
+            return known.spec
+        raise LoadFailed(
+            f"no model {name[:100]!r} to load: the config file has no [[models]] table of that name, "
+            "and the load has no config parameter"
+        )
+
+    async def _load(self, spec: ModelSpec) -> dict[str, Any]:
+        source = identify(spec)  # the origin's check: a missing file is refused before any worker hears of it
+        args = {"spec": spec.model_dump(mode="json"), "source": None if source is None else source.as_args()}
+        # Shielded: a client that hangs up does not cut a load short halfway through building its copy.
+        replies = await asyncio.shield(
+            self._control.broadcast(LOAD_MODEL, args, sticky=model_key(spec.name), timeout_s=LOAD_TIMEOUT_S)
+        )
+        return _outcome(spec.name, "load", replies)
+
+
+def _outcome(name: str, what: str, replies: list[Reply]) -> dict[str, Any]:
+    """Every process's reply as one answer; LoadFailed if any failed, naming each one and why."""
+    failed = [reply for reply in replies if not reply.ok]
+    if failed:
+        errors = list(dict.fromkeys(reply.error for reply in failed))
+        if len(failed) == len(replies) and len(errors) == 1:
+            raise LoadFailed(errors[0])
+        done = [reply.worker for reply in replies if reply.ok]
+        told = "; ".join(f"worker {reply.worker}: {reply.error}" for reply in failed)
+        raise LoadFailed(
+            f"{what} of model {name[:100]!r} failed in {len(failed)} of {len(replies)} workers: {told}"
+            + (f" (workers {', '.join(map(str, done))} applied it)" if done else "")
+        )
+    workers = [{"worker": reply.worker, **reply.result} for reply in replies]
+    return {"name": name, "version": workers[0]["version"], "workers": workers}

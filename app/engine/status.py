@@ -5,7 +5,8 @@ read it from here, so they cannot disagree. The names are Triton's repository st
 
 - LOADING: loaded or loading, not yet warm; no work is taken.
 - READY: takes work.
-- UNAVAILABLE: takes no work, with the reason: draining before shutdown, or its batcher died.
+- UNAVAILABLE: takes no work, with the reason: draining before shutdown, its batcher died, or
+  unloaded (explicit model control; Triton's index lists an unloaded model so too).
 """
 
 from __future__ import annotations
@@ -33,3 +34,4 @@ class ModelStatus:
 
 
 READY = ModelStatus(ModelState.READY)
+UNLOADED = ModelStatus(ModelState.UNAVAILABLE, "unloaded")

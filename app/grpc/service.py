@@ -3,16 +3,17 @@
 The servicer is tritonclient's generated base class (tritonclient.grpc.service_pb2_grpc), so the
 method paths and messages are Triton's own. Every answer is read from the same places as its
 HTTP twin: metadata (app/web/v2/routes.py), model configuration, statistics and the repository
-index (app/web/v2/extensions.py), and every failure goes through the one error table
+index (app/web/v2/extensions.py), load and unload (app/web/v2/model_control.py's parameter checks,
+then Engine.load / Engine.unload), and every failure goes through the one error table
 (app/grpc/status.py). The methods of extensions this server does not implement answer
 UNIMPLEMENTED with the message their HTTP routes give; each is one method below, so serving
-one later (logging, trace, shared memory, load/unload) means replacing that method.
+one later (CUDA shared memory) means replacing that method.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from app.grpc.stream import StreamInfer
 from app.web import mc_parameters
 from app.web.http import deadline_from
 from app.web.state import ServiceState
-from app.web.v2 import extensions, log_settings, statistics, system_shared_memory, trace_extension
+from app.web.v2 import extensions, log_settings, model_control, statistics, system_shared_memory, trace_extension
 from app.web.v2 import routes as v2_routes
 from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
 
@@ -62,6 +63,16 @@ def answered(
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
     return wrapper
+
+
+def _repository_parameters(parameters: Mapping[str, pb.ModelRepositoryParameter]) -> dict[str, Any]:
+    """A ModelRepositoryParameter map as the HTTP body's `parameters` would hold it: key -> the value
+    set (None where none is), so that app/web/v2/model_control.py checks both doors' alike."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        values[key] = None if kind is None else getattr(parameter, kind)
+    return values
 
 
 def _version(version: str) -> str | None:
@@ -124,7 +135,7 @@ class InferenceServicer(GRPCInferenceServiceServicer):
 
     @answered
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
-        entries = extensions.repository_models(self._engine.models(), request.ready)
+        entries = extensions.repository_models(self._engine.listed(), request.ready)
         return pb.RepositoryIndexResponse(
             models=[pb.RepositoryIndexResponse.ModelIndex(**entry.model_dump()) for entry in entries]
         )
@@ -249,12 +260,21 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         return answer
 
     @answered
-    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("model_repository")
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        # The HTTP route's parameters and the engine's load: the same checks, errors and broadcast.
+        config = model_control.load_config(_repository_parameters(request.parameters))
+        await self._engine.load(request.model_name, config)
+        return pb.RepositoryModelLoadResponse()  # Triton's answer is empty; the version is in the index
 
     @answered
-    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        raise extensions.unsupported("model_repository")
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        model_control.check_unload(_repository_parameters(request.parameters))
+        await self._engine.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
 
 DEADLINE_SKEW_S = 0.5  # how much earlier than the server's the client's copy of a deadline may end

@@ -125,6 +125,10 @@ class ErrorKind:
 ERRORS: dict[type[Exception], ErrorKind] = {
     InvalidInput: ErrorKind(400, "invalid_input", StatusCode.INVALID_ARGUMENT),
     UnsupportedExtension: ErrorKind(400, "unsupported_extension", StatusCode.UNIMPLEMENTED),
+    # As an extension turned off by a setting (system shared memory): UNIMPLEMENTED over gRPC.
+    engine.ModelControlOff: ErrorKind(400, "model_control_off", StatusCode.UNIMPLEMENTED),
+    # Triton answers a failed load 400, whatever the reason; tritonclient raises on any of them.
+    engine.LoadFailed: ErrorKind(400, "load_failed", StatusCode.INVALID_ARGUMENT),
     Unauthorized: ErrorKind(
         401, "unauthorized", StatusCode.UNAUTHENTICATED, lambda exc: {"WWW-Authenticate": "Bearer"}
     ),

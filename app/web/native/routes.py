@@ -26,7 +26,7 @@ async def transform(name: str, request: Request) -> Response:
     served = state.engine.model(name)
     with state.count(name):
         served.check_serving()
-        asked = None
+        asked = parameters = None
         if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
             parameters = codec.query_parameters(request.scope["query_string"])
             asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
@@ -36,14 +36,14 @@ async def transform(name: str, request: Request) -> Response:
         encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
         encoding_out = codec.response_encoding(headers.get("accept"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        decoded = _decode(
-            await read_body(request, state.settings.max_body_bytes),
-            headers,
-            encoding_in,
-            encoding_out,
-            served,
-            state.settings.max_queue_rows,
-        )
+        body = await read_body(request, state.settings.max_body_bytes)
+        # Looked up again: a reload may have swapped the copy while the body arrived. From here to
+        # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
+        served = state.engine.model(name)
+        if parameters is not None:
+            asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
+        decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
+        del body
         request_context.decoded(decoded.shape, decoded.dtype.name)
         if asked is not None:
             result = await unless_disconnected(
@@ -78,7 +78,8 @@ def _decode(
 
 async def list_models(state: StateDep) -> Response:
     # A trailing newline, so that `curl /v1/models` leaves the shell prompt on a line of its own.
-    models = ModelList.model_validate({"models": [m.describe() for m in state.engine.models()]})
+    listed = [m.describe() for m in state.engine.listed()]
+    models = ModelList.model_validate({"models": listed})
     return Response(models.model_dump_json().encode() + b"\n", media_type="application/json")
 
 

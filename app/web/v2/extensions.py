@@ -1,11 +1,11 @@
 """Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
 
 The trace extension is app/web/v2/trace_extension.py's, logging log_settings.py's, system shared
-memory system_shared_memory.py's (with CUDA shared memory's refusal); their routes are listed here
-with the rest. The extensions this server does not implement (repository
-load/unload, generate) have their routes too, so that a client calling one learns which
-extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
-`EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
+memory system_shared_memory.py's (with CUDA shared memory's refusal), the model repository's load
+and unload model_control.py's; their routes are listed here with the rest. The extension this
+server does not implement (generate) has its routes too, so that a client calling one learns
+which extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare
+404. `extensions` (GET /v2) lists exactly the ones implemented.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from app.engine.service import ServedModel
+from app.engine.service import ServedModel, UnloadedModel
 from app.settings import Settings
 from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
@@ -30,13 +30,18 @@ from app.web.v2.schemas import (
 )
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
-# model_repository is not listed: of its three APIs only the index is served.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace", "logging"]
 
 
 def extensions(settings: Settings) -> list[str]:
-    """GET /v2's list: exactly the extensions this server answers, system shared memory when it is on."""
-    return [*EXTENSIONS, system_shared_memory.EXTENSION] if settings.shared_memory else list(EXTENSIONS)
+    """GET /v2's list: exactly the extensions this server answers: system shared memory when it is
+    on, model_repository (index, load, unload) with model_control = explicit."""
+    listed = list(EXTENSIONS)
+    if settings.shared_memory:
+        listed.append(system_shared_memory.EXTENSION)
+    if settings.model_control == "explicit":
+        listed.append("model_repository")
+    return listed
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -130,21 +135,22 @@ async def version_stats(name: str, version: str, state: StateDep) -> dict[str, A
 # ----- model repository ------------------------------------------------------------------------
 
 
-def _repository_entry(served: ServedModel) -> RepositoryModel:
+def _repository_entry(served: ServedModel | UnloadedModel) -> RepositoryModel:
     status = served.status
     return RepositoryModel(
         name=served.name, version=str(served.version), state=status.state.value, reason=status.reason
     )
 
 
-def repository_models(models: list[ServedModel], ready_only: bool) -> list[RepositoryModel]:
-    """The repository index (both doors): every model and its state, or only the READY ones."""
+def repository_models(models: list[ServedModel | UnloadedModel], ready_only: bool) -> list[RepositoryModel]:
+    """The repository index (both doors): every model and its state (unloaded ones too, as Triton
+    lists them: UNAVAILABLE, "unloaded", with the version they last served), or only the READY ones."""
     entries = [_repository_entry(served) for served in models]
     return [entry for entry in entries if entry.state == "READY"] if ready_only else entries
 
 
 async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
-    return repository_models(state.engine.models(), body is not None and body.ready)
+    return repository_models(state.engine.listed(), body is not None and body.ready)
 
 
 # ----- the extensions not implemented ----------------------------------------------------------
@@ -158,14 +164,6 @@ def _unsupported(extension: str, detail: str) -> Handler:
 
 
 _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
-    (
-        "model_repository",
-        "the models are fixed at start by the config file, so load and unload are refused; "
-        "POST /v2/repository/index lists them",
-    ): [
-        "POST /v2/repository/models/{name}/load",
-        "POST /v2/repository/models/{name}/unload",
-    ],
     ("generate", "the FFN maps embeddings to embeddings, not text to text; use /infer"): [
         "POST /v2/models/{name}/generate",
         "POST /v2/models/{name}/generate_stream",

@@ -16,7 +16,7 @@ from app.web.errors import error_response
 from app.web.http import deadline_from, read_body, unless_disconnected
 from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
-from app.web.v2 import codec, extensions
+from app.web.v2 import codec, extensions, model_control
 from app.web.v2.codec import PLATFORM, SERVER_NAME
 from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
@@ -57,6 +57,9 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
         body = await read_body(request, state.settings.max_body_bytes)
+        # Looked up again: a reload may have swapped the copy while the body arrived. From here to
+        # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
+        served = state.engine.model(name, version)
         decoded = codec.decode(
             body,
             header_length,
@@ -164,6 +167,7 @@ _INFER: dict[str, Any] = {
 ENDPOINTS = [
     # The extensions first: /v2/models/stats must match before /v2/models/{name} does.
     *extensions.ENDPOINTS,
+    *model_control.ENDPOINTS,
     Endpoint(
         "GET",
         "/v2",
