@@ -15,10 +15,13 @@ done
 cd "$(dirname "$0")/.."
 # A tool of the test extra missing (an older .venv): set up again, which adds what is new.
 [ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] && [ -x .venv/bin/lint-imports ] \
-  && [ -x .venv/bin/docker-compose ] || bash scripts/setup.sh --test
+  && [ -x .venv/bin/docker-compose ] && .venv/bin/python -c "import xdist" 2>/dev/null || bash scripts/setup.sh --test
 if [ $# -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .
   .venv/bin/mypy
+  # The whole suite, two test files at a time (pytest-xdist): most tests wait on a server process
+  # or a socket rather than compute, and a file's module-scoped servers stay in one process.
+  args=(-n "${FFN_TEST_PROCESSES:-2}" --dist loadfile)
 fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider ${args[@]+"${args[@]}"}
