@@ -110,7 +110,8 @@ class Settings(BaseSettings):
         default=16 * 1024,
         ge=1024,
         le=1024 * 1024,
-        description="Largest request head (request line and headers); cut off with 431 as it arrives.",
+        description="Largest request head (request line and headers), and the budget of every other byte of a "
+        "request that is not body data (chunk framing, trailers: plus 1/64 of the body); cut off with 431 as it arrives.",
     )
     header_timeout_s: float = Field(
         default=10.0,
@@ -121,6 +122,12 @@ class Settings(BaseSettings):
         default=30.0,
         gt=0.0,
         description="Longest pause while a request's body arrives; else 408.",
+    )
+    min_body_rate: int = Field(
+        default=65536,
+        ge=0,
+        description="Bytes per second a body must average after its first read_timeout_s, so that it arrives "
+        "within read_timeout_s + its size / this rate; else 408. 0: no rate, the pause bound alone.",
     )
     send_timeout_s: float = Field(
         default=30.0,

@@ -88,6 +88,63 @@ async def flood_headers(port: int, total: int) -> None:
         writer.close()
 
 
+async def flood_trailers(port: int, total: int, headers: dict[str, str] | None = None) -> None:
+    """A chunked request whose trailer section never ends: 8 KB trailer fields until `total` bytes or the server hangs up."""
+    _, writer = await asyncio.open_connection(HOST, port)
+    try:
+        head = {**(headers or {}), "Content-Type": "application/json", "Transfer-Encoding": "chunked"}
+        writer.write(http_request("POST", V1, head, close=False) + b"1\r\n{\r\n0\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the request is in the app, reading its body: its head was checked whole
+        line = b"X-Trailer-%06d: " + b"a" * 8000 + b"\r\n"
+        for i in range(total // len(line)):
+            writer.write(line % i)
+            await writer.drain()
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        writer.close()
+
+
+async def flood_pipelined(port: int, total: int, stall_s: float = 3.0) -> None:
+    """Pipeline tiny GETs (health probes: no key needed) without reading an answer, until `total` bytes,
+    the server hangs up, or it stops reading for `stall_s` seconds."""
+    _, writer = await asyncio.open_connection(HOST, port)
+    batch = http_request("GET", "/v2/health/live", close=False) * 2000
+    sent = 0
+    try:
+        while sent < total:
+            writer.write(batch)
+            await asyncio.wait_for(writer.drain(), stall_s)
+            sent += len(batch)
+    except (TimeoutError, ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        writer.close()
+
+
+async def trickle_body(
+    port: int, interval: float, headers: dict[str, str] | None = None, limit: float = 60.0
+) -> int | None:
+    """Send a 1 MB body's head, then one byte every `interval` s: the answer's status, None if closed or out of time."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    head = {**(headers or {}), "Content-Type": "application/json", "Content-Length": str(1 << 20)}
+    answer = asyncio.ensure_future(read_response(reader))
+    try:
+        writer.write(http_request("POST", V1, head, close=False))
+        async with asyncio.timeout(limit):
+            while not answer.done():
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.wait([answer], timeout=interval)
+            return (await answer).status
+    except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+        return None
+    finally:
+        answer.cancel()
+        writer.close()
+
+
 async def probe_while(port: int, work: Awaitable[Response], limit: float = 60.0) -> tuple[Response, list[float]]:
     """Run `work` while GET /v2/health/live is probed on its own connection; each probe's wait in seconds."""
     loop = asyncio.get_running_loop()
