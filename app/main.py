@@ -18,6 +18,7 @@ from app.web.docs_assets import serve_docs_offline
 from app.web.endpoints import register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
+from app.web.held import HeldBytes
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.state import ServiceState
@@ -44,7 +45,7 @@ def create_app(
     registry = registry or Registry(settings, Metrics())
     engine = Engine(settings, registry)
     control = control or Control()
-    state = ServiceState(settings, engine, registry.metrics, control)
+    state = ServiceState(settings, engine, registry.metrics, control, HeldBytes(settings.max_held_bytes))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(default=20.0, ge=0.0, description="On SIGTERM, how long to finish accepted work.")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
+    max_held_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=1024,
+        description="Bytes the requests one process is answering may hold: bodies as they arrive (a declared "
+        "length before it is read), then their tensors; past it, 429 (retry shortly). At least max_body_bytes.",
+    )
     max_header_bytes: int = Field(
         default=16 * 1024,
         ge=1024,
@@ -189,6 +195,15 @@ class Settings(BaseSettings):
     def _ports_differ(self) -> Settings:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
+        return self
+
+    @model_validator(mode="after")
+    def _one_body_fits_the_held_budget(self) -> Settings:
+        if self.max_held_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_held_bytes ({self.max_held_bytes}) must be at least max_body_bytes ({self.max_body_bytes}): "
+                "else the largest body could never be read"
+            )
         return self
 
     @field_validator("api_key")

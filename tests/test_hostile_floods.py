@@ -89,3 +89,20 @@ async def test_tricklers_cannot_fill_the_connection_cap(server: ServerProcess) -
     assert set(statuses) <= {408, 503, None}, statuses
     assert statuses.count(408) <= MAX_CONNECTIONS // 2, statuses
     assert memory.growth < FLAT
+
+
+async def test_a_v2_envelope_of_millions_of_keys_is_refused_before_parsing(server: ServerProcess) -> None:
+    # Class 6. Before: counted arrays and values only; 4.6 M parameter keys (57 MiB) cost 12x the body and 3 s.
+    keys = b",".join(b'"k%07d":1' % i for i in range(4_600_000))
+    body = (
+        b'{"parameters": {'
+        + keys
+        + b'}, "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": [0]}]}'
+    )
+    request = http_request(
+        "POST", "/v2/models/demo/infer", {**AUTH, "Content-Type": "application/json"}, body, close=False
+    )
+    async with PeakMemory(server) as memory:
+        r = await raw_request(server.port, request, timeout=120)
+    assert r.status == 413 and r.json()["error_type"] == "payload_too_large", r.body[:300]
+    assert memory.growth < 3 * len(body), f"RSS grew {memory.growth / MiB:.0f} MiB for a {len(body) / MiB:.0f} MiB body"

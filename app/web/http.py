@@ -10,6 +10,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from app.web.fields import header_int, header_number
+from app.web.held import Hold
 
 T = TypeVar("T")
 
@@ -31,23 +32,28 @@ def refuse_content_encoding(content_encoding: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, hold: Hold) -> bytearray:
     """The whole body into one writable buffer, refused with 413 as soon as it passes `limit`.
 
-    Content-Length is checked before reading; a chunked body is counted as it streams in. A
-    client that hangs up is a 499, not a failure of ours; one that stalls mid-body is answered
-    408 by the protocol (app/web/protocol.py), which this read then sees as a hang-up. The
-    buffer is a bytearray so binary tensors can be viewed without a copy.
+    Content-Length is checked, and taken from the process's budget of held bytes (`hold`, 429
+    when spent), before reading; a chunked body is counted and taken as it streams in. A client
+    that hangs up is a 499, not a failure of ours; one that stalls mid-body is answered 408 by
+    the protocol (app/web/protocol.py), which this read then sees as a hang-up. The buffer is a
+    bytearray so binary tensors can be viewed without a copy.
     """
     declared = header_int(request.headers.get("content-length"), "Content-Length")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    if declared is not None:
+        hold.grow(declared)
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+            if len(body) > hold.size:
+                hold.resize(len(body))
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection while sending its body") from None
     return body

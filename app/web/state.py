@@ -14,6 +14,7 @@ from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
 from app.web.errors import error_type_of
+from app.web.held import HeldBytes
 
 
 @dataclass
@@ -22,6 +23,7 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    held: HeldBytes  # bytes held by the requests this process is answering (app/web/held.py)
 
     @contextmanager
     def count(self, model: str) -> Iterator[None]:

@@ -35,22 +35,25 @@ async def transform(name: str, request: Request) -> Response:
         encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
         encoding_out = codec.response_encoding(headers.get("accept"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        decoded = _decode(
-            await read_body(request, state.settings.max_body_bytes),
-            headers,
-            encoding_in,
-            encoding_out,
-            served,
-            state.settings.max_queue_rows,
-        )
-        if asked is not None:
-            result = await unless_disconnected(
-                request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+        with state.held.request() as hold:
+            decoded = _decode(
+                await read_body(request, state.settings.max_body_bytes, hold),
+                headers,
+                encoding_in,
+                encoding_out,
+                served,
+                state.settings.max_queue_rows,
             )
-            content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
-        else:
-            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
-            content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+            if encoding_in == "json":  # the body is gone, parsed into a tensor of its own
+                hold.resize(decoded.rows.nbytes)
+            if asked is not None:
+                result = await unless_disconnected(
+                    request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+                )
+                content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
+            else:
+                output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+                content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
 
 

@@ -43,6 +43,7 @@ class V2Request:
     binary_output: bool  # binary_data_output: the default for outputs that do not say
     parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
     timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
+    binary_input: bool  # `rows` is a view of the body's binary section (else parsed from JSON: a tensor of its own)
 
 
 def check_content(content_type: str | None, content_encoding: str | None) -> None:
@@ -93,7 +94,9 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
         values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
     binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
     outputs = _requested_outputs(document, binary_output, mc_parameters.asks_for_monte_carlo(parameters))
-    return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us)
+    return V2Request(
+        values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us, binary_size is not None
+    )
 
 
 SHARED_MEMORY_REGION = "shared_memory_region"
