@@ -23,6 +23,8 @@ from app.engine.registry import Registry, ServedModel
 from app.engine.status import READY, ModelState, ModelStatus
 from app.settings import Settings
 
+__all__ = ["Engine", "ServedModel"]  # the edge's whole view of the engine, with its errors and status
+
 log = logging.getLogger("ffn_serve")
 
 

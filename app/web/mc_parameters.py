@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.engine.montecarlo import MonteCarloRequest
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.web.errors import InvalidInput
 from app.web.fields import int_field, number_field, text_int, text_number
 

@@ -6,7 +6,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
 from app.web.errors import InvalidInput

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.settings import Settings
 from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension

@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 
 _LATEST = {"ffn_last_inference_timestamp_seconds"}
 _NOT_MEASURED = {"count": 0, "ns": 0}
