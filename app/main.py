@@ -43,8 +43,8 @@ def create_app(
     `control`: how commands reach every serving process (a worker's pipe); by default, this one only.
     """
     registry = registry or Registry(settings, Metrics())
-    engine = Engine(settings, registry)
     control = control or Control()
+    engine = Engine(settings, registry, beat=control.heartbeat)
     state = ServiceState(settings, engine, registry.metrics, control, HeldBytes(settings.max_held_bytes))
 
     @asynccontextmanager

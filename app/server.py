@@ -6,11 +6,13 @@ The same code runs the whole service (`workers = 1`) and each of the supervisor'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
@@ -56,7 +58,9 @@ class DrainingServer(uvicorn.Server):
 
     While draining the socket stays open: readiness answers 503 (so load balancers and
     Kubernetes take the pod out), new work gets 503, and every accepted request is answered.
-    A second signal exits at once. `on_started` is called once the sockets accept connections.
+    A second signal exits at once. SIGHUP drains like SIGTERM (uvicorn would leave it to the
+    default action, an exit without a drain), until the service gives it a meaning of its own.
+    `on_started` is called once the sockets accept connections.
     """
 
     def __init__(self, config: uvicorn.Config, engine: Engine, on_started: Callable[[], None] | None = None) -> None:
@@ -64,6 +68,19 @@ class DrainingServer(uvicorn.Server):
         self._engine = engine
         self._on_started = on_started
         self._drain_task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(signal.SIGHUP, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

@@ -145,6 +145,18 @@ class Settings(BaseSettings):
         ge=1,
         description="Open connections per process; past it, 503 and close.",
     )
+    max_loop_lag_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        description="Readiness answers 503 for a few seconds after the event loop was held longer than this "
+        "(a huge body parsed, a blocking bug): the process answers nothing while it is held.",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Workers: one whose event loop sends its supervisor no heartbeat for this long (stopped, hung, "
+        "blocked) is killed and replaced, with a log line.",
+    )
     api_key: SecretStr | None = Field(
         default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
     )

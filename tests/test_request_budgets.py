@@ -15,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from app.engine.registry import ServedModel
+from app.engine.service import ServedModel
 from app.settings import Settings
 from app.web.tensors import MAX_JSON_OBJECTS, MAX_JSON_STRINGS
 from tests.in_process import InProcessApp

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import torch
 
 from app.engine.errors import ModelNotFound
+from app.engine.loop_watch import LoopWatch
 from app.engine.registry import Registry, ServedModel
 from app.engine.status import READY, ModelState, ModelStatus
 from app.settings import Settings
@@ -31,12 +33,14 @@ log = logging.getLogger("ffn_serve")
 class Engine:
     """The served models, looked up by name, and their lifecycle from start to drain."""
 
-    def __init__(self, settings: Settings, registry: Registry) -> None:
+    def __init__(self, settings: Settings, registry: Registry, beat: Callable[[], None] | None = None) -> None:
+        """`beat`: called on every tick of the loop watch (a worker's heartbeat to its supervisor)."""
         self.settings = settings
         self._registry = registry
         self._started = False
         self._draining = False
         self._warm_up_task: asyncio.Task[None] | None = None
+        self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
 
     # ----- lookup ----------------------------------------------------------------------------
 
@@ -70,6 +74,9 @@ class Engine:
             return ModelStatus(ModelState.UNAVAILABLE, "; ".join(unavailable))
         if any(m.status.state is ModelState.LOADING for m in models):
             return ModelStatus(ModelState.LOADING, "models are still loading or warming up")
+        lagging = self._loop_watch.lagging()
+        if lagging is not None:
+            return ModelStatus(ModelState.UNAVAILABLE, lagging)
         return READY
 
     @property
@@ -82,6 +89,7 @@ class Engine:
         """Load if needed and start the batchers; warm-up runs in the background (live before ready)."""
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
+        self._loop_watch.start()
         if not self._registry.models:
             await asyncio.to_thread(self._registry.load)
         for served in self.models():
@@ -110,9 +118,10 @@ class Engine:
         return finished
 
     async def stop(self) -> None:
-        """Stop warming up, answer every pending entry 503 and release the device threads."""
+        """Stop warming up and the loop watch, answer every pending entry 503 and release the device threads."""
         if self._warm_up_task is not None:
             self._warm_up_task.cancel()
+        self._loop_watch.stop()
         for served in self.models():
             await served.stop()
         self._registry.shutdown_executors()
