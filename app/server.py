@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from app.control import Control
+from app.descriptors import fit_connection_cap
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
@@ -131,7 +132,12 @@ def serve_here(
             log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
             return EXIT_CANNOT_BIND
         log_start(settings, listeners)
-    settings = settings.model_copy(update={"metrics_port": listeners.metrics_port()})
+    settings = settings.model_copy(
+        update={
+            "metrics_port": listeners.metrics_port(),
+            "max_connections": fit_connection_cap(settings.max_connections),
+        }
+    )
     app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control)
     config = uvicorn.Config(
         app,

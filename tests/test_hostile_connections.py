@@ -268,3 +268,19 @@ async def test_answers_nobody_reads_are_dropped_not_kept(server: ServerProcess) 
     _, after = await unread_clients(server, request, 8, send_timeout=1.0, dropped=dropped)
     assert server.logs().count("dropping a connection that read none") == 8
     assert after - before < 16 * MiB, f"{(after - before) / MiB:.0f} MiB still held for 8 unread answers of ~10 MiB"
+
+
+# ----- issue 20, class 14: a WebSocket upgrade is plain HTTP, through the guard ----------------------
+
+
+async def test_a_websocket_upgrade_meets_the_key_check_and_is_never_upgraded(server: ServerProcess) -> None:
+    # Before: the upgrade passed the guard (no key check) and got Starlette's empty 403.
+    reader, writer = await asyncio.open_connection(HOST, server.port)
+    writer.write(
+        b"GET /v2/models/demo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    r = await asyncio.wait_for(read_response(reader), 30)
+    json_error(r, 401, "unauthorized")
+    assert await until_closed(reader) == b""  # no other protocol is spoken on it
+    writer.close()
