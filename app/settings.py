@@ -159,7 +159,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="Open connections per process; past it, 503 and close.",
+        description="Open connections per process: at the cap the one idle longest is closed for a new one, and "
+        "with none idle the new one gets 503; at most half may be still sending their request. The process's "
+        "file descriptor limit is raised to fit it, or it is lowered with a log line.",
     )
     max_loop_lag_s: float = Field(
         default=2.0,

@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
-from bench.hostile import (
+from bench.hostile_clients import (
     MEASURABLE_MALLOC,
     PeakMemory,
     empty_rows_body,

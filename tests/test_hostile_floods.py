@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 
-from bench.hostile import MEASURABLE_MALLOC, PeakMemory, flood_pipelined, flood_trailers, trickle_body
+from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_pipelined, flood_trailers, trickle_body
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference
 

@@ -28,7 +28,8 @@ An upgrade request (WebSocket, h2c) is answered as a plain HTTP request and the 
 after it: the service speaks HTTP/1.1 only (uvicorn runs with ws="none"). Parser-level refusals
 (malformed request line, bad header bytes, broken chunked framing) get the service's JSON error
 body instead of uvicorn's text/plain. After an error answer the connection lingers briefly,
-reading and discarding, so that a client still sending reads the answer instead of a reset.
+reading and discarding up to LINGER_BYTES, so that a client still sending reads the answer
+instead of a reset; past those, reading stops (a flood costs the server nothing more).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from app.web.errors import (
 log = logging.getLogger("ffn_serve")
 
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
+LINGER_BYTES = 1024 * 1024  # ... and how much at most: then reading stops until the close
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hyper: one at a time)
 FRAMING_SHARE = 64  # a message's non-body bytes may pass max_header_bytes by this fraction of its body
@@ -162,6 +164,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent_at_check = 0
         self._discarding = False  # an error was answered, or an upgrade asked for: input is dropped
+        self._discarded = 0
 
     # ----- connection ------------------------------------------------------------------------
 
@@ -184,6 +187,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
+            self._discarded += len(data)
+            if self._discarded > LINGER_BYTES:
+                self.flow.held = True
+                self.flow.pause_reading()
             return
         self._unset_keepalive_if_required()
         if self._in_body:
