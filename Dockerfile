@@ -2,8 +2,8 @@
 # ffn-serve image, CPU or CUDA from this one file:
 #   docker build -t ffn-serve:cpu .
 #   docker build --build-arg VARIANT=cuda -t ffn-serve:cuda .
-# VARIANT picks the base stage below, and with it the PyTorch wheel index. Both bases are
-# python:3.11-slim by default: the CUDA wheels of torch carry the CUDA libraries they need, so the
+# VARIANT picks the base stage below, and with it the PyTorch wheel index torch comes from. Both
+# bases are python:3.11-slim by default: the CUDA wheels of torch carry the CUDA libraries they need, so the
 # host needs only the NVIDIA driver and container toolkit. CUDA_BASE can name another base with
 # Python 3.11 (its `python` and `pip` are used as they are).
 # Weights and config.toml go in a volume mounted at /models; with none there, the built-in `demo`.
@@ -12,15 +12,22 @@
 ARG VARIANT=cpu
 ARG CPU_BASE=python:3.11-slim-bookworm
 ARG CUDA_BASE=python:3.11-slim-bookworm
+ARG TORCH_VERSION=2.13.0
 
+# Each base stage installs torch from its variant's index first, so that no later requirement
+# pulls another build. The index is a build argument, not an ENV: it is not in the image's
+# environment nor in its containers' (BuildKit still records it in `docker history`: never put
+# credentials in the URL).
 FROM ${CPU_BASE} AS base-cpu
+ARG TORCH_VERSION
 ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ENV TORCH_INDEX_URL=${CPU_TORCH_INDEX}
+RUN pip install --no-cache-dir --disable-pip-version-check "torch==${TORCH_VERSION}" --index-url "${CPU_TORCH_INDEX}"
 
 FROM ${CUDA_BASE} AS base-cuda
+ARG TORCH_VERSION
 ARG CUDA_TORCH_INDEX=https://download.pytorch.org/whl/cu128
-ENV TORCH_INDEX_URL=${CUDA_TORCH_INDEX} \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
+RUN pip install --no-cache-dir --disable-pip-version-check "torch==${TORCH_VERSION}" --index-url "${CUDA_TORCH_INDEX}"
 
 # ffn-loadtest alone: the ffn-client distribution and its loadtest extra (rich, matplotlib,
 # prometheus-client), no torch and no server. docker-compose.yml's `loadtest` service runs it.
@@ -41,10 +48,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-
-# torch first, from the variant's index, so that no later requirement pulls another build.
-ARG TORCH_VERSION=2.13.0
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # The other dependencies, read from pyproject.toml alone: this layer is rebuilt only when the
 # dependencies change, not when the code does.
@@ -75,7 +78,8 @@ WORKDIR /home/ffn
 # unless FFN_PORT or the config file says otherwise; the health check follows either.
 ENV FFN_HOST=0.0.0.0 \
     MODELS_DIR=/models
-EXPOSE 8000
+# 8000 HTTP, 8001 gRPC (FFN_GRPC_PORT; FFN_GRPC=false turns it off).
+EXPOSE 8000 8001
 
 # Ready = every model loaded and warm; loading large weights can take a while, hence start-period.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["ffn-healthcheck"]

@@ -6,13 +6,15 @@ loads the models and serves (app/server.py); with more, a supervisor (app/superv
 that many worker processes on the sockets bound here.
 
 Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
-server failed while starting; 2 invalid settings or command line; 3 the address cannot be bound
-(the port is in use, or not allowed).
+server failed while starting; 2 invalid settings or command line, or an installed uvicorn that
+lacks what app/web/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
+allowed).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -20,8 +22,10 @@ from collections.abc import Sequence
 from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
 from app.logs import configure_logging
+from app.metrics_folder import MetricsFolderError, check_metrics_dir
 from app.settings import Settings, command_line, load_settings, misspelt_variables
 from app.settings_problems import SettingsError
+from app.tracing import config as tracing_config
 
 log = logging.getLogger("ffn_serve")
 
@@ -33,6 +37,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"ffn-serve: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if settings.workers > 1:
+        try:
+            check_metrics_dir(settings.metrics_dir)
+        except MetricsFolderError as exc:
+            print(f"ffn-serve: invalid setting {exc}", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
+    tracing_problems = tracing_config.problems(settings.otlp_endpoint, os.environ)
+    for problem in tracing_problems:
+        print(f"ffn-serve: {problem}", file=sys.stderr)
+    if tracing_problems:
+        return EXIT_BAD_SETTINGS
     configure_logging(settings.log_level, settings.log_format)
     for warning in misspelt_variables():
         log.warning(warning)
@@ -40,9 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
+    # Before torch, the models or a port: a uvicorn outside the pinned range fails here, in one line.
+    from app.web import uvicorn_members
+
+    mismatch = uvicorn_members.mismatch()
+    if mismatch is not None:
+        print(f"ffn-serve: {mismatch}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     # Imported here, once the settings are valid: torch, which the server imports, takes seconds.
     import torch
 
+    from app.grpc.ports import reserve
     from app.metrics import Metrics
     from app.server import Listeners, serve_here
     from app.supervisor import Supervisor
@@ -54,6 +77,9 @@ def serve(settings: Settings) -> int:
         torch.version.cuda or "none",
         _devices(settings),
     )
+    export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
+    if export is not None:
+        log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
     # Bound before the models load: a port in use is reported at once, not after a long load.
     main_socket = _bind_or_none(settings.host, settings.port)
     if main_socket is None:
@@ -65,6 +91,15 @@ def serve(settings: Settings) -> int:
             listeners.main.close()
             return EXIT_CANNOT_BIND
         listeners.metrics = metrics_socket
+    if settings.grpc:
+        try:
+            listeners.grpc = reserve(settings.host, settings.grpc_port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d (gRPC): %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            listeners.close()
+            return EXIT_CANNOT_BIND
+        # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
+        settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
     if settings.workers > 1:
         return Supervisor(settings, listeners).run()
     try:

@@ -11,6 +11,8 @@ worker over that worker's pipe and collects the replies.
 - Sticky commands are remembered by the supervisor under their key (the latest one per key) and
   replayed, in order, to every worker it starts later, before that worker takes any traffic: a
   replacement worker serves the same log level, regions and models as the others.
+  A command that undoes a sticky one (`forget=True`: a region unregistered) is applied like any
+  other, and the key is then forgotten, neither replayed: the supervisor remembers only keys in use.
 - A worker applies what arrives before its handlers are registered once they are (`open()`, in the
   app's start-up), in arrival order.
 
@@ -41,7 +43,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # Messages on a worker's pipe, as tuples: the first item says which.
 READY = "ready"  # worker -> supervisor: warm, taking traffic
 HEARTBEAT = "heartbeat"  # worker -> supervisor: its event loop runs (app/engine/loop_watch.py)
-BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s)
+BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s, forget)
 APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key)
 APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
 DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...])
@@ -97,12 +99,21 @@ class Control:
             await self._on_message(message)
 
     async def broadcast(
-        self, name: str, args: dict[str, Any], *, sticky: str | None = None, timeout_s: float = 60.0
+        self,
+        name: str,
+        args: dict[str, Any],
+        *,
+        sticky: str | None = None,
+        forget: bool = False,
+        timeout_s: float = 60.0,
     ) -> list[Reply]:
         """Apply `name` in every serving process; one Reply each, this process's among them.
 
         `sticky`: a key under which the command is remembered and replayed to workers started later.
+        `forget`: with `sticky`, the command undoes the key's earlier one: once applied, nothing
+        under the key is replayed any more.
         """
+        assert sticky is not None or not forget, "forget names the sticky key it clears; this is a bug."
         if self._conn is None:
             return [await self._apply(name, args, sticky or name)]
         loop = asyncio.get_running_loop()
@@ -110,7 +121,7 @@ class Control:
         answer: asyncio.Future[list[Reply]] = loop.create_future()
         self._pending[request_id] = answer
         try:
-            self._send((BROADCAST, request_id, name, args, sticky, timeout_s))
+            self._send((BROADCAST, request_id, name, args, sticky, timeout_s, forget))
             async with asyncio.timeout(timeout_s + RELAY_MARGIN_S):
                 return await answer
         except TimeoutError:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-
-from fastapi import FastAPI
 
 from app import __version__
 from app.control import Control
@@ -13,15 +12,21 @@ from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
+from app.tracing import TraceSettings, start_tracing
+from app.tracing.config import traces_export
 from app.web import ops
 from app.web.docs_assets import serve_docs_offline
-from app.web.endpoints import register
+from app.web.endpoints import ServiceApp, register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
 from app.web.held import HeldBytes
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
+from app.web.request_ids import RequestIds
+from app.web.request_timer import RequestTimer, route_templates
+from app.web.shared_memory import SharedMemoryRegions
 from app.web.state import ServiceState
+from app.web.v2 import log_settings, system_shared_memory, trace_extension
 from app.web.v2 import routes as v2
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
@@ -34,7 +39,7 @@ def create_app(
     fast_path: bool = True,
     warm_before_serving: bool = False,
     control: Control | None = None,
-) -> FastAPI:
+) -> ServiceApp:
     """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
 
     `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
@@ -45,11 +50,27 @@ def create_app(
     registry = registry or Registry(settings, Metrics())
     control = control or Control()
     engine = Engine(settings, registry, beat=control.heartbeat)
-    state = ServiceState(settings, engine, registry.metrics, control, HeldBytes(settings.max_held_bytes))
+    export = traces_export(settings.otlp_endpoint, os.environ)
+    trace_settings = TraceSettings(tracing=export is not None)
+    tracing = start_tracing(export, trace_settings)
+    regions = SharedMemoryRegions() if settings.shared_memory else None
+    held = HeldBytes(settings.max_held_bytes)
+    state = ServiceState(
+        settings, engine, registry.metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
+    )
+    control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
+    control.register(log_settings.COMMAND, log_settings.apply_command)
+    if regions is not None:
+        for command, handler in system_shared_memory.control_handlers(regions).items():
+            control.register(command, handler)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: ServiceApp) -> AsyncIterator[None]:
         await engine.start()
+        for served in engine.models():
+            state.count_from_zero(served.name)
+            if tracing is not None:  # the models are loaded now: each one's batches are traced
+                served.set_observer(tracing.observer(served))
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
@@ -57,8 +78,12 @@ def create_app(
             yield
         finally:
             await engine.stop()
+            if tracing is not None:
+                await tracing.shutdown()  # what is still collected is sent now
+            if regions is not None:
+                regions.close_all()
 
-    app = FastAPI(
+    app = ServiceApp(
         title="ffn-serve",
         version=__version__,
         summary="A transformer's position-wise feed-forward network over HTTP, micro-batched.",
@@ -72,14 +97,14 @@ def create_app(
     app.state.service = state
     install_error_handlers(app)
     document_validation_errors_as_400(app)
-    register(app, ENDPOINTS, fast_path=fast_path)
+    register(app, ENDPOINTS, fast_path=fast_path, tracing=tracing)
     serve_docs_offline(app)
     api_key = settings.api_key.get_secret_value() if settings.api_key else None
-    app.add_middleware(
+    app.add_edge_middleware(
         GuardMiddleware, api_key=api_key, max_header_bytes=settings.max_header_bytes, metrics_port=settings.metrics_port
     )
     if settings.cors_origins:  # added last, so outermost: preflights never meet the key check
-        app.add_middleware(
+        app.add_edge_middleware(
             JsonCORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
@@ -91,6 +116,17 @@ def create_app(
                 "X-MC-Passes",
                 "X-MC-Dropout",
                 "X-MC-Seed",
+                "X-Request-Id",
+                "traceparent",
+                "tracestate",
             ],
         )
+    # The whole request, the guard's and CORS's answers included.
+    hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
+    app.add_edge_middleware(
+        RequestTimer, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot)
+    )
+    # Outermost, in front of FastAPI's stack and Starlette's error middleware in it: every answer,
+    # an unexpected 500's included, carries the request's id (app/web/request_ids.py).
+    app.add_edge_middleware(RequestIds)
     return app

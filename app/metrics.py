@@ -73,7 +73,10 @@ class Metrics:
         for collector in (BuildInfoCollector(), ProcessesCollector(folder), GpuMemoryCollector()):
             self.merged.register(collector)
         self.requests = Counter(
-            "ffn_requests", "Requests answered, by model and outcome.", ["model", "outcome"], registry=r
+            "ffn_requests",
+            "Requests answered, by model, outcome and protocol (http, grpc).",
+            ["model", "outcome", "protocol"],
+            registry=r,
         )
         self.queue_seconds = Histogram(
             "ffn_queue_seconds",
@@ -155,6 +158,16 @@ class Metrics:
             ["model", "state"],
             registry=r,
             multiprocess_mode="livesum",
+        )
+        # Whole HTTP requests, as users see them (the histograms above start at the batcher). The
+        # route is the endpoint's template, never the raw path, so the series stay bounded.
+        self.http_request_seconds = Histogram(
+            "ffn_http_request_seconds",
+            "Whole HTTP requests at the ASGI edge, from the parsed head to the last byte of the answer, "
+            "by protocol, route template and status class.",
+            ["protocol", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.worker_restarts = Counter(
             "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r

@@ -3,7 +3,8 @@
 A worker's BROADCAST goes to every worker that has a pipe (ready or still starting, the sender
 too); each answers APPLIED; once all have, or have exited, or the broadcast's time is up, the
 sender gets DONE with one Reply per worker. Sticky commands are kept, the latest per key, and
-replayed in order to every worker started afterwards, before it takes traffic.
+replayed in order to every worker started afterwards, before it takes traffic; a command that
+forgets its key (a region unregistered) drops it, so only keys in use are kept.
 
 Pure bookkeeping over the workers' pipes: no processes, no clock of its own (the supervisor's
 loop passes `now` and asks `next_deadline()`), so it is tested with plain pipes.
@@ -57,8 +58,8 @@ class Relay:
     def received(self, worker: Worker, message: tuple[Any, ...]) -> None:
         """A control message from `worker`'s pipe."""
         if message[0] == BROADCAST:
-            _, request_id, name, args, sticky, timeout_s = message
-            self._broadcast(worker, request_id, name, args, sticky, timeout_s)
+            _, request_id, name, args, sticky, timeout_s, forget = message
+            self._broadcast(worker, request_id, name, args, sticky, timeout_s, forget)
         elif message[0] == APPLIED:
             _, broadcast_id, reply = message
             self._answered(worker, broadcast_id, reply)
@@ -80,12 +81,20 @@ class Relay:
                 self._give_up(broadcast_id, broadcast, list(broadcast.waiting), "no answer in time")
 
     def _broadcast(
-        self, origin: Worker, request_id: int, name: str, args: dict[str, Any], sticky: str | None, timeout_s: float
+        self,
+        origin: Worker,
+        request_id: int,
+        name: str,
+        args: dict[str, Any],
+        sticky: str | None,
+        timeout_s: float,
+        forget: bool = False,
     ) -> None:
         key = sticky or name
         if sticky is not None:
             self._sticky.pop(key, None)  # re-inserted last: replayed after what it may depend on
-            self._sticky[key] = (name, args)
+            if not forget:
+                self._sticky[key] = (name, args)
         broadcast_id = next(self._ids)
         targets = [worker for worker in self._workers.values() if worker.conn is not None]
         broadcast = Broadcast(origin, request_id, {w.index for w in targets}, time.monotonic() + timeout_s)

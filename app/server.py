@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import signal
@@ -23,10 +24,11 @@ from app.descriptors import fit_connection_cap
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
+from app.grpc.server import GrpcServer
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
-from app.web.protocol import uvicorn_options
+from app.web.protocol import LimitedHttpToolsProtocol, uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
@@ -37,10 +39,15 @@ BACKLOG = 2048  # uvicorn's default
 
 @dataclass
 class Listeners:
-    """The bound sockets: the service's port, and the metrics port when one is set."""
+    """The bound sockets: the service's port, the metrics port when one is set, the gRPC port's hold.
+
+    `all()` are uvicorn's. `grpc` never listens: it holds the gRPC port for the grpc servers of
+    the serving processes, which bind it themselves (app/grpc/ports.py).
+    """
 
     main: socket.socket
     metrics: socket.socket | None = None
+    grpc: socket.socket | None = None
 
     def all(self) -> list[socket.socket]:
         return [self.main] if self.metrics is None else [self.main, self.metrics]
@@ -48,6 +55,8 @@ class Listeners:
     def close(self) -> None:
         for sock in self.all():
             sock.close()
+        if self.grpc is not None:
+            self.grpc.close()
 
     def metrics_port(self) -> int | None:
         """The metrics socket's port number (the one the system picked, when 0 was asked for)."""
@@ -58,17 +67,28 @@ class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains the batchers before shutting down.
 
     While draining the socket stays open: readiness answers 503 (so load balancers and
-    Kubernetes take the pod out), new work gets 503, and every accepted request is answered.
+    Kubernetes take the pod out), new work gets 503, and every accepted request is answered,
+    each answer with `Connection: close` (app/web/protocol.py): a kept-alive connection would
+    be closed under the next request its client writes when the process exits.
     A second signal exits at once. SIGHUP drains like SIGTERM (uvicorn would leave it to the
     default action, an exit without a drain), until the service gives it a meaning of its own.
     `on_started` is called once the sockets accept connections.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, on_started: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: Engine,
+        on_started: Callable[[], None] | None = None,
+        grpc_server: GrpcServer | None = None,
+    ) -> None:
+        """`grpc_server`: the gRPC door, started once the app has (warm, in a worker) and stopped after the drain."""
         super().__init__(config)
         self._engine = engine
         self._on_started = on_started
+        self._grpc = grpc_server
         self._drain_task: asyncio.Task[None] | None = None
+        self.exit_code = EXIT_OK
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -85,7 +105,17 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started and not self.should_exit and self._on_started is not None:
+        if not self.started or self.should_exit:
+            return
+        if self._grpc is not None:
+            try:
+                await self._grpc.start()
+            except RuntimeError as exc:  # grpc's way of saying it could not bind
+                log.error("cannot serve gRPC: %s", exc)
+                self.exit_code = EXIT_CANNOT_BIND
+                self.should_exit = True
+                return
+        if self._on_started is not None:
             self._on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -97,7 +127,39 @@ class DrainingServer(uvicorn.Server):
         )
         self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit())
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Stop the gRPC door, then uvicorn's shutdown, after taking in the connections waiting in the
+        listening sockets' backlog.
+
+        Closing a listening socket resets the connections the kernel completed but nobody accepted
+        yet, and their clients may have written a request already. Accepted here, in the same step
+        as the close, they are answered (503, `Connection: close`) like any other.
+        """
+        waiting = [connection for sock in sockets or [] for connection in _accept_waiting(sock)]
+        for server in self.servers:
+            server.close()  # at once: from here a connect is refused, and nothing is written
+        loop = asyncio.get_running_loop()
+        protocol = functools.partial(
+            self._protocol_class(),
+            config=self.config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+        for connection in waiting:
+            await loop.connect_accepted_socket(protocol, connection)
+        # The drain has finished the accepted work: gRPC calls still open (streams, health watches) get the
+        # same grace as HTTP connections, and new calls are refused.
+        if self._grpc is not None:
+            await self._grpc.stop(0 if self.force_exit else CONNECTION_CLOSE_GRACE_S)
+        await super().shutdown(sockets)
+
+    def _protocol_class(self) -> type[LimitedHttpToolsProtocol]:
+        protocol = self.config.http_protocol_class
+        assert issubclass(protocol, LimitedHttpToolsProtocol), "uvicorn_options sets the protocol. This is a bug."
+        return protocol
+
     async def _drain_then_exit(self) -> None:
+        self._protocol_class().close_connections(self.server_state.connections)
         finished = await self._engine.drain()
         if not finished:
             log.warning("drain timeout reached with work still queued; answering it 503")
@@ -151,7 +213,9 @@ def serve_here(
         backlog=BACKLOG,
         **uvicorn_options(settings),
     )
-    server = DrainingServer(config, app.state.service.engine, on_started=on_ready)
+    state = app.state.service
+    grpc_server = GrpcServer(state, settings.host, settings.grpc_port) if settings.grpc else None
+    server = DrainingServer(config, state.engine, on_started=on_ready, grpc_server=grpc_server)
     # Everything loaded so far (torch, the app, the weights: some 200,000 objects) lives as long
     # as the process. Frozen, the garbage collector's full passes skip it: unfrozen, each one
     # paused the event loop for over 100 ms every second or two under load (docs/benchmarks.md).
@@ -162,7 +226,23 @@ def serve_here(
     except SystemExit as exc:  # uvicorn's way out when the app's start-up (its lifespan) failed
         if exc.code:
             return EXIT_START_FAILED
+    if server.exit_code != EXIT_OK:
+        return server.exit_code
     return EXIT_OK if server.started else EXIT_START_FAILED
+
+
+def _accept_waiting(sock: socket.socket) -> list[socket.socket]:
+    """Every connection waiting in a listening socket's backlog (it is non-blocking under asyncio)."""
+    accepted: list[socket.socket] = []
+    while True:
+        try:
+            connection, _ = sock.accept()
+        except ConnectionAbortedError:  # reset by its client while it waited: nothing to answer
+            continue
+        except OSError:  # none waiting (EAGAIN), or the socket is closed already
+            return accepted
+        connection.setblocking(False)
+        accepted.append(connection)
 
 
 def log_start(settings: Settings, listeners: Listeners) -> None:
@@ -176,10 +256,14 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
     log.info("settings changed from defaults: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) or "none")
     log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")
     log.info("listening on %s", _address(listeners.main))
+    if listeners.grpc is not None:
+        log.info(
+            "gRPC (inference.GRPCInferenceService, grpc.health.v1, reflection) on %s", _address(listeners.grpc, "grpc")
+        )
     if listeners.metrics is not None:
         log.info("metrics on %s/metrics, without the API key", _address(listeners.metrics))
 
 
-def _address(sock: socket.socket) -> str:
+def _address(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"

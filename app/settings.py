@@ -32,6 +32,7 @@ from app.settings_problems import (
     unknown_arguments,
     validation_problems,
 )
+from app.tracing.config import endpoint_problem
 
 ENV_PREFIX = "FFN_"
 
@@ -96,11 +97,27 @@ class Settings(BaseSettings):
         le=65535,
         description="Also serve /metrics here, without the API key (like Triton's 8002); unset = main port only.",
     )
+    grpc: bool = Field(
+        default=True,
+        description="Also serve the Open Inference Protocol over gRPC (Triton's inference.GRPCInferenceService, "
+        "grpc.health.v1 and server reflection) on grpc_port; --no-grpc (FFN_GRPC=false) turns it off.",
+    )
+    grpc_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description="TCP port of the gRPC service (Triton's 8001); 0 = a free port the system picks.",
+    )
     workers: int = Field(
         default=1,
         ge=1,
         le=64,
         description="Server processes sharing the port, each with its own models; 1 = one process, no supervisor.",
+    )
+    metrics_dir: Path | None = Field(
+        default=None,
+        description="Workers > 1: the folder where they keep their metrics, e.g. a tmpfs under a read-only root; "
+        "emptied of stale metrics files at start, never removed. Unset: a fresh temporary folder, removed at exit.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="Logging level of the service and uvicorn."
@@ -159,9 +176,10 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="Open connections per process: at the cap the one idle longest is closed for a new one, and "
-        "with none idle the new one gets 503; at most half may be still sending their request. The process's "
-        "file descriptor limit is raised to fit it, or it is lowered with a log line.",
+        description="Open HTTP connections per process: at the cap the one idle longest is closed for a new one, "
+        "and with none idle the new one gets 503; at most half may be still sending their request. Also the most "
+        "gRPC calls in flight per process (past it, RESOURCE_EXHAUSTED). The process's file descriptor limit is "
+        "raised to fit it, or it is lowered with a log line.",
     )
     max_loop_lag_s: float = Field(
         default=2.0,
@@ -176,7 +194,9 @@ class Settings(BaseSettings):
         "blocked) is killed and replaced, with a log line.",
     )
     api_key: SecretStr | None = Field(
-        default=None, description="If set, every route but health needs Bearer auth; visible ASCII, no spaces."
+        default=None,
+        description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
+        "visible ASCII, no spaces.",
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
@@ -219,12 +239,26 @@ class Settings(BaseSettings):
         ge=1,
         description="The row count of every forward pass in batch-invariant mode; larger batches run as several.",
     )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="Trace requests with OpenTelemetry, sending spans as OTLP/HTTP to this collector "
+        "(http://host:4318; spans go to its path /v1/traces), as TEI's --otlp-endpoint. Unset: "
+        "OTEL_EXPORTER_OTLP_ENDPOINT if set, else no tracing.",
+    )
+    shared_memory: bool = Field(
+        default=False,
+        description="Turn on the system shared-memory extension: clients on this host register POSIX shared-memory "
+        "regions (/dev/shm) and infer with tensors in them, sending no tensor bytes over the socket. A region may "
+        "be any object this server's user can open: give the API key to trusted local clients only.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
 
     @model_validator(mode="after")
     def _ports_differ(self) -> Settings:
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
+        if self.grpc and self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
+            raise ValueError(f"grpc_port must differ from port and metrics_port (it is {self.grpc_port})")
         return self
 
     @model_validator(mode="after")
@@ -260,6 +294,16 @@ class Settings(BaseSettings):
                 f"{self.max_header_bytes // 2}, or raise max_header_bytes"
             )
         return self
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        problem = endpoint_problem(url)
+        if problem is not None:
+            raise ValueError(f"the OTLP endpoint {problem}")
+        return url
 
     @field_validator("models")
     @classmethod

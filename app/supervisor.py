@@ -16,8 +16,9 @@ a connection is only ever accepted by a warm worker.
   the parent exits 0 once all have exited 0, its metrics folder removed. A second signal is passed
   on too (the workers then exit at once). SIGHUP means stop until the service gives it another meaning.
 - If the parent dies, each worker sees its pipe close and drains and exits by itself.
-- Metrics: the workers write theirs in a fresh folder (prometheus_client's multiprocess mode),
-  removed at exit; a dead worker's gauges are dropped, its counters kept.
+- Metrics: the workers write theirs in one folder (prometheus_client's multiprocess mode): a fresh
+  one removed at exit, or `metrics_dir` (app/metrics_folder.py); a dead worker's gauges are
+  dropped, its counters kept.
 - Control (app/control.py): a command one worker broadcasts is relayed to every live worker and
   their replies back to it; sticky commands are replayed to every worker started later.
 """
@@ -27,11 +28,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -45,6 +44,7 @@ from app.collectors import write_processes
 from app.control import HEARTBEAT, READY, Control
 from app.logs import configure_logging
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
+from app.metrics_folder import metrics_folder
 from app.relay import Relay
 from app.server import CONNECTION_CLOSE_GRACE_S, EXIT_OK, EXIT_START_FAILED, Listeners, log_start, serve_here
 from app.settings import Settings
@@ -101,7 +101,11 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until stopped; the exit code for the whole service."""
-        self._folder = Path(tempfile.mkdtemp(prefix="ffn-metrics-"))
+        with metrics_folder(self.settings.metrics_dir) as folder:
+            self._folder = folder
+            return self._run()
+
+    def _run(self) -> int:
         os.environ[MULTIPROCESS_VARIABLE] = str(self._folder)  # inherited by every worker
         wakeup_read, wakeup_write = socket.socketpair()
         wakeup_read.setblocking(False)
@@ -121,7 +125,6 @@ class Supervisor:
             wakeup_write.close()
             self.listeners.close()
             os.environ.pop(MULTIPROCESS_VARIABLE, None)
-            shutil.rmtree(self._folder, ignore_errors=True)
         return self._exit_code
 
     # ----- the loop ------------------------------------------------------------------------

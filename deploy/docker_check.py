@@ -1,29 +1,34 @@
 """Build the image and run it for real on a Docker engine: the checks tests/test_docker.py runs.
 
-    python deploy/docker_check.py                  # build, container, load balancer, compose
-    python deploy/docker_check.py --no-build --json report.json
+    python deploy/docker_check.py                  # build, then every check
+    python deploy/docker_check.py --no-build --checks balancer --json report.json
 
-1. build: the Dockerfile (without its `# syntax=` line, which needs Docker Hub), timed; image size.
-2. container: a model folder mounted read-only at /models (weights written here, 0644), healthy
-   within the start period, an answer equal to numpy's; `docker stop` under load: exit code 0,
-   and no request lost (each one answered 200, or refused: 503 while draining, or no connection).
-3. balancer: three replicas behind nginx with deploy/nginx/ffn.conf on one network, 16 clients
-   sending 3,000 requests, one replica stopped midway: 0 failed requests. nginx older than 1.27.3
-   (Debian's 1.22 here) has no `resolve`: it then runs a copy without it, which resolves the
-   replicas once at start, so the stopped replica's address stays in the upstream. That is the
-   harder case: every request sent there must go elsewhere.
-4. compose: `docker compose up --wait` of docker-compose.yml, a request, `down`; Compose v2 only
-   (the file uses v2's top-level `name:`): with v1 alone, this check is skipped and says so.
+1. build: the Dockerfile (without its `# syntax=` line, which needs Docker Hub), both images; the
+   image's environment holds no torch index (a build argument), its history is looked at.
+2. models: the entry script stops the start (exit 2, a message) on a model folder the container
+   user cannot read and on one holding files but no config.toml; a folder with only a README
+   serves `demo`.
+3. container: a model folder mounted read-only (weights written here, 0644), healthy, an answer
+   equal to numpy's, the documented `ffn-loadtest` command (the load-test image); `docker stop`
+   under load: exit 0, and every request written answered (200 or 503: none lost).
+4. read_only: `--read-only` with 2 workers: without a writable folder, one line and exit 2; with a
+   tmpfs at /tmp, or at FFN_METRICS_DIR, healthy, answers, merged metrics, exit 0.
+5. compose: docker-compose.yml as shipped (read-only root, tmpfs), `up --wait`, an answer, its
+   `loadtest` service, exit codes 0; the GPU override keeps the load tester's image apart.
+6. balancer: docker-compose.yml with deploy/compose.lb.yml as shipped, 3 replicas of 2 workers,
+   none published on the host; keep-alive clients through nginx while one replica is stopped
+   (a drain), one killed and one's worker crashes: every request answered 200, none lost.
+7. start_interval: deploy/compose.start-interval.yml on this engine (refused before Docker 25).
 
+Every load here counts requests without retrying (deploy/docker_load.py): a retry hides a loss.
 Exit status: 0 every check passed (or was skipped with its reason), 1 a check failed, 3 no Docker
 engine answered. Runs with the project's environment (ffn_client for the load, numpy, safetensors).
-Containers, the network and the folder it makes are removed at the end; images are kept (cache).
+Containers, networks and the folders it makes are removed at the end; images are kept (cache).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -31,31 +36,45 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: deploy.docker_tools and ffn_client from this checkout
+sys.path.insert(0, str(ROOT))  # run as a script: deploy.* and ffn_client from this checkout
 
+from deploy.docker_load import load_during, transform_request  # noqa: E402
 from deploy.docker_tools import (  # noqa: E402
     CheckFailed,
     compose_v2,
     docker,
     docker_cli,
     engine_reachable,
-    nginx_conf_for,
+    engine_version,
+    exit_code,
+    logs,
+    wait_exited,
+    wait_healthy,
 )
 from ffn_client import Client, TransportError  # noqa: E402
-from ffn_client.testing import free_port  # noqa: E402
+from ffn_client.losses import Fates  # noqa: E402
+from ffn_client.testing import free_port, metric_value  # noqa: E402
 
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
 LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
-REFUSED = {"503", "connect"}  # not lost: the server never took these requests
+# Creating or removing a container copies or deletes the whole image with the vfs storage driver:
+# minutes on a busy machine (docker run -d once took over 120 s here).
+SLOW_S = 900
+COMPOSE_FILES = {
+    "base": ["docker-compose.yml"],
+    "lb": ["docker-compose.yml", "deploy/compose.lb.yml"],
+    "gpu": ["docker-compose.yml", "deploy/compose.gpu.yml"],
+    "start_interval": ["docker-compose.yml", "deploy/compose.start-interval.yml"],
+}
 
 
 def write_models(folder: Path) -> dict[str, np.ndarray]:
@@ -63,21 +82,25 @@ def write_models(folder: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(7)
-    d_model, d_ff = D_MODEL, D_FF
     weights = {
-        "layer1.weight": rng.standard_normal((d_ff, d_model)).astype(np.float32) / np.sqrt(d_model),
-        "layer1.bias": rng.standard_normal(d_ff).astype(np.float32),
-        "layer2.weight": rng.standard_normal((d_model, d_ff)).astype(np.float32) / np.sqrt(d_ff),
-        "layer2.bias": rng.standard_normal(d_model).astype(np.float32),
+        "layer1.weight": rng.standard_normal((D_FF, D_MODEL)).astype(np.float32) / np.sqrt(D_MODEL),
+        "layer1.bias": rng.standard_normal(D_FF).astype(np.float32),
+        "layer2.weight": rng.standard_normal((D_MODEL, D_FF)).astype(np.float32) / np.sqrt(D_FF),
+        "layer2.bias": rng.standard_normal(D_MODEL).astype(np.float32),
     }
     save_file(weights, str(folder / "check.safetensors"))
     (folder / "config.toml").write_text(
         f'[[models]]\nname = "{CHECK_MODEL}"\nweights = "check.safetensors"\nformat = "native"\nactivation = "relu"\n'
     )
-    folder.chmod(0o755)  # mkdtemp makes 0700: UID 10001 could not enter it
+    share(folder)
+    return weights
+
+
+def share(folder: Path) -> None:
+    """Make `folder` readable by the container's user (mkdtemp makes 0700: UID 10001 could not enter it)."""
+    folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
-    return weights
 
 
 def reference(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -87,203 +110,378 @@ def reference(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
     return hidden @ w["layer2.weight"].T + w["layer2.bias"]
 
 
+def no_loss(what: str, fates: Fates, allowed: set[int]) -> dict[str, object]:
+    """The fates as reported; CheckFailed if a request was lost or answered outside `allowed`."""
+    seen = fates.to_dict()
+    if fates.lost or not set(fates.answered) <= allowed or not fates.answered[200]:
+        raise CheckFailed(f"{what}: {seen}")
+    if fates.closing[503] != fates.answered[503]:
+        raise CheckFailed(f"{what}: a 503 kept its connection open: {seen}")
+    return seen
+
+
 class Checker:
     """One run of the checks; everything it starts is named after `prefix` and removed by `cleanup`."""
 
-    def __init__(self, image: str, nginx_image: str) -> None:
-        self.image, self.nginx_image = image, nginx_image
+    def __init__(self, image: str) -> None:
+        self.image = image
         self.prefix = f"ffn-check-{os.getpid()}"
-        self.folder = Path(tempfile.mkdtemp(prefix="ffn-check-"))
+        self.scratch = Path(tempfile.mkdtemp(prefix="ffn-check-"))
+        self.folder = self.scratch / "models"
+        self.folder.mkdir()
         self.weights = write_models(self.folder)
+        self.scratch.chmod(0o755)
         self.containers: list[str] = []
-        self.networks: list[str] = []
+        self.projects: list[Callable[[], object]] = []
         self.results: dict[str, Any] = {}
+        self.request = transform_request(CHECK_MODEL, D_MODEL)
 
     def cleanup(self) -> None:
+        for down in self.projects:
+            down()
         for name in self.containers:
-            docker("rm", "-f", name, check=False)
-        for network in self.networks:
-            docker("network", "rm", network, check=False)
-        shutil.rmtree(self.folder, ignore_errors=True)
+            docker("rm", "-f", name, check=False, timeout=SLOW_S)
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def build(self) -> None:
-        """The server image, then the load tester's (the `loadtest` stage, which compose's loadtest runs)."""
-        dockerfile = self.folder / "Dockerfile"  # beside the models, outside the build context
-        dockerfile.write_text(re.sub(r"\A# syntax=.*\n", "", (ROOT / "Dockerfile").read_text()))
-        args = ["build", "--network", "host", "-f", str(dockerfile)]
-        if os.environ.get("DOCKER_CHECK_TORCH_INDEX"):  # a local index of CPU torch wheels
-            args += ["--build-arg", f"CPU_TORCH_INDEX={os.environ['DOCKER_CHECK_TORCH_INDEX']}"]
-        started = time.perf_counter()
-        docker(*args, "-t", self.image, str(ROOT), timeout=3600)
-        self.results["build_s"] = round(time.perf_counter() - started, 1)
-        docker(*args, "--target", "loadtest", "-t", LOADTEST_IMAGE, str(ROOT), timeout=1800)
-        self.results["loadtest_image_mb"] = round(
-            int(docker("image", "inspect", "-f", "{{.Size}}", LOADTEST_IMAGE)) / 2**20
-        )
+    # ----- helpers ---------------------------------------------------------------------------
 
-    def run_replica(self, name: str, *options: str) -> str:
+    def new_folder(self, name: str, files: dict[str, str], mode: int = 0o755) -> Path:
+        folder = self.scratch / name
+        folder.mkdir()
+        for file, text in files.items():
+            (folder / file).write_text(text)
+        share(folder)
+        folder.chmod(mode)
+        return folder
+
+    def run_replica(self, name: str, *options: str, models: Path | None = None) -> str:
+        """A detached server container on the host network, `name`, serving `models` (the check model)."""
         self.containers.append(name)
-        docker(
-            "run", "-d", "--name", name, "--stop-timeout", "30", "-v", f"{self.folder}:/models:ro", *options, self.image
-        )
-        return name
-
-    def wait_healthy(self, name: str, limit_s: float = 240) -> float:
-        """Seconds until Docker's health check says healthy; CheckFailed with the logs if it never does."""
-        started = time.perf_counter()
-        while time.perf_counter() - started < limit_s:
-            state = json.loads(docker("inspect", "-f", "{{json .State}}", name))
-            if state.get("Health", {}).get("Status") == "healthy":
-                return round(time.perf_counter() - started, 1)
-            if not state["Running"]:
-                raise CheckFailed(
-                    f"{name} exited {state['ExitCode']} before healthy:\n{docker('logs', '--tail', '30', name, check=False)}"
-                )
-            time.sleep(0.5)
-        raise CheckFailed(
-            f"{name} not healthy after {limit_s:g} s:\n{docker('logs', '--tail', '30', name, check=False)}"
-        )
-
-    def stop(self, name: str) -> tuple[int, float]:
-        """`docker stop` (SIGTERM, then 30 s): the exit code and the seconds it took."""
-        started = time.perf_counter()
-        docker("stop", "-t", "30", name, timeout=60)
-        return int(docker("inspect", "-f", "{{.State.ExitCode}}", name)), round(time.perf_counter() - started, 1)
-
-    def check_container(self) -> None:
-        port = free_port()
-        name = self.run_replica(
-            f"{self.prefix}-one", "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}"
-        )
-        self.results["image_size_mb"] = round(int(docker("image", "inspect", "-f", "{{.Size}}", self.image)) / 2**20)
-        self.results["healthy_after_s"] = self.wait_healthy(name)
-        url = f"http://127.0.0.1:{port}"
-        x = np.random.default_rng(1).standard_normal((5, D_MODEL)).astype(np.float32)
-        with Client(url) as client:
-            y = client.transform(CHECK_MODEL, x, encoding="binary")
-        np.testing.assert_allclose(y, reference(self.weights, x), rtol=1e-4, atol=1e-5)
-        self.results["answer_matches_numpy"] = True
-        report = load_while(url, lambda ok: ok >= 200, lambda: self.stop(name), concurrency=8, duration=4.0)
-        exit_code, stop_s = report.pop("action")
-        self.results["stop"] = {"exit_code": exit_code, "stop_s": stop_s, **report}
-        lost = {k: v for k, v in report["errors"].items() if k not in REFUSED}
-        if exit_code != 0 or lost or report["ok"] == 0:
-            raise CheckFailed(f"docker stop under load: exit code {exit_code}, lost {lost}, {report}")
-
-    def check_balancer(self) -> None:
-        network = f"{self.prefix}-net"
-        docker("network", "create", network)
-        self.networks.append(network)
-        replicas = [
-            self.run_replica(f"{self.prefix}-r{i}", "--network", network, "--network-alias", "ffn") for i in range(3)
-        ]
-        for name in replicas:
-            self.wait_healthy(name)
-        shown = subprocess.run(
-            [*docker_cli(), "run", "--rm", self.nginx_image, "nginx", "-v"], capture_output=True, text=True, timeout=120
-        )  # nginx -v writes to stderr
-        found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", shown.stdout + shown.stderr)
-        version = tuple(int(v) for v in found.groups()) if found else (0, 0, 0)
-        conf = self.folder / "nginx.conf"
-        conf.write_text(nginx_conf_for(version))
-        conf.chmod(0o644)
-        port = free_port()
-        self.containers.append(f"{self.prefix}-lb")
         docker(
             "run",
             "-d",
             "--name",
-            f"{self.prefix}-lb",
-            "--network",
-            network,
-            "-p",
-            f"127.0.0.1:{port}:8080",
+            name,
+            "--stop-timeout",
+            "30",
             "-v",
-            f"{conf}:/etc/nginx/conf.d/default.conf:ro",
-            self.nginx_image,
+            f"{models or self.folder}:/models:ro",
+            *options,
+            self.image,
+            timeout=SLOW_S,
         )
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
-        report = load_while(url, lambda ok: ok >= 1000, lambda: self.stop(replicas[1]), concurrency=16, requests=3000)
-        exit_code, stop_s = report.pop("action")
-        self.results["balancer"] = {
-            "nginx": ".".join(map(str, version)),
-            "resolve": version >= (1, 27, 3),
-            "replica_exit_code": exit_code,
-            "stop_s": stop_s,
-            **report,
+        return name
+
+    def on_host(self, name: str, *options: str, models: Path | None = None) -> int:
+        """run_replica on 127.0.0.1:<a free port>; the port."""
+        port = free_port()
+        grpc = f"FFN_GRPC_PORT={free_port()}"  # the host's network: 8001 may be taken
+        self.run_replica(
+            name, "--network", "host", "-e", "FFN_HOST=127.0.0.1", "-e", f"FFN_PORT={port}", "-e", grpc, *options,
+            models=models,
+        )  # fmt: skip
+        return port
+
+    def run_to_exit(self, *options: str) -> tuple[int, str, str]:
+        """`docker run --rm` that is expected to stop by itself: its exit code, stdout and stderr."""
+        result = subprocess.run(
+            [*docker_cli(), "run", "--rm", *options], capture_output=True, text=True, timeout=SLOW_S
+        )
+        return result.returncode, result.stdout.strip(), result.stderr.strip()
+
+    def check_answer(self, port: int) -> None:
+        x = np.random.default_rng(1).standard_normal((5, D_MODEL)).astype(np.float32)
+        with Client(f"http://127.0.0.1:{port}") as client:
+            y = client.transform(CHECK_MODEL, x, encoding="binary")
+        np.testing.assert_allclose(y, reference(self.weights, x), rtol=1e-4, atol=1e-5)
+
+    def stop(self, name: str) -> dict[str, Any]:
+        """`docker stop` (SIGTERM, then 30 s): its exit code and the seconds it took."""
+        started = time.perf_counter()
+        docker("stop", "-t", "30", name, timeout=60)
+        return {"exit_code": exit_code(name), "stop_s": round(time.perf_counter() - started, 1)}
+
+    def compose(self, files: str, project: str, env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+        """A `docker compose` command line for `files` (COMPOSE_FILES) and `project`; CheckFailed without v2."""
+        command, why = compose_v2()
+        if command is None:
+            raise CheckFailed(why)
+        base = [*command, "--project-directory", str(ROOT), "-p", project]
+        for file in COMPOSE_FILES[files]:
+            base += ["-f", str(ROOT / file)]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))}
+
+        def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*base, *args], capture_output=True, text=True, env={**clean, **env}, timeout=timeout)
+
+        return run
+
+    def up(self, files: str, project: str, env: dict[str, str], *args: str) -> Callable[..., Any]:
+        """`compose up -d --no-build --wait *args`, taken down at cleanup; the compose command."""
+        if not docker("images", "-q", LOADTEST_IMAGE):
+            raise CheckFailed(f"no {LOADTEST_IMAGE} image: run without --no-build once")
+        compose = self.compose(files, project, env)
+        self.projects.append(lambda: compose("down", "--remove-orphans", "-t", "30"))
+        up = compose("up", "-d", "--no-build", "--wait", *args)
+        if up.returncode != 0:
+            raise CheckFailed(f"docker compose up --wait exited {up.returncode}: {up.stderr[-2000:]}")
+        return compose
+
+    # ----- the checks ------------------------------------------------------------------------
+
+    def build(self) -> None:
+        """The server image, then the load tester's; what the image keeps of the build's arguments."""
+        dockerfile = self.scratch / "Dockerfile"  # outside the build context
+        dockerfile.write_text(re.sub(r"\A# syntax=.*\n", "", (ROOT / "Dockerfile").read_text()))
+        args = ["build", "--network", "host", "-f", str(dockerfile)]
+        index = os.environ.get("DOCKER_CHECK_TORCH_INDEX")
+        if index:  # a local index of CPU torch wheels
+            args += ["--build-arg", f"CPU_TORCH_INDEX={index}"]
+        started = time.perf_counter()
+        docker(*args, "-t", self.image, str(ROOT), timeout=3600)
+        self.results["build_s"] = round(time.perf_counter() - started, 1)
+        docker(*args, "--target", "loadtest", "-t", LOADTEST_IMAGE, str(ROOT), timeout=1800)
+        index = index or "https://download.pytorch.org/whl/cpu"
+        env = json.loads(docker("image", "inspect", "-f", "{{json .Config.Env}}", self.image))
+        history = docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", self.image)
+        self.results["image"] = {
+            "size_mb": round(int(docker("image", "inspect", "-f", "{{.Size}}", self.image)) / 2**20),
+            "loadtest_size_mb": round(int(docker("image", "inspect", "-f", "{{.Size}}", LOADTEST_IMAGE)) / 2**20),
+            "index_in_env": any(index in e or "TORCH_INDEX" in e for e in env),
+            "index_in_history": index in history,
         }
-        if report["errors"] or exit_code != 0 or report["sent"] != 3000:
-            raise CheckFailed(f"scale-down behind nginx: {self.results['balancer']}")
+        if self.results["image"]["index_in_env"]:
+            raise CheckFailed(f"the torch index stays in the image's environment: {env}")
+
+    def check_models(self) -> None:
+        """A model folder that cannot be used stops the start; only an empty one serves `demo`."""
+        seen: dict[str, Any] = {}
+        unreadable = self.new_folder("unreadable", {"config.toml": ""}, mode=0o700)  # another owner's
+        misnamed = self.new_folder("misnamed", {"config.yaml": "", "check.safetensors": ""})
+        for name, folder, expected in (
+            ("unreadable", unreadable, "cannot read the model folder /models as uid 10001"),
+            ("misnamed", misnamed, "holds check.safetensors config.yaml but no config.toml"),
+        ):
+            code, _, output = self.run_to_exit("-v", f"{folder}:/models:ro", self.image)
+            seen[name] = {"exit_code": code, "message": output}
+            if code != 2 or expected not in output or "Traceback" in output:
+                raise CheckFailed(f"model folder {name}: exit {code}, {output!r}")
+        readme = self.new_folder("readme-only", {"README.md": "the models go here\n"})
+        port = self.on_host(f"{self.prefix}-demo", models=readme)
+        wait_healthy(f"{self.prefix}-demo")
+        with Client(f"http://127.0.0.1:{port}") as client:
+            seen["readme_only_serves"] = [m["name"] for m in client.models()]
+        docker("rm", "-f", f"{self.prefix}-demo", timeout=SLOW_S)
+        if seen["readme_only_serves"] != ["demo"]:
+            raise CheckFailed(f"a folder with only a README: {seen}")
+        self.results["models"] = seen
+
+    def check_container(self) -> None:
+        name = f"{self.prefix}-one"
+        port = self.on_host(name)
+        self.results["healthy_after_s"] = wait_healthy(name)
+        self.check_answer(port)
+        self.results["answer_matches_numpy"] = True
+        # The load tester as docs/deployment.md runs it: its own image, on the host network.
+        code, output, errors = self.run_to_exit(
+            "--network", "host", LOADTEST_IMAGE, "ffn-loadtest", "--url", f"http://127.0.0.1:{port}",
+            "--model", CHECK_MODEL, "-n", "100", "-q", "--json", "-",
+        )  # fmt: skip
+        if code != 0:
+            raise CheckFailed(f"ffn-loadtest in {LOADTEST_IMAGE} exited {code}: {output[-1000:]} {errors[-1000:]}")
+        self.results["loadtest_image"] = json.loads(output)["counts"]
+        fates, done = load_during(
+            port, self.request, [("stop", lambda: self.stop(name))], clients=8, settle=200, stop_when_refused=True
+        )
+        self.results["stop"] = {**done["stop"]["result"], **no_loss("docker stop under load", fates, {200, 503})}
+        if self.results["stop"]["exit_code"] != 0:
+            raise CheckFailed(f"docker stop under load: {self.results['stop']}")
+
+    def check_read_only(self) -> None:
+        """A read-only root file system with 2 workers: one line without a writable folder, else serving."""
+        workers = ["--read-only", "-e", "FFN_WORKERS=2", "-e", "FFN_TORCH_THREADS=1"]
+        code, _, output = self.run_to_exit("-v", f"{self.folder}:/models:ro", *workers, self.image)
+        seen: dict[str, Any] = {"no_tmpfs": {"exit_code": code, "message": output}}
+        if code != 2 or len(output.splitlines()) != 1 or "FFN_METRICS_DIR" not in output:
+            raise CheckFailed(f"--read-only without a tmpfs: exit {code}, {output!r}")
+        variants = {
+            "tmpfs_tmp": ["--tmpfs", "/tmp"],
+            "metrics_dir": ["--tmpfs", "/run/ffn-metrics", "-e", "FFN_METRICS_DIR=/run/ffn-metrics"],
+        }
+        started = time.perf_counter()
+        ports = {key: self.on_host(f"{self.prefix}-ro-{key}", *workers, *extra) for key, extra in variants.items()}
+        for key, port in ports.items():
+            name = f"{self.prefix}-ro-{key}"
+            wait_healthy(name)
+            healthy_s = round(time.perf_counter() - started, 1)  # both started together
+            self.check_answer(port)
+            self.check_answer(port)
+            page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30, trust_env=False).text
+            answered = metric_value(page, "ffn_requests_total", model=CHECK_MODEL, outcome="ok")
+            seen[key] = {"healthy_after_s": healthy_s, "answered_ok": answered, **self.stop(name)}
+            if seen[key]["exit_code"] != 0 or answered != 2:
+                raise CheckFailed(f"--read-only {key}: {seen[key]}\n{logs(name)}")
+        self.results["read_only"] = seen
 
     def check_compose(self) -> None:
         command, why = compose_v2()
         if command is None:
             self.results["compose"] = {"skipped": why}
             return
-        project, port = f"{self.prefix}-compose", free_port()
+        port = free_port()
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))},
             "PUBLISH": f"127.0.0.1:{port}",
+            "GRPC_PUBLISH": f"127.0.0.1:{free_port()}",
             "MODELS_DIR": str(self.folder),
         }
-        base = [*command, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml"), "-p", project]
-
-        def compose(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=600)
-
-        if not docker("images", "-q", LOADTEST_IMAGE):
-            raise CheckFailed(f"no {LOADTEST_IMAGE} image: run without --no-build once")
-
-        try:
-            started = time.perf_counter()
-            up = compose("up", "-d", "--no-build", "--wait")
-            if up.returncode != 0:
-                raise CheckFailed(f"{why}: docker compose up --wait exited {up.returncode}: {up.stderr[-2000:]}")
-            healthy_s = round(time.perf_counter() - started, 1)
-            x = np.ones((2, D_MODEL), np.float32)
-            with Client(f"http://127.0.0.1:{port}") as client:
-                np.testing.assert_allclose(
-                    client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5
-                )
-            load = compose(
-                "--profile",
-                "loadtest",
-                "run",
-                "--rm",
-                "--no-deps",
-                "loadtest",
-                "ffn-loadtest",
-                "--url",
-                "http://ffn:8000",
-                "--model",
-                CHECK_MODEL,
-                "-n",
-                "200",
-                "-q",
-                "--json",
-                "-",
+        started = time.perf_counter()
+        compose = self.up("base", f"{self.prefix}-compose", env)
+        healthy_s = round(time.perf_counter() - started, 1)
+        x = np.ones((2, D_MODEL), np.float32)
+        with Client(f"http://127.0.0.1:{port}") as client:
+            np.testing.assert_allclose(
+                client.transform(CHECK_MODEL, x), reference(self.weights, x), rtol=1e-4, atol=1e-5
             )
-            if load.returncode != 0:
-                raise CheckFailed(
-                    f"compose's loadtest exited {load.returncode}: {load.stdout[-1000:]} {load.stderr[-1000:]}"
-                )
-            counts = json.loads(load.stdout)["counts"]
-            containers = compose("ps", "-q", "ffn").stdout.split()
-            stop = compose("stop")
-            codes = [int(docker("inspect", "-f", "{{.State.ExitCode}}", c)) for c in containers]
-            self.results["compose"] = {
-                "version": why,
-                "healthy_after_s": healthy_s,
-                "loadtest": counts,
-                "exit_codes": codes,
-            }
-            if stop.returncode != 0 or codes != [0] * len(containers) or counts["ok"] != 200:
-                raise CheckFailed(
-                    f"compose stop exited {stop.returncode}: {stop.stderr[-2000:]}; {self.results['compose']}"
-                )
-        finally:
-            compose("down", "--remove-orphans")
+        load = compose(
+            "--profile", "loadtest", "run", "--rm", "--no-deps", "loadtest",
+            "ffn-loadtest", "--url", "http://ffn:8000", "--model", CHECK_MODEL, "-n", "200", "-q", "--json", "-",
+        )  # fmt: skip
+        if load.returncode != 0:
+            raise CheckFailed(
+                f"compose's loadtest exited {load.returncode}: {load.stdout[-1000:]} {load.stderr[-1000:]}"
+            )
+        counts = json.loads(load.stdout)["counts"]
+        (container,) = compose("ps", "-q", "ffn").stdout.split()
+        read_only = docker("inspect", "-f", "{{.HostConfig.ReadonlyRootfs}}", container) == "true"
+        stop = compose("stop", "-t", "30")
+        code = exit_code(container)
+        compose("down")
+        gpu = json.loads(
+            self.compose("gpu", f"{self.prefix}-gpu", env)("--profile", "loadtest", "config", "--format", "json").stdout
+        )
+        images = {name: (s["image"], s["build"].get("target")) for name, s in gpu["services"].items()}
+        self.results["compose"] = {
+            "version": why,
+            "healthy_after_s": healthy_s,
+            "read_only_root": read_only,
+            "loadtest": counts,
+            "exit_code": code,
+            "gpu_override_images": images,
+        }
+        if stop.returncode != 0 or code != 0 or counts["ok"] != 200 or not read_only:
+            raise CheckFailed(f"compose: {self.results['compose']}; {stop.stderr[-2000:]}")
+        if len({image for image, _ in images.values()}) != len(images):
+            raise CheckFailed(f"the GPU override gives two different builds one tag: {images}")
+
+    def check_balancer(self) -> None:
+        """The load-balancer override as shipped, under load, across a stop, a kill and a crash."""
+        command, why = compose_v2()
+        if command is None:
+            self.results["balancer"] = {"skipped": why}
+            return
+        port = free_port()
+        env = {
+            "LB_PUBLISH": f"127.0.0.1:{port}",
+            "MODELS_DIR": str(self.folder),
+            "FFN_WORKERS": "2",  # a worker to crash while the replica lives on
+            "FFN_TORCH_THREADS": "1",
+        }
+        compose = self.up("lb", f"{self.prefix}-lb", env, "--scale", "ffn=3")
+        replicas = compose("ps", "-q", "ffn").stdout.split()
+        published = {r: docker("port", r) for r in replicas}
+        if len(replicas) != 3 or any(published.values()):
+            raise CheckFailed(f"3 replicas, none published on the host: {published}")
+        wait_ready(f"http://127.0.0.1:{port}")
+        shown = subprocess.run(
+            [*docker_cli(), "exec", compose("ps", "-q", "lb").stdout.strip(), "nginx", "-v"],
+            capture_output=True,
+            text=True,
+        )  # nginx -v writes to stderr
+        fates, done = load_during(
+            port,
+            self.request,
+            [
+                ("stop", lambda: self.stop_and_start(replicas[0])),
+                ("kill", lambda: self.kill_and_restart(replicas[1])),
+                ("crash", lambda: self.crash_a_worker(replicas[2])),
+                ("after", lambda: None),
+            ],
+            clients=16,
+            settle=1000,
+            stop_when_refused=False,
+        )
+        done.pop("after")
+        self.results["balancer"] = {
+            "nginx": (shown.stdout + shown.stderr).strip(),
+            "replicas": len(replicas),
+            "published": [],
+            **{name: action["result"] for name, action in done.items()},
+            **no_loss("3 replicas behind nginx", fates, {200}),
+        }
+
+    def stop_and_start(self, name: str) -> dict[str, Any]:
+        """Stop a replica (it drains, exit 0), start it again, until healthy."""
+        stopped = self.stop(name)
+        if stopped["exit_code"] != 0:
+            raise CheckFailed(f"replica stop: {stopped}\n{logs(name)}")
+        docker("start", name, timeout=SLOW_S)
+        return {**stopped, "healthy_again_s": wait_healthy(name)}
+
+    def kill_and_restart(self, name: str) -> dict[str, Any]:
+        """SIGKILL a replica (Docker counts a kill as a manual stop: no restart policy), start it, until healthy."""
+        docker("kill", name)
+        code = wait_exited(name)
+        docker("start", name, timeout=SLOW_S)
+        return {"exit_code": code, "healthy_again_s": wait_healthy(name)}
+
+    def crash_a_worker(self, name: str) -> dict[str, Any]:
+        """SIGKILL one of a replica's worker processes (the supervisor is PID 1); until a new one is ready."""
+        listing = "for p in $(cat /proc/1/task/1/children); do echo $p $(tr '\\0' ' ' < /proc/$p/cmdline); done"
+        workers = [
+            line.split()[0]
+            for line in docker("exec", name, "sh", "-c", listing).splitlines()
+            if "spawn_main" in line  # not multiprocessing's resource tracker, should one run
+        ]
+        if len(workers) != 2:
+            raise CheckFailed(f"{name} runs worker processes {workers}, not 2")
+        docker("exec", name, "sh", "-c", f"kill -9 {workers[0]}")  # no kill(1) in the image: the shell's
+        started = time.perf_counter()
+        while time.perf_counter() - started < 240:
+            ready = set(re.findall(r"worker \d+ \(pid (\d+)\) ready", logs(name, tail=200)))
+            if ready - set(workers):
+                return {"killed_pid": int(workers[0]), "replaced_after_s": round(time.perf_counter() - started, 1)}
+            time.sleep(0.5)
+        raise CheckFailed(f"no worker replaced the one killed in {name}:\n{logs(name)}")
+
+    def check_start_interval(self) -> None:
+        """What this engine makes of deploy/compose.start-interval.yml (a Docker 25 feature)."""
+        command, why = compose_v2()
+        if command is None:
+            self.results["start_interval"] = {"skipped": why}
+            return
+        version = engine_version()
+        env = {
+            "PUBLISH": f"127.0.0.1:{free_port()}",
+            "GRPC_PUBLISH": f"127.0.0.1:{free_port()}",
+            "MODELS_DIR": str(self.folder),
+        }
+        seen: dict[str, Any] = {"engine": ".".join(map(str, version))}
+        if version < (25,):
+            compose = self.compose("start_interval", f"{self.prefix}-si", env)
+            self.projects.append(lambda: compose("down", "--remove-orphans"))
+            up = compose("up", "-d", "--no-build")
+            running = compose("ps", "-q").stdout.split()
+            # Compose 2.40 says why and creates no container, yet exits 0: the message is the answer.
+            seen["refused"] = "start_interval" in up.stderr and not running
+            seen["compose_exit_code"] = up.returncode
+            seen["message"] = up.stderr.strip().splitlines()[-1] if up.stderr.strip() else ""
+            if not seen["refused"]:
+                raise CheckFailed(f"compose accepted start_interval on Docker {seen['engine']}: {up.stderr}")
+        else:
+            started = time.perf_counter()
+            self.up("start_interval", f"{self.prefix}-si", env)
+            seen["healthy_after_s"] = round(time.perf_counter() - started, 1)
+        self.results["start_interval"] = seen
 
 
 def wait_ready(url: str, limit_s: float = 60) -> None:
@@ -295,45 +493,15 @@ def wait_ready(url: str, limit_s: float = 60) -> None:
             raise CheckFailed(f"{url}/v2/health/ready did not answer 200 within {limit_s:g} s") from exc
 
 
-def load_while(url: str, when: Callable[[int], bool], action: Callable[[], Any], **bounds: Any) -> dict[str, Any]:
-    """Closed-loop load on `url`; once `when(ok so far)` holds, `action` runs in a thread. The counts, and its result."""
-    from ffn_client.load import LoadConfig, Progress, run_load
-
-    done: dict[str, Any] = {}
-    thread: threading.Thread | None = None
-
-    def progress(p: Progress) -> None:
-        nonlocal thread
-        if thread is None and when(p.ok):
-            thread = threading.Thread(target=lambda: done.setdefault("action", action()), daemon=True)
-            thread.start()
-
-    config = LoadConfig(url=url, model=CHECK_MODEL, d_model=D_MODEL, rows=(4, 4), metrics_url="", timeout=60, **bounds)
-    report = asyncio.run(run_load(config, progress))
-    if thread is None:
-        raise CheckFailed(f"the load ended before its action was due: {report.to_dict()['counts']}")
-    thread.join(90)
-    if "action" not in done:
-        raise CheckFailed("the action during the load did not finish")
-    return {
-        "sent": report.sent,
-        "ok": report.ok,
-        "errors": report.errors,
-        "causes": report.error_causes,
-        "p99_ms": round(report.latency_ms["p99"], 1),
-        "action": done["action"],
-    }
+CHECKS = "models,container,read_only,compose,balancer,start_interval"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deploy/docker_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--image", default="ffn-serve:cpu")
-    parser.add_argument("--nginx-image", default="nginx:1.28-alpine")
-    parser.add_argument("--no-build", action="store_true", help="use the image as it is")
+    parser.add_argument("--no-build", action="store_true", help="use the images as they are")
     parser.add_argument(
-        "--checks",
-        default="container,balancer,compose",
-        help="which checks after the build, comma-separated (default %(default)s)",
+        "--checks", default=CHECKS, help="which checks after the build, comma-separated (default %(default)s)"
     )
     parser.add_argument("--json", metavar="FILE", help="write what was seen as JSON")
     args = parser.parse_args(argv)
@@ -341,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"docker_check: {why}", file=sys.stderr)
         return 3
-    checker = Checker(args.image, args.nginx_image)
+    checker = Checker(args.image)
     failed = None
     steps = ([] if args.no_build else [checker.build]) + [
         getattr(checker, f"check_{name}") for name in args.checks.split(",")
@@ -352,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             step()
             checker.results.setdefault("seconds", {})[step.__name__] = round(time.perf_counter() - started, 1)
-    except (CheckFailed, AssertionError) as exc:
+    except (CheckFailed, AssertionError, TransportError) as exc:
         failed = f"{step.__name__}: {exc}"
         checker.results["failed"] = failed
     finally:

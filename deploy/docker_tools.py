@@ -1,19 +1,20 @@
-"""The Docker engine and tools as deploy/docker_check.py finds them: the CLI, Compose v2, an index, nginx's config.
+"""The Docker engine and tools as deploy/docker_check.py finds them: the CLI, the engine, Compose v2, an index.
 
 Kept apart from the checks so that tests can ask (is there an engine? Compose v2?) without
-running any.
+running any; and the few questions every check asks of a container (healthy yet? exit code?).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NGINX_CONF = ROOT / "deploy" / "nginx" / "ffn.conf"
 
 
 class CheckFailed(Exception):
@@ -95,9 +96,36 @@ def compose_v2() -> tuple[list[str] | None, str]:
     return None, f"{found}: docker-compose.yml needs Compose v2 (its top-level `name:`, `up --wait`)"
 
 
-def nginx_conf_for(version: tuple[int, ...]) -> str:
-    """deploy/nginx/ffn.conf as nginx `version` accepts it: without `resolve` before 1.27.3."""
-    text = NGINX_CONF.read_text()
-    if version >= (1, 27, 3):
-        return text
-    return re.sub(r"(server\s+\S+)\s+resolve\b", r"\1", text)
+def engine_version() -> tuple[int, ...]:
+    """The engine's version as numbers (20.10.24+dfsg1 -> (20, 10, 24))."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", docker("version", "--format", "{{.Server.Version}}"))
+    assert found, "the engine reports no version. This is a bug."
+    return tuple(int(n) for n in found.groups())
+
+
+def wait_healthy(name: str, limit_s: float = 240) -> float:
+    """Seconds until Docker's health check says healthy; CheckFailed with the logs if it never does."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit_s:
+        state = json.loads(docker("inspect", "-f", "{{json .State}}", name))
+        if state.get("Health", {}).get("Status") == "healthy":
+            return round(time.perf_counter() - started, 1)
+        if not state["Running"] and not state.get("Restarting"):
+            raise CheckFailed(f"{name} exited {state['ExitCode']} before healthy:\n{logs(name)}")
+        time.sleep(0.5)
+    raise CheckFailed(f"{name} not healthy after {limit_s:g} s:\n{logs(name)}")
+
+
+def wait_exited(name: str, limit_s: float = 120) -> int:
+    """The container's exit code once it has stopped by itself."""
+    return int(docker("wait", name, timeout=limit_s))
+
+
+def exit_code(name: str) -> int:
+    return int(docker("inspect", "-f", "{{.State.ExitCode}}", name))
+
+
+def logs(name: str, tail: int = 30) -> str:
+    """The container's last lines, stdout and stderr together (docker logs writes them to both)."""
+    result = subprocess.run([*docker_cli(), "logs", "--tail", str(tail), name], capture_output=True, text=True)
+    return (result.stdout + result.stderr).strip()

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from ffn_client.encodings import ENCODINGS, SUPPORTED_DTYPES
+from ffn_client.encodings import DTYPES, ENCODINGS, SUPPORTED_DTYPES
 from ffn_client.payloads import discover_d_model, make_payloads
 from ffn_client.report import (
     OFFERED_GRACE_S,
@@ -43,6 +43,9 @@ from ffn_client.server_metrics import MetricsWindow
 
 DEFAULT_DURATION_S = 10.0
 DEFAULT_OPEN_LOOP_CONNECTIONS = 64
+DEFAULT_HTTP_PORT = 8000
+GRPC_PROTOCOLS = ("grpc", "grpc-stream")
+PROTOCOLS = ("http", *GRPC_PROTOCOLS)
 
 
 @dataclass
@@ -67,15 +70,27 @@ class LoadConfig:
     seed: int = 0
     engine: str = "raw"  # "raw": lean HTTP/1.1 pool; "httpx": httpx.AsyncClient (see senders.py)
     metrics_url: str | None = None  # the server's Prometheus page; None: url + "/metrics"; "": not read
+    # http: `encoding` over HTTP; grpc: unary ModelInfer calls; grpc-stream: ModelStreamInfer
+    # (grpc_load.py). Over gRPC, `url` is grpc://host:port and tensors go as raw_input_contents.
+    protocol: str = "http"
 
     def __post_init__(self) -> None:
         if self.duration is None and self.requests is None:
             self.duration = DEFAULT_DURATION_S
         problems = []
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if self.protocol not in PROTOCOLS:
+            problems.append(f"protocol must be one of {', '.join(PROTOCOLS)}")
+        elif self.over_grpc:
+            if parts.scheme != "grpc" or not parts.hostname or not parts.port or parts.path.strip("/"):
+                problems.append(f"url must be grpc://host:port over gRPC, got {self.url!r}")
+            if self.dtype not in DTYPES:
+                problems.append(f"dtype must be one of {', '.join(DTYPES)}")
+        elif parts.scheme not in ("http", "https") or not parts.hostname:
             problems.append(f"url must be http(s)://host[:port][/prefix], got {self.url!r}")
-        if self.encoding not in ENCODINGS:
+        if self.over_grpc:
+            pass  # tensors go as raw_input_contents: no encoding to choose
+        elif self.encoding not in ENCODINGS:
             problems.append(f"encoding must be one of {', '.join(ENCODINGS)}")
         elif self.dtype not in SUPPORTED_DTYPES[self.encoding]:
             problems.append(
@@ -99,9 +114,18 @@ class LoadConfig:
             raise ValueError("; ".join(problems))
 
     @property
+    def over_grpc(self) -> bool:
+        return self.protocol in GRPC_PROTOCOLS
+
+    @property
     def metrics_page(self) -> str | None:
-        """The /metrics URL to read, or None when the server breakdown is off."""
+        """The /metrics URL to read, or None when the server breakdown is off.
+
+        Over gRPC, by default the same host's HTTP port, 8000 (the gRPC port serves no /metrics).
+        """
         if self.metrics_url is None:
+            if self.over_grpc:
+                return f"http://{urlsplit(self.url).hostname}:{DEFAULT_HTTP_PORT}/metrics"
             return self.url.rstrip("/") + "/metrics"
         return self.metrics_url or None
 
@@ -112,6 +136,8 @@ class LoadConfig:
         out["metrics_url"] = self.metrics_page
         lo, hi = self.rows
         out["rows"] = str(lo) if lo == hi else f"{lo}-{hi}"
+        if self.over_grpc:
+            out["encoding"], out["engine"] = "raw_input_contents", self.protocol
         return out
 
 
@@ -259,12 +285,39 @@ class _Run:
         )
 
 
+def _grpc() -> Any:
+    """ffn_client.grpc_load, imported only for a gRPC run: it needs the `grpc` extra."""
+    try:
+        from ffn_client import grpc_load
+    except ImportError as exc:
+        raise ValueError(f"--protocol grpc needs the grpc extra: pip install 'ffn-client[grpc]' ({exc})") from None
+    return grpc_load
+
+
+def _sender(config: LoadConfig, headers: dict[str, str]) -> Sender[Any]:
+    if config.protocol == "grpc":
+        sender: Sender[Any] = _grpc().GrpcSender(config.url, config.concurrency, config.timeout, config.api_key)
+        return sender
+    if config.protocol == "grpc-stream":
+        sender = _grpc().GrpcStreamSender(config.url, config.concurrency, config.timeout, config.api_key)
+        return sender
+    return ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
+
+
 async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | None = None) -> Report:
     """Run the load `config` describes and return its report (samples included, for plots)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    async with httpx.AsyncClient(base_url=config.url, timeout=config.timeout, headers=headers, trust_env=False) as http:
-        d_model = config.d_model if config.d_model is not None else await discover_d_model(http, config.model)
-        sender = ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
+    base = config.metrics_page or "" if config.over_grpc else config.url
+    async with httpx.AsyncClient(base_url=base, timeout=config.timeout, headers=headers, trust_env=False) as http:
+        if config.d_model is not None:
+            d_model = config.d_model
+        elif config.over_grpc:
+            d_model = await _grpc().discover_d_model(
+                _grpc().target_of(config.url), config.model, config.api_key, config.timeout
+            )
+        else:
+            d_model = await discover_d_model(http, config.model)
+        sender = _sender(config, headers)
         payloads = [
             (sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)
         ]

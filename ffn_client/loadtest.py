@@ -1,7 +1,8 @@
-"""ffn-loadtest: closed- or open-loop HTTP load against an ffn-serve model, one run or a sweep.
+"""ffn-loadtest: closed- or open-loop HTTP or gRPC load against an ffn-serve model, one run or a sweep.
 
     ffn-loadtest --requests 2000 --concurrency 16 --rows 1-300 --plot out.png --json -
     ffn-loadtest --concurrency-range 1:64:x2 --duration 10 --csv sweep.csv --plot sweep.png --max-p99-ms 50
+    ffn-loadtest --protocol grpc --url grpc://127.0.0.1:8001 --concurrency 16 --duration 10
 
 Exit status: 0 every run measured and every threshold held; 1 nothing could be measured (the
 target unreachable, the model unknown, not one request answered 200); 2 bad arguments, the
@@ -22,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from ffn_client import __version__
 from ffn_client.encodings import DTYPES, ENCODINGS
-from ffn_client.load import DEFAULT_DURATION_S, DEFAULT_OPEN_LOOP_CONNECTIONS, LoadConfig, Progress, run_load
+from ffn_client.load import (
+    DEFAULT_DURATION_S,
+    DEFAULT_OPEN_LOOP_CONNECTIONS,
+    PROTOCOLS,
+    LoadConfig,
+    Progress,
+    run_load,
+)
 from ffn_client.report import Report, Thresholds
 from ffn_client.senders import ENGINES
 from ffn_client.sweep import parse_range, run_sweep, write_csv
@@ -33,6 +41,11 @@ if TYPE_CHECKING:  # rich is imported when the CLI runs, not when this module is
 __all__ = ["LoadConfig", "Progress", "Report", "build_parser", "main", "run_load"]
 
 EXIT_OK, EXIT_NOT_MEASURED, EXIT_USAGE, EXIT_THRESHOLD = 0, 1, 2, 99
+DEFAULT_URLS = {
+    "http": "http://127.0.0.1:8000",
+    "grpc": "grpc://127.0.0.1:8001",
+    "grpc-stream": "grpc://127.0.0.1:8001",
+}
 
 
 def _rows(text: str) -> tuple[int, int]:
@@ -72,14 +85,25 @@ def _share(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ffn-loadtest",
-        description="Load an ffn-serve model over HTTP and report throughput, latency percentiles and the "
+        description="Load an ffn-serve model over HTTP or gRPC and report throughput, latency percentiles and the "
         "server's own breakdown; one run, or a sweep over concurrency or rate.",
         epilog="exit status: 0 passed, 1 nothing measured (unreachable, unknown model, no 200), "
         "2 bad arguments, 99 a threshold broken",
     )
     parser.add_argument("--version", action="version", version=f"ffn-loadtest {__version__}")
     target = parser.add_argument_group("target")
-    target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    target.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="http",
+        help="http (default); grpc: unary ModelInfer calls; grpc-stream: ModelStreamInfer, one request at a time "
+        "on each of up to --concurrency streams (both need the grpc extra)",
+    )
+    target.add_argument(
+        "--url",
+        help=f"server base URL (default {DEFAULT_URLS['http']}; with --protocol grpc or grpc-stream, the gRPC "
+        f"address, default {DEFAULT_URLS['grpc']})",
+    )
     target.add_argument("--model", default="demo", help="model name (default %(default)s)")
     target.add_argument("--encoding", choices=ENCODINGS, default="binary", help="wire encoding (default %(default)s)")
     target.add_argument("--dtype", choices=DTYPES, default="float32", help="wire dtype (default %(default)s)")
@@ -198,12 +222,20 @@ def main(argv: list[str] | None = None) -> int:
         from rich.console import Console
     except ImportError as exc:
         return _problem(f"ffn-loadtest's tables need rich: pip install 'ffn-client[loadtest]' ({exc})", EXIT_USAGE)
+    if args.protocol != "http":
+        try:
+            import ffn_client.grpc_load  # noqa: F401
+        except ImportError as exc:
+            return _problem(
+                f"--protocol {args.protocol} needs the grpc extra: pip install 'ffn-client[grpc]' ({exc})", EXIT_USAGE
+            )
 
     open_loop = args.rate is not None or args.rate_range is not None
     axis, values = ("concurrency", args.concurrency_range) if args.concurrency_range else ("rate", args.rate_range)
     try:
         base = LoadConfig(
-            url=args.url,
+            url=args.url or DEFAULT_URLS[args.protocol],
+            protocol=args.protocol,
             model=args.model,
             encoding=args.encoding,
             dtype=args.dtype,

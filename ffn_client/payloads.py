@@ -22,10 +22,15 @@ def make_payloads(config: LoadConfig, d_model: int) -> list[tuple[str, bytes, di
     """`config.payloads` encoded requests of random rows in the configured range: (path, body, headers, rows)."""
     rng = np.random.default_rng(config.seed)
     lo, hi = config.rows
-    out = []
+    out: list[tuple[str, bytes, dict[str, str], int]] = []
     for _ in range(config.payloads):
         rows = int(rng.integers(lo, hi + 1))
         array = rng.standard_normal((rows, d_model), dtype=np.float32)
+        if config.over_grpc:  # a serialized ModelInferRequest: the gRPC senders send it as it is
+            from ffn_client.grpc_load import infer_request
+
+            out.append(("", infer_request(config.model, array, config.dtype, config.deadline_ms), {}, rows))
+            continue
         request = encode_request(config.model, array, config.encoding, config.dtype, config.deadline_ms)
         out.append((request.path, request.body, request.headers, rows))
     return out

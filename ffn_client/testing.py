@@ -71,10 +71,17 @@ class ServerProcess:
     port: int
     log_path: Path
     returncode: int | None = field(default=None)  # set once it has exited and been waited for
+    grpc_port: int | None = field(default=None)  # None: started with gRPC turned off
 
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        """host:port of the gRPC service, as gRPC clients take it."""
+        assert self.grpc_port is not None, "this server was started with gRPC turned off"
+        return f"{HOST}:{self.grpc_port}"
 
     @property
     def pid(self) -> int:
@@ -133,14 +140,17 @@ def start_server(
     Use it in a `with` block (see ServerProcess), or stop() it yourself.
 
     env: added to the calling environment less its FFN_* variables (FFN_LOG_LEVEL is info
-    unless given). prefix: a wrapper such as `taskset -c 0`. command: another way to run the
+    unless given; FFN_GRPC_PORT a free port unless given). prefix: a wrapper such as `taskset -c 0`. command: another way to run the
     server, such as the installed `ffn-serve` script. Ready is GET /v2/health/ready answering
     200; a server that exits first or is not ready within `ready_timeout` s raises ServerFailed.
     """
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
-    child_env.update({"PYTHONUNBUFFERED": "1", "FFN_LOG_LEVEL": "info"})
+    # A free gRPC port too: two servers on the default 8001 would refuse to start.
+    child_env.update({"PYTHONUNBUFFERED": "1", "FFN_LOG_LEVEL": "info", "FFN_GRPC_PORT": str(free_port())})
     child_env.update(env or {})
+    grpc_on = child_env.get("FFN_GRPC", "true").lower() not in ("0", "false", "no", "off")
+    grpc_port = int(child_env["FFN_GRPC_PORT"]) if grpc_on else None
     argv = [*prefix, *command, "--host", HOST, "--port", str(port)]
     if config is not None:
         argv += ["--config", str(config)]
@@ -148,7 +158,7 @@ def start_server(
     log_fd, log_name = tempfile.mkstemp(prefix=f"ffn-serve-{port}-", suffix=".log")
     with os.fdopen(log_fd, "wb") as log:
         proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(proc, port, Path(log_name))
+    server = ServerProcess(proc, port, Path(log_name), grpc_port=grpc_port)
     try:
         _wait_ready(server, ready_timeout)
     except BaseException:
@@ -227,12 +237,16 @@ async def wait_for_metrics(
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0.0 when the series does not exist yet)."""
+    """The sum of the samples of `name` whose labels include `labels`, in Prometheus text (0.0: none yet).
+
+    Labels left out are summed over, as PromQL's `sum` does (e.g. ffn_requests_total over both doors).
+    """
     # prometheus_client comes with the loadtest and test extras, not with the client library.
     from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )

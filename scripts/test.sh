@@ -13,7 +13,9 @@ for arg in "$@"; do
   args+=("$arg")
 done
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] || bash scripts/setup.sh --test
+# A tool of the test extra missing (an older .venv): set up again, which adds what is new.
+[ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] && [ -x .venv/bin/lint-imports ] \
+  && [ -x .venv/bin/docker-compose ] || bash scripts/setup.sh --test
 if [ $# -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/ruff format --check .

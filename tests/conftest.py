@@ -20,6 +20,20 @@ if TYPE_CHECKING:  # imported when used, so that ffn_core's tests do not load th
     from tests.in_process import InProcessApp
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `server` every test that uses, directly or through another fixture, a fixture named *server*.
+
+    By convention a fixture whose name holds "server" (demo_server, burst_server, ...) starts a
+    real ffn-serve; a test that starts one itself carries the mark (or its module's pytestmark).
+    `pytest -m "not server"` is then the quick loop.
+    """
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        parameters = set(callspec.params) if callspec is not None else set()  # parametrize arguments, not fixtures
+        if any("server" in name for name in set(getattr(item, "fixturenames", ())) - parameters):
+            item.add_marker(pytest.mark.server)
+
+
 @pytest.fixture(autouse=True)
 def _no_ffn_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test sees no FFN_* variable, whatever the developer's shell exports."""

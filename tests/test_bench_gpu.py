@@ -16,6 +16,7 @@ from bench.gpu.service import ServiceCell
 from ffn_core import FFNConfig, build_ffn
 
 
+@pytest.mark.server
 def test_quick_run_measures_every_part_and_writes_the_report(tmp_path, capsys):
     assert bench_gpu.main(["--quick", "--out", str(tmp_path), "--generator", "ffn-loadtest", "--device", "cpu"]) == 0
     names = {p.name for p in tmp_path.iterdir()}
@@ -131,6 +132,7 @@ async def test_echo_answers_each_body_with_itself():
         assert (await client.get("/v2/health/ready")).status_code == 200
 
 
+@pytest.mark.server
 @pytest.mark.skipif(not shutil.which("wrk"), reason="needs wrk (apt-get install wrk)")
 def test_wrk_drives_the_echo_server(tmp_path):
     server_cores, client_cores = service.split_cores()

@@ -18,6 +18,8 @@ from app.cli import main
 from app.settings import Settings, misspelt_variables
 from ffn_client.testing import start_server
 
+pytestmark = pytest.mark.server  # ffn-serve processes: real servers, or the command exiting early
+
 CLI = [sys.executable, "-m", "app.cli"]
 
 

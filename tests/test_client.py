@@ -118,6 +118,7 @@ def test_metadata_of_unknown_model(client):
         client.metadata("no-such-model")
 
 
+@pytest.mark.server
 def test_api_key_against_a_server_that_requires_one():
     with start_server(env={"FFN_API_KEY": "s3cret", "FFN_LOG_LEVEL": "warning"}) as secured:
         with Client(secured.url, max_retries=0) as anonymous:

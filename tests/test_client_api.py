@@ -115,7 +115,7 @@ def test_server_metadata(client: Client) -> None:
     assert client.server_metadata() == {
         "name": "ffn-serve",
         "version": importlib.metadata.version("ffn-serve"),
-        "extensions": ["binary_tensor_data", "model_configuration", "statistics", "parameters"],
+        "extensions": ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace", "logging"],
     }
 
 

@@ -168,6 +168,27 @@ async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_i
     assert [r.worker for r in replies if r.ok] == [1, 2]
 
 
+async def test_a_forgetting_command_is_applied_and_its_key_no_longer_replayed(cluster: Cluster) -> None:
+    """What a region's unregister does: live workers apply it, later ones hear of neither it nor the register."""
+    one = cluster.start_worker(1)
+    await one.open()
+    await one.broadcast("set", {"value": "register r1"}, sticky="r1")
+    await one.broadcast("set", {"value": "register r2"}, sticky="r2")
+    replies = await one.broadcast("set", {"value": "unregister r1"}, sticky="r1", forget=True)
+    assert [(r.worker, r.ok) for r in replies] == [(1, True)]
+    assert cluster.relay._sticky.keys() == {"r2"}  # the supervisor keeps only keys in use
+    late = cluster.start_worker(2)
+    await late.open()
+    await late.broadcast("set", {"value": "after"})  # ordered behind the replay on the same pipe
+    assert [value for worker, value in cluster.log if worker == 2] == ["register r2", "after"]
+    assert [value for worker, value in cluster.log if worker == 1] == [
+        "register r1",
+        "register r2",
+        "unregister r1",
+        "after",
+    ]
+
+
 async def test_a_worker_that_exits_or_never_answers_is_reported(cluster: Cluster) -> None:
     one, two = cluster.start_worker(1), cluster.start_worker(2)
     await one.open()

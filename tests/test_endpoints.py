@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
+from starlette.middleware.errors import ServerErrorMiddleware
 
 from app.main import ENDPOINTS, create_app
 from app.settings import Settings
@@ -108,15 +109,23 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
         {},
     ),
 }
-COMPARED_HEADERS = ("content-type", "x-shape", "x-dtype", "inference-header-content-length", "retry-after", "x-mc-seed")
+COMPARED_HEADERS = (
+    "content-type",
+    "x-shape",
+    "x-dtype",
+    "inference-header-content-length",
+    "retry-after",
+    "x-mc-seed",
+    "x-request-id",
+)
 
 
 @pytest.fixture
 async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
     settings = Settings(max_batch_rows=64)
     fast, routed = await start_app(settings), await start_app(settings, fast_path=False)
-    assert any(m.cls is FastPath for m in fast.app.user_middleware)
-    assert not any(m.cls is FastPath for m in routed.app.user_middleware)
+    assert any(m.cls is FastPath for m in fast.app.edge_middleware)
+    assert not any(m.cls is FastPath for m in routed.app.edge_middleware)
     return fast.client, routed.client
 
 
@@ -124,6 +133,7 @@ async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
 async def test_fast_path_and_fastapi_routes_answer_alike(both, case: str) -> None:
     fast, routed = both
     method, path, body, headers = REQUESTS[case]
+    headers = {**(headers or {}), "X-Request-Id": "one-id-for-both"}  # else error bodies differ by their ids
     a = await fast.request(method, path, content=body, headers=headers)
     b = await routed.request(method, path, content=body, headers=headers)
     assert a.status_code == b.status_code, (a.text[:200], b.text[:200])
@@ -137,3 +147,26 @@ async def test_every_fast_endpoint_is_also_a_fastapi_route() -> None:
     for endpoint in ENDPOINTS:
         assert (endpoint.method, endpoint.path) in routes
     assert sum(endpoint.fast for endpoint in ENDPOINTS) == 3  # transform, infer, versioned infer
+
+
+async def test_the_fast_path_answers_in_front_of_fastapis_own_middleware(start_app, monkeypatch) -> None:
+    """Tensor requests skip FastAPI's stack (Starlette's error middleware and the rest); other requests cross it."""
+    crossed: list[str] = []
+    original = ServerErrorMiddleware.__call__
+
+    async def counting(self, scope, receive, send):
+        crossed.append(scope.get("path", scope["type"]))
+        await original(self, scope, receive, send)
+
+    monkeypatch.setattr(ServerErrorMiddleware, "__call__", counting)
+    client = (await start_app(Settings(max_batch_rows=8))).client
+    crossed.clear()
+    r = await client.post(
+        "/v1/models/demo/transform",
+        content=x.tobytes(),
+        headers={"content-type": "application/octet-stream", "x-shape": f"3,{D}", "accept": "application/octet-stream"},
+    )
+    assert r.status_code == 200 and r.headers["x-shape"] == f"3,{D}"
+    assert crossed == []
+    assert (await client.get("/v1/models")).status_code == 200
+    assert crossed == ["/v1/models"]

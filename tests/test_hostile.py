@@ -1,5 +1,6 @@
 """Hostile input against a real `ffn-serve` process: each gets a clear 4xx with the JSON error
-body {"error", "error_type"}, nothing internal leaks, and the server serves the next request.
+body {"error", "error_type", "request_id"} (that id also its X-Request-Id), nothing internal
+leaks, and the server serves the next request.
 
 Requests go out as raw bytes (asyncio streams) so that nothing normalises them on the way:
 dot segments stay in paths, headers keep their size, chunked framing is ours. Slow, greedy and
@@ -55,7 +56,8 @@ def assert_error(r: Response, status: int, error_type: str | None = None) -> dic
     assert r.status == status, f"expected {status}, got {r.status}: {r.body[:300]!r}"
     assert r.headers.get("content-type", "").startswith("application/json")
     body = r.json()
-    assert isinstance(body, dict) and set(body) == {"error", "error_type"}, body
+    assert isinstance(body, dict) and set(body) - {"id"} == {"error", "error_type", "request_id"}, body
+    assert body["request_id"] == r.headers.get("x-request-id"), (body, r.headers)  # one id, in both places
     assert isinstance(body["error"], str) and body["error"]
     if error_type is not None:
         assert body["error_type"] == error_type, body
@@ -291,7 +293,8 @@ async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, sche
         ("GET", "/v1/models"),
         ("GET", "/v2"),
         ("GET", "/v2/models/demo"),
-        ("GET", "/v2/models/demo/ready"),
+        ("POST", "/v2/models/demo/ready"),  # a probe is a GET: any other method needs the key
+        ("GET", "/v2/models/demo/ready/x"),
         ("POST", V2),
         ("GET", "/openapi.json"),
         ("GET", "/docs"),
@@ -305,8 +308,11 @@ async def test_every_route_but_health_needs_the_key(server: ServerProcess, metho
     assert_error(r, r.status)
 
 
-@pytest.mark.parametrize("path", ["/v2/health/live", "/v2/health/ready"])
-async def test_health_needs_no_key(server: ServerProcess, path: str) -> None:
+@pytest.mark.parametrize(
+    "path", ["/v2/health/live", "/v2/health/ready", "/v2/models/demo/ready", "/v2/models/demo/versions/1/ready"]
+)
+async def test_probes_need_no_key(server: ServerProcess, path: str) -> None:
+    """Server health and model readiness: what Kubernetes, KServe and tritonclient probe with, keyless."""
     assert (await send(server, "GET", path, auth=False)).status == 200
     assert (await send(server, "GET", path, {"Authorization": "Bearer wrong"}, auth=False)).status == 200
 

@@ -20,8 +20,9 @@ def overflowing_rows() -> np.ndarray:
 
 
 async def test_an_overflowing_request_fails_alone_in_its_batch(start_app) -> None:
-    # A 200 ms batching window puts both requests into one forward pass.
-    client = (await start_app(Settings(warmup=False, max_wait_ms=200))).client
+    # One forward pass carries both: a batch of 3 rows fills with both requests (1 + 2 rows), and
+    # the longest batching window waits for the second however slow the machine is.
+    client = (await start_app(Settings(warmup=False, max_wait_ms=1000, max_batch_rows=3))).client
     normal = np.random.default_rng(3).standard_normal((2, 512)).astype(np.float32)
     bad, good = await asyncio.gather(
         client.post(V1, json={"inputs": overflowing_rows().tolist()}),
@@ -31,7 +32,7 @@ async def test_an_overflowing_request_fails_alone_in_its_batch(start_app) -> Non
     assert good.status_code == 200
     assert_close(np.asarray(good.json()["outputs"]), demo_reference(normal))
     metrics = (await client.get("/metrics")).text
-    assert 'ffn_requests_total{model="demo",outcome="non_finite_output"} 1.0' in metrics
+    assert 'ffn_requests_total{model="demo",outcome="non_finite_output",protocol="http"} 1.0' in metrics
     assert 'ffn_batch_rows_count{model="demo"} 1.0' in metrics  # one pass carried both
 
 

@@ -1,7 +1,9 @@
 """The architecture's contracts: layers import in one direction, tables are written once.
 
 ffn_core is the bottom layer and pulls in nothing of the service; the engine pulls in nothing of
-the web; every error has one row in the status table; the settings' choices are ffn_core's tables.
+the web; ffn_client nothing of the server (import-linter, contracts in pyproject.toml, and one
+interpreter for what only shows at run time); every error has one row in the status table; the
+settings' choices are ffn_core's tables.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ENGINE = sorted(f"app.engine.{path.stem}" for path in (ROOT / "app" / "engine").
 
 
 def _service_modules_after(*imports: str) -> list[list[str]]:
-    """For each module in turn, imported in one fresh interpreter: the service's modules loaded by then."""
+    """Imported in turn in one fresh interpreter: after each, the service's modules loaded by then."""
     code = "import importlib, json, sys\n" + "".join(
         f"importlib.import_module({name!r}); print(json.dumps(sorted(sys.modules)))\n" for name in imports
     )
@@ -47,16 +49,28 @@ def _web_modules(modules: list[str]) -> list[str]:
     return [m for m in modules if m.split(".")[0] in ("fastapi", "starlette", "uvicorn") or m.startswith("app.web")]
 
 
-def test_ffn_core_imports_nothing_of_the_service():
-    # The package first, as a user imports it; then every module, extract's CLI included.
-    assert _service_modules_after("ffn_core", *SUBMODULES) == [[]] * (1 + len(SUBMODULES))
+def test_the_import_contracts_hold() -> None:
+    # pyproject's [tool.importlinter]: ffn_core imports nothing of the service or the client, the
+    # engine nothing of the web, ffn_client no app, ffn_core or torch; directly or through each other.
+    # In its own interpreter: lint_imports configures logging with dictConfig, which disables
+    # every logger already made (the tests' caplog would see nothing after it).
+    code = (
+        "import sys; from importlinter.cli import lint_imports; "
+        f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_check_sees_the_service_when_it_is_there():
-    # The same look at sys.modules finds the web framework once it is imported: the empty lists
-    # above are a finding, not a blind spot.
-    [found] = _service_modules_after("fastapi")
-    assert {"fastapi", "starlette"} <= set(found)
+def test_what_ffn_core_and_the_engine_load_at_run_time() -> None:
+    # import-linter reads our sources; what a third-party import pulls in shows only at run time.
+    # One interpreter: ffn_core and each of its modules (the extract CLI included), then each
+    # engine module, then FastAPI, which the same look must find (so the empty lists are a finding).
+    core = ["ffn_core", *SUBMODULES]
+    after = _service_modules_after(*core, *ENGINE, "fastapi")
+    assert after[: len(core)] == [[]] * len(core)
+    assert [_web_modules(modules) for modules in after[len(core) : -1]] == [[]] * len(ENGINE)
+    assert {"fastapi", "starlette"} <= set(after[-1])
 
 
 def test_ffn_core_modules_import_each_other_in_one_direction():
@@ -73,10 +87,6 @@ def test_ffn_core_modules_import_each_other_in_one_direction():
     assert set(graph) == {"ffn_core", *SUBMODULES}
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
     assert order[-1] == "ffn_core"  # the package comes last: it only re-exports
-
-
-def test_the_engine_imports_nothing_of_the_web():
-    assert [_web_modules(modules) for modules in _service_modules_after(*ENGINE)] == [[]] * len(ENGINE)
 
 
 def test_every_service_error_has_one_row_in_the_table() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from app import __version__
 from app.settings import ModelSpec, Settings
+from app.web.errors import ERRORS
 from ffn_client.testing import free_port, metric_value, read_rss, start_server
 
 D_MODEL = 512
@@ -38,6 +39,88 @@ async def test_rows_per_request_histogram(start_app) -> None:
         expected = sum(1 for rows in sizes if rows <= bound)
         assert metric_value(page, "ffn_request_rows_bucket", model="demo", le=f"{float(bound)}") == expected, bound
     assert metric_value(page, "ffn_batch_rows_count", model="demo") >= len(sizes) + 1  # the 1500 took two passes
+
+
+def samples(page: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of `name` in Prometheus text, by its sorted labels (present at 0 or not at all)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
+# Every per-model series a dashboard or an alert reads, and the error table's every outcome.
+PER_MODEL = (
+    "ffn_request_seconds_count",
+    "ffn_queue_seconds_count",
+    "ffn_compute_seconds_count",
+    "ffn_failed_request_seconds_count",
+    "ffn_request_rows_count",
+    "ffn_batch_rows_count",
+    "ffn_request_compute_seconds_total",
+    "ffn_oom_splits_total",
+)
+
+
+def test_a_fresh_server_has_every_series_at_zero() -> None:
+    """Before any request, ffn_requests_total has every outcome at 0, so increase() sees the first error."""
+    with start_server(env={"FFN_LOG_LEVEL": "warning"}) as server:
+        page = httpx.get(f"{server.url}/metrics").text
+    outcomes = {"ok", "internal"} | {kind.error_type for kind in ERRORS.values()}
+    assert "overloaded" in outcomes and "deadline_exceeded" in outcomes and "model_error" in outcomes
+    requests = samples(page, "ffn_requests_total")
+    assert requests == {
+        (("model", "demo"), ("outcome", outcome), ("protocol", protocol)): 0.0
+        for outcome in outcomes
+        for protocol in ("grpc", "http")
+    }
+    for name in PER_MODEL:
+        assert samples(page, name) == {(("model", "demo"),): 0.0}, name
+    assert samples(page, "ffn_request_seconds_bucket")[(("le", "+Inf"), ("model", "demo"))] == 0.0
+
+
+async def test_whole_requests_by_protocol_route_and_status_class(start_app) -> None:
+    served = await start_app(Settings(warmup=False))
+    client = served.client
+    x = np.full((2, D_MODEL), 0.5, dtype=np.float32)
+    v2 = {"inputs": [{"name": "input", "shape": [2, D_MODEL], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    bad = {"inputs": [{"name": "input", "shape": [2, 3], "datatype": "FP32", "data": [0.0] * 6}]}
+    sent = [
+        (await client.post("/v2/models/demo/infer", json=v2)).status_code,
+        (await client.post("/v2/models/demo/infer", json=v2)).status_code,
+        (await client.post("/v2/models/demo/infer", json=bad)).status_code,
+        (await client.post("/v2/models/no-such-model/versions/7/infer", json=v2)).status_code,
+        (await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})).status_code,
+        (await client.get("/v1/models")).status_code,
+        (await client.get("/v2/models/demo/ready")).status_code,
+        (await client.get("/no/such/path/abc123")).status_code,
+    ]
+    assert sent == [200, 200, 400, 404, 200, 200, 200, 404]
+    page = (await client.get("/metrics")).text
+
+    def count(protocol: str, route: str, status: str) -> float:
+        return metric_value(page, "ffn_http_request_seconds_count", protocol=protocol, route=route, status=status)
+
+    assert count("v2", "/v2/models/{name}/infer", "2xx") == 2
+    assert count("v2", "/v2/models/{name}/infer", "4xx") == 1
+    assert count("v2", "/v2/models/{name}/versions/{version}/infer", "4xx") == 1
+    assert count("native", "/v1/models/{name}/transform", "2xx") == 1
+    assert count("native", "/v1/models", "2xx") == 1
+    assert count("v2", "/v2/models/{name}/ready", "2xx") == 1
+    assert count("http", "unmatched", "4xx") == 1
+    # Templates only: no raw path, model name or version reaches a label.
+    labels = {value for key in samples(page, "ffn_http_request_seconds_count") for _, value in key}
+    assert not any("demo" in value or "abc123" in value or "no-such-model" in value for value in labels)
+    # Each request's whole time holds its time at the batcher.
+    whole = sum(
+        metric_value(page, "ffn_http_request_seconds_sum", protocol=protocol, route=route, status="2xx")
+        for protocol, route in (("v2", "/v2/models/{name}/infer"), ("native", "/v1/models/{name}/transform"))
+    )
+    assert whole >= metric_value(page, "ffn_request_seconds_sum", model="demo") > 0
 
 
 async def test_build_info(start_app) -> None:
@@ -83,6 +166,7 @@ async def test_the_metrics_port_needs_no_key_and_serves_nothing_else(start_app) 
     assert (await served.client.get("/metrics", headers={"Authorization": "Bearer secret"})).status_code == 200
 
 
+@pytest.mark.server
 def test_a_single_process_serves_its_metrics_port_without_the_key() -> None:
     port = free_port()
     with start_server(env={"FFN_API_KEY": "secret", "FFN_METRICS_PORT": str(port)}) as server:

@@ -155,7 +155,7 @@ async def test_http_request_too_big_alone_is_507(served: InProcessApp, monkeypat
     r = await client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
     assert r.status_code == 507, r.text
     assert r.json()["error_type"] == "insufficient_memory"
-    assert set(r.json()) == {"error", "error_type"}
+    assert set(r.json()) == {"error", "error_type", "request_id"}
 
     # The ceiling is now 3 rows: the same 6 rows run as two 3-row chunks and are answered.
     v2_body = {"inputs": [{"name": "input", "shape": [6, D_MODEL], "datatype": "FP32", "data": x.ravel().tolist()}]}
@@ -169,7 +169,7 @@ async def test_http_request_too_big_alone_is_507(served: InProcessApp, monkeypat
     assert v2.json()["error_type"] == "insufficient_memory"
     page = (await client.get("/metrics")).text
     assert 'ffn_max_batch_rows{model="demo"} 1.0' in page
-    assert 'ffn_requests_total{model="demo",outcome="insufficient_memory"} 2.0' in page
+    assert 'ffn_requests_total{model="demo",outcome="insufficient_memory",protocol="http"} 2.0' in page
 
 
 async def test_http_split_batch_all_answered(served: InProcessApp, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,8 @@ from ffn_client.testing import start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from tests.reference import assert_close, numpy_ffn, numpy_weights
 
+pytestmark = pytest.mark.server  # the scripts start ffn-serve, or the test suite, as processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Without .venv the scripts would first set it up, which takes minutes: not a test's job.

@@ -16,6 +16,8 @@ from ffn_client.testing import free_port, metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from tests.reference import numpy_ffn, numpy_weights
 
+pytestmark = pytest.mark.server  # every test here starts ffn-serve processes
+
 D_MODEL, D_FF = 64, 256
 ACTIVATION = {"geglu": "gelu", "relu": "relu"}  # the served models' activations, for the reference
 
@@ -89,7 +91,17 @@ async def test_batch_invariance_under_load(served):
 def test_unloadable_model_stops_the_start(tmp_path):
     (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "missing.safetensors"\n')
     result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "--config", str(tmp_path / "bad.toml"), "--port", str(free_port())],
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "--config",
+            str(tmp_path / "bad.toml"),
+            "--port",
+            str(free_port()),
+            "--grpc-port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

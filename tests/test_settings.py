@@ -89,6 +89,7 @@ def listening(port: int) -> bool:
         return s.connect_ex((HOST, port)) == 0
 
 
+@pytest.mark.server
 def test_the_process_applies_flag_over_environment_over_file(tmp_path: Path) -> None:
     """--port beats FFN_PORT beats the file's port; FFN_MAX_QUEUE_ROWS beats the file's; the file's
     max_batch_rows beats the default."""

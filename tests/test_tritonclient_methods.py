@@ -2,11 +2,13 @@
 
 Each one either works, with its answer checked, or raises an InferenceServerException whose
 status is 400 and whose message names the extension this server does not implement. The
+server has system shared memory on; CUDA shared memory names itself and why (no GPU here). The
 table covers exactly the client's public methods (a new tritonclient method fails the test
 until it is placed), and docs/api.md's table must say the same.
 
 The server has an API key: the client reaches it through a plugin that adds the bearer token,
-which is how the plugin methods are put to work.
+which is how the plugin methods are put to work. It traces to a real OTLP receiver, so that the
+trace settings it is given take effect.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+import tritonclient.utils.shared_memory as shm
 from tritonclient._plugin import InferenceServerClientPlugin
 from tritonclient.utils import InferenceServerException
 
+from bench.otlp_receiver import OtlpReceiver
 from ffn_client.testing import ServerProcess, start_server
 from tests.reference import demo_reference
 
@@ -43,8 +47,15 @@ class Bearer(InferenceServerClientPlugin):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    with start_server(env={"FFN_API_KEY": KEY, "FFN_LOG_LEVEL": "warning"}) as srv:
-        yield srv
+    with OtlpReceiver() as receiver:
+        env = {
+            "FFN_API_KEY": KEY,
+            "FFN_LOG_LEVEL": "warning",
+            "FFN_OTLP_ENDPOINT": receiver.url,
+            "FFN_SHARED_MEMORY": "true",
+        }
+        with start_server(env=env) as srv:
+            yield srv
 
 
 def new_client(server: ServerProcess, *, authorized: bool = True) -> Client:
@@ -114,7 +125,15 @@ def check_body_helpers(client: Client, server: ServerProcess) -> None:
 def check_metadata(client: Client, server: ServerProcess) -> None:
     meta = client.get_server_metadata()
     assert meta["name"] == "ffn-serve"
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+    assert meta["extensions"] == [
+        "binary_tensor_data",
+        "model_configuration",
+        "statistics",
+        "parameters",
+        "trace",
+        "logging",
+        "system_shared_memory",
+    ]
 
 
 def check_model_metadata(client: Client, server: ServerProcess) -> None:
@@ -149,6 +168,86 @@ def check_health(client: Client, server: ServerProcess) -> None:
     assert client.is_server_live() is True and client.is_server_ready() is True
     assert client.is_model_ready("demo") is True and client.is_model_ready("demo", "1") is True
     assert client.is_model_ready("no-such-model") is False
+
+
+def check_trace_settings(client: Client, server: ServerProcess) -> None:
+    """Triton's trace extension: the server's settings, a model's over them, and null putting one back."""
+    defaults = {
+        "trace_level": ["TIMESTAMPS"],
+        "trace_rate": "1",
+        "trace_count": "-1",
+        "log_frequency": "0",
+        "trace_mode": "opentelemetry",
+    }
+    assert client.get_trace_settings() == defaults
+    try:
+        changed = client.update_trace_settings(settings={"trace_rate": "2", "trace_count": "5"})
+        assert changed == {**defaults, "trace_rate": "2", "trace_count": "5"}
+        assert client.get_trace_settings(model_name="demo") == changed  # the model follows the server
+        off = client.update_trace_settings(model_name="demo", settings={"trace_level": ["OFF"]})
+        assert off == {**changed, "trace_level": ["OFF"]}
+        assert client.get_trace_settings()["trace_level"] == ["TIMESTAMPS"]
+        back = client.update_trace_settings(model_name="demo", settings={"trace_level": None})
+        assert back == changed
+    finally:
+        cleared = client.update_trace_settings(settings=dict.fromkeys(["trace_rate", "trace_count"]))
+    assert cleared == defaults
+
+
+def check_log_settings(client: Client, server: ServerProcess) -> None:
+    before = client.get_log_settings()
+    assert before == {
+        "log_file": "",
+        "log_info": False,  # the server runs at FFN_LOG_LEVEL=warning
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "text",
+    }
+    after = client.update_log_settings({"log_info": True, "log_verbose_level": 2})
+    assert after == {**before, "log_info": True, "log_verbose_level": 2}
+    assert client.get_log_settings() == after
+    assert client.update_log_settings(before) == before
+    with pytest.raises(InferenceServerException) as info:
+        client.update_log_settings({"log_file": "/tmp/elsewhere.log"})
+    assert info.value.status() == "400" and "log_file cannot be changed" in info.value.message()
+
+
+def check_system_shared_memory(client: Client, server: ServerProcess) -> None:
+    """Inputs and outputs through regions made with tritonclient's own shared-memory utilities."""
+    x = rows(5, 6)
+    tag = f"{server.port}"
+    regions = {
+        "in": shm.create_shared_memory_region("in", f"/ffn_triton_in_{tag}", x.nbytes),
+        "out": shm.create_shared_memory_region("out", f"/ffn_triton_out_{tag}", x.nbytes),
+    }
+    try:
+        shm.set_shared_memory_region(regions["in"], [x])
+        client.register_system_shared_memory("in", f"/ffn_triton_in_{tag}", x.nbytes)
+        client.register_system_shared_memory("out", f"/ffn_triton_out_{tag}", x.nbytes)
+        status = client.get_system_shared_memory_status()
+        assert sorted((r["name"], r["key"], r["offset"], r["byte_size"]) for r in status) == [
+            ("in", f"/ffn_triton_in_{tag}", 0, x.nbytes),
+            ("out", f"/ffn_triton_out_{tag}", 0, x.nbytes),
+        ]
+        assert [r["name"] for r in client.get_system_shared_memory_status("out")] == ["out"]
+        tensor = triton.InferInput("input", list(x.shape), "FP32")
+        tensor.set_shared_memory("in", x.nbytes)
+        output = triton.InferRequestedOutput("output", binary_data=False)
+        output.set_shared_memory("out", x.nbytes)
+        result = client.infer("demo", [tensor], outputs=[output])
+        assert result.get_output("output") == {"name": "output", "datatype": "FP32", "shape": [5, D]}
+        assert_demo_answer(shm.get_contents_as_numpy(regions["out"], np.float32, [5, D]), x)
+        client.unregister_system_shared_memory("in")
+        assert [r["name"] for r in client.get_system_shared_memory_status()] == ["out"]
+        client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status() == []
+        with pytest.raises(InferenceServerException) as info:
+            client.get_system_shared_memory_status("in")
+        assert info.value.status() == "404"
+    finally:
+        for handle in regions.values():
+            shm.destroy_shared_memory_region(handle)
 
 
 def check_plugins(client: Client, server: ServerProcess) -> None:
@@ -191,6 +290,8 @@ WORKS: dict[str, Check] = {
     "get_model_config": check_model_config,
     "get_inference_statistics": check_statistics,
     "get_model_repository_index": check_repository_index,
+    "get_trace_settings": check_trace_settings,
+    "update_trace_settings": check_trace_settings,
     "is_server_live": check_health,
     "is_server_ready": check_health,
     "is_model_ready": check_health,
@@ -198,6 +299,11 @@ WORKS: dict[str, Check] = {
     "plugin": check_plugins,
     "unregister_plugin": check_plugins,
     "close": check_close,
+    "get_log_settings": check_log_settings,
+    "update_log_settings": check_log_settings,
+    "get_system_shared_memory_status": check_system_shared_memory,
+    "register_system_shared_memory": check_system_shared_memory,
+    "unregister_system_shared_memory": check_system_shared_memory,
 }
 
 # ----- the methods of extensions this server does not implement: a 400 that names them ----------
@@ -205,13 +311,6 @@ WORKS: dict[str, Check] = {
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
     "load_model": (lambda c: c.load_model("demo"), "model_repository"),
     "unload_model": (lambda c: c.unload_model("demo"), "model_repository"),
-    "get_log_settings": (lambda c: c.get_log_settings(), "logging"),
-    "update_log_settings": (lambda c: c.update_log_settings({"log_verbose_level": 1}), "logging"),
-    "get_trace_settings": (lambda c: c.get_trace_settings(model_name="demo"), "trace"),
-    "update_trace_settings": (lambda c: c.update_trace_settings(settings={"trace_rate": "1"}), "trace"),
-    "get_system_shared_memory_status": (lambda c: c.get_system_shared_memory_status(), "system_shared_memory"),
-    "register_system_shared_memory": (lambda c: c.register_system_shared_memory("r", "/k", 64), "system_shared_memory"),
-    "unregister_system_shared_memory": (lambda c: c.unregister_system_shared_memory(), "system_shared_memory"),
     "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),

@@ -41,6 +41,7 @@ from app.engine.errors import (
     Unavailable,
 )
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
 from app.engine.staging import Pending
 from app.metrics import Metrics, ModelInstruments
@@ -115,6 +116,7 @@ class Batcher:
         self._stopping = False
         self.failure: str | None = None  # why the collector died, if it did
         self.on_failure: Callable[[str], None] | None = None  # told why, if the collector dies
+        self.observer: BatchObserver | None = None  # told of every batch and slice (tracing)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -175,7 +177,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         chunks = (rows,) if rows.shape[0] <= self._ceiling else rows.split(self._ceiling)
-        entries = [Entry(chunk, loop.create_future(), now, arrived, deadline) for chunk in chunks]
+        tag = None if self.observer is None else self.observer.tag()
+        entries = [Entry(chunk, loop.create_future(), now, arrived, deadline, tag=tag) for chunk in chunks]
         if len(entries) == 1:
             return await self._answer(entries, deadline, arrived, entries[0].future)
         return await self._answer(entries, deadline, arrived, self._joined(entries))
@@ -194,7 +197,8 @@ class Batcher:
             )
         self._admit(n, request.passes, arrived)
         loop = asyncio.get_running_loop()
-        entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, monte_carlo=request)
+        tag = None if self.observer is None else self.observer.tag()
+        entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, monte_carlo=request, tag=tag)
         return await self._answer([entry], deadline, arrived, entry.future)
 
     def _admit(self, n: int, passes: int, arrived: float) -> None:
@@ -362,6 +366,13 @@ class Batcher:
         elapsed = time.perf_counter() - started
         self._count_pass(elapsed, rows, len(batch))
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
+        self._split(batch, output)
+        if self.observer is not None:  # before the waiters resume: they see their batch reported
+            self.observer.batch(batch, started, started + elapsed, rows)
+
+    @staticmethod
+    def _split(batch: list[Entry], output: torch.Tensor) -> None:
+        """Answer each entry its rows of the batch's output: views, in order, no copy."""
         offset = 0
         for entry in batch:
             if not entry.future.done():
@@ -436,7 +447,10 @@ class Batcher:
             fail(entry, ModelError(f"the Monte Carlo dropout passes failed: {type(exc).__name__}"))
             self._queue.finish(entry)
             return
-        entry.compute_s += time.perf_counter() - started
+        ended = time.perf_counter()
+        entry.compute_s += ended - started
+        if self.observer is not None:
+            self.observer.monte_carlo_slice(entry, started, ended)
         if result is None:
             return  # more slices to go: it keeps its place at the head of the Monte Carlo queue
         self._queue.finish(entry)

@@ -58,6 +58,11 @@ class BucketedForward:
         """The buckets a batch is padded up to; a batch whose bucket is not here runs eager at its own size."""
         return sorted(self._calls)
 
+    def computed_rows(self, n: int) -> int:
+        """The rows the device computes for a batch of `n`: its bucket where it is padded, else `n`."""
+        bucket = bucket_for(n, self.buckets)
+        return bucket if bucket is not None and bucket in self._calls else n
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x) for x (n, d_model) on the device, in any dtype: (n, d_model) in the compute dtype.
 

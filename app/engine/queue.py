@@ -18,7 +18,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,10 +44,11 @@ class Entry:
     passes: MonteCarloPasses | None = None  # set on the device thread by the first slice
     compute_s: float = 0.0  # a Monte Carlo entry's forward time over its slices so far
     queued: bool = True  # still counted in the queue's work
+    tag: object | None = None  # the batch observer's mark of its request (app/engine/observe.py)
+    n: int = field(init=False)  # rows.shape[0], read several times per batch: kept, not asked of torch each time
 
-    @property
-    def n(self) -> int:
-        return self.rows.shape[0]
+    def __post_init__(self) -> None:
+        self.n = self.rows.shape[0]
 
     @property
     def cost(self) -> int:
@@ -119,20 +120,27 @@ class WorkQueue:
         Filled in place, so that if anything goes wrong the caller still holds every popped entry.
         """
         rows = 0
+        released = 0  # the work of the entries popped: counted once for the whole batch, not entry by entry
         now = asyncio.get_running_loop().time()
-        while self._plain:
-            entry = self._plain[0]
-            if entry.future.done():  # cancelled, or expired by the reaper
-                self._pop_plain()
-                continue
-            if entry.deadline is not None and entry.deadline <= now:  # expired before the reaper ran
-                self._pop_plain()
-                entry.future.set_exception(_expired(entry))
-                continue
-            if batch and rows + entry.n > ceiling:
-                break
-            batch.append(self._pop_plain())
-            rows += entry.n
+        try:
+            while self._plain:
+                entry = self._plain[0]
+                waited_for = not entry.future.done()  # not cancelled, nor expired by the reaper
+                expired = waited_for and entry.deadline is not None and entry.deadline <= now  # before the reaper ran
+                if waited_for and not expired and batch and rows + entry.n > ceiling:
+                    break
+                self._plain.popleft()
+                if entry.queued:
+                    entry.queued = False
+                    released += entry.cost
+                if expired:
+                    entry.future.set_exception(_expired(entry))
+                elif waited_for:
+                    batch.append(entry)
+                    rows += entry.n
+        finally:
+            if released:
+                self._count(-released)
 
     def next_monte_carlo(self) -> Entry | None:
         """The Monte Carlo entry whose slice runs next, or None; it stays queued (and counted) until `finish`."""

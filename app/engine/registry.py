@@ -12,6 +12,7 @@ import torch
 from app.engine.batcher import Batcher
 from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.observe import BatchObserver
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import READY, ModelState, ModelStatus
 from app.metrics import Metrics
@@ -166,6 +167,14 @@ class ServedModel:
     async def stop(self) -> None:
         """Answer whatever is still pending 503."""
         await self._batcher.stop()
+
+    def computed_rows(self, rows: int) -> int:
+        """The rows the device computes for a batch of `rows`: its padded bucket where batches are padded."""
+        return self._runner.computed_rows(rows)
+
+    def set_observer(self, observer: BatchObserver | None) -> None:
+        """Tell `observer` of every batch and Monte Carlo slice this model runs (the tracing's hook)."""
+        self._batcher.observer = observer
 
     # ----- its work --------------------------------------------------------------------------
 

@@ -115,6 +115,12 @@ class ModelRunner:
     def __call__(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.launch(parts).wait()
 
+    def computed_rows(self, rows: int) -> int:
+        """The rows a batch of `rows` costs the device: each chunk at its padded bucket, or at its own size."""
+        if rows <= self.chunk_rows:
+            return self.bucketed.computed_rows(rows)
+        return sum(self.bucketed.computed_rows(c.stop - c.start) for c in chunk_slices(rows, self.chunk_rows))
+
     def launch(self, parts: Sequence[torch.Tensor]) -> Pending:
         """Start the forward pass over the parts' rows; `.wait()` on the result gives (rows, d_model) on the host."""
         with torch.inference_mode():

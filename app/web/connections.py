@@ -11,7 +11,7 @@ to hold, and are bounded here besides:
 
 What is left holding the cap is work the server itself does (a request in the queue, an answer
 being sent), which the queue, the deadlines and the send timeout bound. Pure bookkeeping: no
-sockets, no clock; `tests/test_protocol_budgets.py` drives it with fake connections.
+sockets, no clock; `tests/test_protocol.py` drives it with fake connections.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The edge's errors, and the one table that maps every error to an HTTP status and error_type.
+"""The edge's errors, and the one table that maps every error to an HTTP status, a gRPC status and error_type.
 
 Engine errors (app.engine.errors) are kinds without statuses; the edge adds its own (bad input,
 auth, negotiation, limits). `ERRORS` maps both to `{"error": ..., "error_type": ...}` answers,
 the way TEI's router maps ErrorType to StatusCode. Every error answer of the service, whether
-from a route, the fast path, the guard or a health probe, is rendered by `error_response`.
+from a route, the fast path, the guard or a health probe, is rendered by `error_response`, and
+carries the request's id (`request_id`, also its X-Request-Id header) and, for a V2 request that
+sent one, its `id`. The gRPC door (app/grpc/status.py) reads the same table's `grpc` column, so
+both doors agree.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from dataclasses import dataclass, field
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from grpc import StatusCode
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from app import request_context
+from app.control import Unanswered
 from app.engine import errors as engine
 from app.errors import ServiceError
 
@@ -89,6 +95,14 @@ class TooManyConnections(EdgeError):
     """The server holds its maximum of open connections; this one is answered and closed."""
 
 
+class NotApplied(EdgeError):
+    """A change every serving process must apply did not reach them all (one exited, or refused it)."""
+
+
+class RegionNotFound(EdgeError):
+    """No shared-memory region of that name is registered."""
+
+
 def _close_connection(exc: Exception) -> dict[str, str]:
     """Answers after which the connection cannot be trusted (framing, a half-read head): close it."""
     return {"Connection": "close"}
@@ -100,44 +114,62 @@ def _retry_after(seconds: Callable[[Exception], int]) -> Callable[[Exception], d
 
 @dataclass(frozen=True)
 class ErrorKind:
-    """How one kind of error is answered."""
+    """How one kind of error is answered: its HTTP status, its gRPC status, its error_type, its headers.
+
+    The gRPC codes are Triton's where Triton has the case (an unsupported extension is
+    UNIMPLEMENTED there), else the canonical mapping of the HTTP status (google.rpc.Code).
+    """
 
     status: int
     error_type: str
+    grpc: StatusCode
     headers: Callable[[Exception], dict[str, str]] = field(default=lambda exc: {})
 
 
 ERRORS: dict[type[Exception], ErrorKind] = {
-    InvalidInput: ErrorKind(400, "invalid_input"),
-    UnsupportedExtension: ErrorKind(400, "unsupported_extension"),
-    Unauthorized: ErrorKind(401, "unauthorized", lambda exc: {"WWW-Authenticate": "Bearer"}),
-    engine.ModelNotFound: ErrorKind(404, "model_not_found"),
-    NotFound: ErrorKind(404, "not_found"),
-    NotAcceptable: ErrorKind(406, "not_acceptable"),
-    RequestTimeout: ErrorKind(408, "request_timeout", _close_connection),
-    PayloadTooLarge: ErrorKind(413, "payload_too_large"),
-    engine.RequestTooLarge: ErrorKind(413, "payload_too_large"),
-    UnsupportedMediaType: ErrorKind(415, "unsupported_media_type"),
+    InvalidInput: ErrorKind(400, "invalid_input", StatusCode.INVALID_ARGUMENT),
+    UnsupportedExtension: ErrorKind(400, "unsupported_extension", StatusCode.UNIMPLEMENTED),
+    Unauthorized: ErrorKind(
+        401, "unauthorized", StatusCode.UNAUTHENTICATED, lambda exc: {"WWW-Authenticate": "Bearer"}
+    ),
+    engine.ModelNotFound: ErrorKind(404, "model_not_found", StatusCode.NOT_FOUND),
+    RegionNotFound: ErrorKind(404, "region_not_found", StatusCode.NOT_FOUND),
+    NotFound: ErrorKind(404, "not_found", StatusCode.NOT_FOUND),
+    NotAcceptable: ErrorKind(406, "not_acceptable", StatusCode.INVALID_ARGUMENT),
+    RequestTimeout: ErrorKind(408, "request_timeout", StatusCode.DEADLINE_EXCEEDED, _close_connection),
+    PayloadTooLarge: ErrorKind(413, "payload_too_large", StatusCode.RESOURCE_EXHAUSTED),
+    engine.RequestTooLarge: ErrorKind(413, "payload_too_large", StatusCode.RESOURCE_EXHAUSTED),
+    UnsupportedMediaType: ErrorKind(415, "unsupported_media_type", StatusCode.INVALID_ARGUMENT),
     engine.Overloaded: ErrorKind(
-        429, "overloaded", _retry_after(lambda exc: exc.retry_after_s if isinstance(exc, engine.Overloaded) else 1)
+        429,
+        "overloaded",
+        StatusCode.RESOURCE_EXHAUSTED,
+        _retry_after(lambda exc: exc.retry_after_s if isinstance(exc, engine.Overloaded) else 1),
     ),
-    NonFiniteOutput: ErrorKind(422, "non_finite_output"),
-    TooManyBytesHeld: ErrorKind(429, "too_many_bytes_held", _retry_after(lambda exc: 1)),
-    HeaderTooLarge: ErrorKind(431, "header_too_large", _close_connection),
-    ClientDisconnected: ErrorKind(499, "client_closed_request"),
+    NonFiniteOutput: ErrorKind(422, "non_finite_output", StatusCode.OUT_OF_RANGE),
+    TooManyBytesHeld: ErrorKind(429, "too_many_bytes_held", StatusCode.RESOURCE_EXHAUSTED, _retry_after(lambda exc: 1)),
+    HeaderTooLarge: ErrorKind(431, "header_too_large", StatusCode.RESOURCE_EXHAUSTED, _close_connection),
+    ClientDisconnected: ErrorKind(499, "client_closed_request", StatusCode.CANCELLED),
     # Starlette's own: the client left while its body was being read.
-    ClientDisconnect: ErrorKind(499, "client_closed_request"),
-    engine.ModelError: ErrorKind(500, "model_error"),
-    UnsupportedTransferEncoding: ErrorKind(501, "unsupported_transfer_encoding", _close_connection),
-    engine.Unavailable: ErrorKind(503, "unavailable", _retry_after(lambda exc: 1)),
-    TooManyConnections: ErrorKind(
-        503, "too_many_connections", lambda exc: {"Retry-After": "1", **_close_connection(exc)}
+    ClientDisconnect: ErrorKind(499, "client_closed_request", StatusCode.CANCELLED),
+    engine.ModelError: ErrorKind(500, "model_error", StatusCode.INTERNAL),
+    UnsupportedTransferEncoding: ErrorKind(
+        501, "unsupported_transfer_encoding", StatusCode.UNIMPLEMENTED, _close_connection
     ),
-    engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded"),
-    engine.InsufficientMemory: ErrorKind(507, "insufficient_memory"),
+    engine.Unavailable: ErrorKind(503, "unavailable", StatusCode.UNAVAILABLE, _retry_after(lambda exc: 1)),
+    TooManyConnections: ErrorKind(
+        503,
+        "too_many_connections",
+        StatusCode.UNAVAILABLE,
+        lambda exc: {"Retry-After": "1", **_close_connection(exc)},
+    ),
+    NotApplied: ErrorKind(503, "unavailable", StatusCode.UNAVAILABLE, _retry_after(lambda exc: 1)),
+    Unanswered: ErrorKind(503, "unavailable", StatusCode.UNAVAILABLE, _retry_after(lambda exc: 1)),
+    engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded", StatusCode.DEADLINE_EXCEEDED),
+    engine.InsufficientMemory: ErrorKind(507, "insufficient_memory", StatusCode.RESOURCE_EXHAUSTED),
 }
 # Anything else is a bug: answered 500 with nothing internal in the message.
-INTERNAL = ErrorKind(500, "internal")
+INTERNAL = ErrorKind(500, "internal", StatusCode.INTERNAL)
 # Errors that Starlette and FastAPI raise themselves, by status (unknown route, wrong method, ...).
 FRAMEWORK_ERROR_TYPES = {
     400: "invalid_input",
@@ -158,9 +190,21 @@ def kind_of(exc: Exception) -> ErrorKind:
     return INTERNAL
 
 
-def error_body(message: str, error_type: str) -> bytes:
-    """The one JSON error shape: {"error": what was wrong, "error_type": its kind}."""
-    return orjson.dumps({"error": message, "error_type": error_type})
+def error_body(message: str, error_type: str, request_id: str | None = None) -> bytes:
+    """The one JSON error shape: {"error": what was wrong, "error_type": its kind, "request_id": ...}.
+
+    `request_id`: the current request's (app/request_context.py) unless given; a fresh one for an
+    answer given outside any request (the protocol's own refusals). A V2 request's `id` is added
+    as "id" once its body has been read. Clients that read "error" and "error_type" read on.
+    """
+    body: dict[str, str] = {"error": message, "error_type": error_type}
+    context = request_context.current()
+    if request_id is None:
+        request_id = context.request_id if context is not None else request_context.new_request_id()
+    body["request_id"] = request_id
+    if context is not None and context.v2_id is not None:
+        body["id"] = context.v2_id
+    return orjson.dumps(body)
 
 
 def raw_error_response(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -4,8 +4,11 @@
   still arriving; this catches a whole head that arrived at once).
 - A Transfer-Encoding other than plain `chunked` (`gzip, chunked`, ...) is refused with 501:
   the body would otherwise be read with the coding silently ignored.
-- With an API key configured, every path but the health probes needs
-  `Authorization: Bearer <key>`, compared in constant time.
+- With an API key configured, every path but the probes needs `Authorization: Bearer <key>`,
+  compared in constant time. The probes are server health (`/v2/health/*`) and model readiness
+  (`GET /v2/models/{name}[/versions/{v}]/ready`): what Kubernetes, load balancers, KServe and
+  tritonclient's `is_server_live` / `is_server_ready` / `is_model_ready` send, often with no
+  key. They tell whether the server, or a model of that name, is ready, and nothing more.
 - On the metrics port (`metrics_port`), only `/metrics` is served, and without the key: what a
   Prometheus scrape needs and nothing else (Triton's metrics port, TEI's Prometheus port).
 
@@ -20,6 +23,7 @@ answered before it, and the guard's 401 carries the CORS headers a browser needs
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
@@ -36,11 +40,17 @@ from app.web.errors import (
 )
 from app.web.ops import HEALTH_PREFIX, METRICS_PATH
 
+# Model readiness, the one probe outside /v2/health/. `[^/]+` as the route's own {name}: a path it
+# matches can only reach the model-ready route (Starlette does not resolve dot segments).
+_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready")
 
-def head_size(scope: Scope) -> int:
-    """Bytes of a request's head as sent: request line and header lines (close to the wire size)."""
-    line = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
-    return line + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+
+def is_probe(scope: Scope) -> bool:
+    """Whether a request is a health or readiness probe, which needs no API key."""
+    path: str = scope["path"]
+    if path.startswith(HEALTH_PREFIX):
+        return True
+    return scope["method"] in ("GET", "HEAD") and _MODEL_READY.fullmatch(path) is not None
 
 
 def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
@@ -51,6 +61,15 @@ def transfer_codings(headers: list[tuple[bytes, bytes]]) -> list[bytes]:
         if name == b"transfer-encoding"
         for coding in value.split(b",")
     ]
+
+
+def bearer_matches(given: bytes, key: bytes) -> bool:
+    """Whether an Authorization value (HTTP header or gRPC metadata) is `Bearer <key>`.
+
+    The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
+    """
+    scheme, _, token = given.partition(b" ")
+    return hmac.compare_digest(token, key) and scheme.lower() == b"bearer"
 
 
 class GuardMiddleware:
@@ -78,9 +97,16 @@ class GuardMiddleware:
 
     def _refusal(self, scope: Scope) -> Exception | None:
         headers = scope["headers"]
-        if head_size(scope) > self._max_header_bytes:
+        # One pass over the headers: the head's size as sent (request line and header lines, close
+        # to the wire size), and whether any Transfer-Encoding came; its codings are read only then.
+        size = len(scope["method"]) + len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 12
+        coded = False
+        for name, value in headers:
+            size += len(name) + len(value) + 4
+            coded = coded or name == b"transfer-encoding"
+        if size > self._max_header_bytes:
             return HeaderTooLarge(f"request head exceeds {self._max_header_bytes} bytes")
-        codings = transfer_codings(headers)
+        codings = transfer_codings(headers) if coded else []
         if codings and codings != [b"chunked"]:
             shown = b", ".join(codings).decode("latin-1")[:64]
             return UnsupportedTransferEncoding(
@@ -91,11 +117,9 @@ class GuardMiddleware:
             if scope["path"] == METRICS_PATH:
                 return None
             return NotFound(f"only {METRICS_PATH} is served on the metrics port")
-        if self._key is not None and not scope["path"].startswith(HEALTH_PREFIX):
+        if self._key is not None and not is_probe(scope):
             given = next((v for k, v in headers if k == b"authorization"), b"")
-            scheme, _, token = given.partition(b" ")
-            # The scheme is case-insensitive (RFC 7235); the token is compared in constant time.
-            if not (hmac.compare_digest(token, self._key) and scheme.lower() == b"bearer"):
+            if not bearer_matches(given, self._key):
                 reason = "missing" if not given else "wrong"
                 return Unauthorized(f"{reason} API key: send 'Authorization: Bearer <key>'")
         return None

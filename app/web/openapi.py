@@ -30,6 +30,8 @@ _ERROR_DESCRIPTIONS = {
 class ErrorBody(BaseModel):
     error: str = Field(description="What was wrong, for a person to read.")
     error_type: str = Field(description="The kind of error, for a program: invalid_input, model_not_found, ...")
+    request_id: str = Field(description="The request's id: its X-Request-Id, or the one the server gave it.")
+    id: str | None = Field(default=None, description="A V2 infer request's `id`, when it sent one.")
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -1,4 +1,8 @@
-"""Operational endpoints: health probes (open even with an API key) and Prometheus metrics."""
+"""Operational endpoints: health probes (open even with an API key) and Prometheus metrics.
+
+The probes answer KServe's bodies, `{"live": true}` and `{"ready": true}`: the V2 protocol allows
+an empty body, but KServe's REST client reads these (tritonclient reads the status alone).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,24 @@ from app.web.endpoints import Endpoint
 from app.web.errors import error_response
 from app.web.openapi import error_responses
 from app.web.state import StateDep
+from app.web.v2.schemas import ServerLive, ServerReady
 
 HEALTH_PREFIX = "/v2/health/"  # the guard lets these through without a key: probes carry none
 METRICS_PATH = "/metrics"  # the one path of the metrics port, where it needs no key
 
 
+_LIVE = b'{"live":true}'
+_READY = b'{"ready":true}'
+
+
 async def live() -> Response:
-    return Response(status_code=200)
+    return Response(_LIVE, media_type="application/json")
 
 
 async def ready(state: StateDep) -> Response:
     readiness = state.engine.readiness()
     if readiness.ready:
-        return Response(status_code=200)
+        return Response(_READY, media_type="application/json")
     return error_response(Unavailable(f"not ready: {readiness.reason}"))
 
 
@@ -36,8 +45,7 @@ ENDPOINTS = [
         live,
         openapi={
             "summary": "Liveness: the process answers",
-            "response_class": Response,
-            "responses": {200: {"content": {}}},
+            "response_model": ServerLive,
             "tags": ["health"],
         },
     ),
@@ -47,8 +55,8 @@ ENDPOINTS = [
         ready,
         openapi={
             "summary": "Readiness: every model loaded and warm, and not draining",
-            "response_class": Response,  # 200 has no body; without this the page would promise JSON
-            "responses": {200: {"content": {}}, **error_responses(503)},
+            "response_model": ServerReady,
+            "responses": error_responses(503),
             "tags": ["health"],
         },
     ),

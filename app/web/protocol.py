@@ -22,14 +22,26 @@ is parsed and when. Each connection:
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
 - counts against the process's connection cap (app/web/connections.py): past `max_connections`
   open ones, the connection idle longest is closed to make room, or else the new one gets 503
-  `too_many_connections`; at most half the cap may be connections still sending their request.
+  `too_many_connections`; at most half the cap may be connections still sending their request;
+- once the server drains (`close_connections`), answers with `Connection: close`, and is closed
+  when idle: a client is never left with a request on a connection the process is about to close;
+- writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
+  between two writes would leave a head without its body, which a proxy can no longer retry.
+
+It also tells a request that its client left, through the callback the request left in its
+scope under ON_DISCONNECT (app/web/http.py: unless_disconnected), so that no task per request
+has to wait for the disconnect message.
 
 An upgrade request (WebSocket, h2c) is answered as a plain HTTP request and the connection closed
 after it: the service speaks HTTP/1.1 only (uvicorn runs with ws="none"). Parser-level refusals
 (malformed request line, bad header bytes, broken chunked framing) get the service's JSON error
-body instead of uvicorn's text/plain. After an error answer the connection lingers briefly,
-reading and discarding up to LINGER_BYTES, so that a client still sending reads the answer
-instead of a reset; past those, reading stops (a flood costs the server nothing more).
+body instead of uvicorn's text/plain, with a request id of their own (body and X-Request-Id), as
+every answer has. After an error answer the connection lingers briefly, reading and discarding
+up to LINGER_BYTES, so that a client still sending reads the answer instead of a reset; past
+those, reading stops (a flood costs the server nothing more).
+
+It relies on private members of uvicorn's protocol; app/web/uvicorn_members.py lists them, and
+ffn-serve checks them before serving.
 """
 
 from __future__ import annotations
@@ -37,14 +49,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import httptools
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import ServiceError
+from app.request_context import new_request_id
 from app.settings import Settings
 from app.web.connections import ConnectionBudget
 from app.web.errors import (
@@ -56,11 +72,18 @@ from app.web.errors import (
     error_response,
     kind_of,
 )
+from app.web.http import ON_DISCONNECT
+from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
 
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
 LINGER_BYTES = 1024 * 1024  # ... and how much at most: then reading stops until the close
+# While draining, an idle connection is closed once quiet this long: a client that has just read
+# an answer may be writing its next request, which a close at that moment would lose.
+IDLE_CLOSE_S = 0.5
+# Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
+ONE_WRITE_BYTES = 64 * 1024
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hyper: one at a time)
 FRAMING_SHARE = 64  # a message's non-body bytes may pass max_header_bytes by this fraction of its body
@@ -74,9 +97,9 @@ class ConnectionLimits:
     max_header_bytes: int
     header_timeout_s: float
     read_timeout_s: float
-    min_body_rate: int
     send_timeout_s: float
     max_connections: int
+    min_body_rate: int = 0  # bytes/s a body must average past read_timeout_s; 0: the pause bound alone
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
@@ -84,9 +107,9 @@ class ConnectionLimits:
             settings.max_header_bytes,
             settings.header_timeout_s,
             settings.read_timeout_s,
-            settings.min_body_rate,
             settings.send_timeout_s,
             settings.max_connections,
+            settings.min_body_rate,
         )
 
 
@@ -98,9 +121,13 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"http": protocol, "ws": "none"}
 
 
-_too_many_connections = error_response(
-    TooManyConnections("the server holds its maximum of open connections; retry shortly")
-)
+async def _refuse_connection(scope: Scope, receive: Receive, send: Send) -> None:
+    await error_response(TooManyConnections("the server holds its maximum of open connections; retry shortly"))(
+        scope, receive, send
+    )
+
+
+_too_many_connections = RequestIds(_refuse_connection)  # the app of a connection past the cap
 
 
 class HeldFlowControl(FlowControl):
@@ -141,11 +168,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]
     budget: ClassVar[ConnectionBudget[LimitedHttpToolsProtocol]]
+    closing: ClassVar[bool] = False  # the server drains: every connection closes after its answer
     _last_cap_warning: ClassVar[float] = 0.0
     flow: HeldFlowControl
 
+    @classmethod
+    def close_connections(cls, connections: Iterable[Any]) -> None:
+        """From now on, answer every request with `Connection: close` and close idle connections (`shutdown`)."""
+        cls.closing = True
+        for connection in list(connections):
+            connection.shutdown()
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._idle_since = 0.0  # when the connection opened or last finished an answer
+        self._quiet_timer: asyncio.TimerHandle | None = None
         self._unparsed: bytes | bytearray = b""  # read but not fed: held while MAX_UNANSWERED are unanswered
         self._tail = b""  # the last bytes fed, when a head's end may have begun in them
         self._unanswered = 0  # requests whose head was parsed and whose answer has not gone out
@@ -177,13 +214,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not admitted:
             self.app = _too_many_connections  # answered once its head arrives, then closed
             self._warn_cap(f"{self.budget.open} connections open, none idle: refusing new ones with 503")
+        self._idle_since = self.loop.time()
         self._arm_head_timer()
+        if self.closing:
+            self._close_when_quiet()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
         self._unparsed = b""
         self.budget.closed(self)
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            hang_up: Callable[[], None] | None = cast(dict[str, Any], cycle.scope).get(ON_DISCONNECT)
+            if hang_up is not None:
+                hang_up()
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
@@ -328,6 +373,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._feed()
             self._account()
 
+    def _should_upgrade(self) -> bool:
+        # Never: uvicorn would hand the connection to a WebSocket implementation when one is
+        # installed and `ws` is not "none" (a test's or an embedder's config); here an upgrade
+        # is always answered as plain HTTP (`_answer_upgrade_plainly`).
+        return False
+
     def _answer_upgrade_plainly(self) -> None:
         """An Upgrade (WebSocket, h2c, CONNECT): answered as plain HTTP, then closed; what follows its head is dropped."""
         if self.cycle is not None:
@@ -341,6 +392,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+        cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # see http.py: unless_disconnected
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._in_body:
@@ -350,6 +402,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
         super().on_headers_complete()
+        self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
+        if self.closing:
+            self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
         self._unanswered += 1
         self._in_body = True
         self._body_left = self._content_length()
@@ -381,6 +436,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._unparsed:
             self.loop.call_soon(self._feed_held)  # room for another request: parse what waited
         elif idle:
+            self._idle_since = self.loop.time()
             self._arm_head_timer()
             if not (self._unanswered or self._overhead or self._in_body):
                 self.budget.idle(self)
@@ -394,6 +450,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 except ValueError:
                     return None
         return None if any(name == b"transfer-encoding" for name, _ in self.headers) else 0
+
+    # ----- closing while the server drains -----------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close gracefully: the last answer under way says `Connection: close`; an idle connection
+        is closed once it has been quiet for IDLE_CLOSE_S (uvicorn's own closes it at once)."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            # Pipelined requests already parsed are answered first; the newest one's answer closes.
+            newest = self.pipeline[0][0] if self.pipeline else self.cycle
+            newest.keep_alive = False
+        elif not self._receiving_request():
+            self._close_when_quiet()
+        # else a request's head is arriving: its answer will say Connection: close
+
+    def _receiving_request(self) -> bool:
+        return self._head_begun or bool(self._overhead) or self._in_body or bool(self._unparsed)
+
+    def _close_when_quiet(self) -> None:
+        if self._quiet_timer is None:
+            delay = max(0.0, self._idle_since + IDLE_CLOSE_S - self.loop.time())
+            self._quiet_timer = self.loop.call_later(delay, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        self._quiet_timer = None
+        answering = self.cycle is not None and not self.cycle.response_complete
+        if not (answering or self._unanswered or self._receiving_request()) and not self.transport.is_closing():
+            self.transport.close()
 
     # ----- flow control: the send timeout ----------------------------------------------------
 
@@ -474,6 +557,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -504,13 +590,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
+        if cycle is not None and isinstance(cycle.transport, OneWriteAnswers):
+            cycle.transport.flush()  # an earlier answer's last write, held for this turn, goes first
         kind = kind_of(error)
-        body = error_body(error.message, kind.error_type)
-        head = [STATUS_LINE[kind.status]]
+        request_id = new_request_id()
+        body = error_body(error.message, kind.error_type, request_id)
+        head = [httptools_impl.STATUS_LINE[kind.status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [f"{name}: {value}\r\n".encode("latin-1") for name, value in kind.headers(error).items()]
         head += [
             b"content-type: application/json\r\n",
+            b"x-request-id: " + request_id.encode("ascii") + b"\r\n",
             b"content-length: %d\r\n" % len(body),
         ]
         if not any(name.lower() == "connection" for name in kind.headers(error)):
@@ -535,3 +625,47 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if now - LimitedHttpToolsProtocol._last_cap_warning > CAP_WARNING_EVERY_S:
             LimitedHttpToolsProtocol._last_cap_warning = now
             log.warning("%s (max_connections %d)", message, self.limits.max_connections)
+
+
+class OneWriteAnswers:
+    """The transport as a request's cycle sees it: a write is held until the loop's next turn, and
+    one that follows in the same turn goes out with it in one write.
+
+    uvicorn writes an answer's head, then its body: two writes. A process killed between them (a
+    SIGKILL, a crash) leaves its client a head without a body; behind a proxy that has passed the
+    head on, the request can no longer be sent to another replica. In one write, the whole answer
+    reaches the socket, whose data the kernel still sends after the process is gone, or none of
+    it does, and the proxy retries. A body above ONE_WRITE_BYTES is written apart, not copied.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            if len(data) <= ONE_WRITE_BYTES:
+                self._held = data
+                self._loop.call_soon(self.flush)
+            else:
+                self._transport.write(data)
+        elif len(data) <= ONE_WRITE_BYTES:
+            self._transport.write(held + data)
+        else:
+            self._transport.write(held)
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def flush(self) -> None:
+        """Write what is held now (the loop's next turn does it otherwise)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

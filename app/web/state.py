@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
+from prometheus_client import Counter
 
 from app.control import Control
 from app.engine.service import Engine
 from app.metrics import Metrics
 from app.settings import Settings
-from app.web.errors import error_type_of
+from app.tracing.trace_settings import TraceSettings
+from app.web.errors import ERRORS, INTERNAL, error_type_of
 from app.web.held import HeldBytes
+from app.web.shared_memory import SharedMemoryRegions
+
+# Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
+OUTCOMES = ("ok", *sorted({kind.error_type for kind in ERRORS.values()} | {INTERNAL.error_type}))
+PROTOCOLS = ("http", "grpc")  # ffn_requests_total's protocol label: the two doors
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.tracing.spans import Tracing
 
 
 @dataclass
@@ -24,16 +32,51 @@ class ServiceState:
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
     held: HeldBytes  # bytes held by the requests this process is answering (app/web/held.py)
+    trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
+    tracing: Tracing | None = None  # None: requests are not traced
+    shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off
+    # ffn_requests_total's children by (model, outcome, protocol), each looked up once (a lookup costs µs).
+    _outcomes: dict[tuple[str, str, str], Counter] = field(default_factory=dict, repr=False)
 
-    @contextmanager
-    def count(self, model: str) -> Iterator[None]:
-        """Count one request's outcome in ffn_requests_total{model, outcome}: ok or its error_type."""
-        try:
-            yield
-        except Exception as exc:
-            self.metrics.requests.labels(model=model, outcome=error_type_of(exc)).inc()
-            raise
-        self.metrics.requests.labels(model=model, outcome="ok").inc()
+    def count_from_zero(self, model: str) -> None:
+        """Create the model's ffn_requests_total series for every outcome and door, at 0.
+
+        Labelled series appear on first use otherwise, and `increase()` over the first error of a
+        kind reads 0: an alert on it would never fire. (The model's histograms are created with it.)
+        """
+        for outcome in OUTCOMES:
+            for protocol in PROTOCOLS:
+                self.counter(model, outcome, protocol)
+
+    def count(self, model: str, protocol: str = "http") -> Counting:
+        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type (`with`)."""
+        return Counting(self, model, protocol)
+
+    def counter(self, model: str, outcome: str, protocol: str = "http") -> Counter:
+        """The ffn_requests_total child of (model, outcome, protocol)."""
+        child = self._outcomes.get((model, outcome, protocol))
+        if child is None:
+            child = self.metrics.requests.labels(model=model, outcome=outcome, protocol=protocol)
+            self._outcomes[model, outcome, protocol] = child
+        return child
+
+
+class Counting:
+    """`with state.count(model):` counts the block's outcome once: ok, or the error_type of what it raised."""
+
+    __slots__ = ("model", "protocol", "state")
+
+    def __init__(self, state: ServiceState, model: str, protocol: str) -> None:
+        self.state, self.model, self.protocol = state, model, protocol
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.state.counter(self.model, "ok", self.protocol).inc()
+        elif isinstance(error, Exception):
+            self.state.counter(self.model, error_type_of(error), self.protocol).inc()
 
 
 def service_state(request: Request) -> ServiceState:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import orjson
@@ -20,6 +22,12 @@ import torch
 from app.web.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
 from app.web.fields import json_type
 from ffn_core.dtypes import DType
+
+# torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
+# that it cannot protect it. Request rows are only read: spend that one warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
 
 MAX_RANK = 3
 # Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
@@ -42,11 +50,13 @@ _MAX_LONG_INTEGERS = 4096  # long integer literals examined at most, one Python 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 
-def check_shape(shape: tuple[int, ...], d_model: int) -> int:
+def check_shape(shape: Sequence[int], d_model: int) -> int:
     """Rows in a [rows, d_model] or [batch, seq, d_model] tensor; anything else is InvalidInput."""
     if not 2 <= len(shape) <= MAX_RANK:
+        # A shape can hold millions of dimensions: the message shows a few.
+        shown = list(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
         raise InvalidInput(
-            f"expected a tensor of shape [rows, {d_model}] or [batch, seq, {d_model}], got rank {len(shape)} {list(shape)}"
+            f"expected a tensor of shape [rows, {d_model}] or [batch, seq, {d_model}], got rank {len(shape)} {shown}"
         )
     if shape[-1] != d_model:
         raise InvalidInput(f"last dimension must be d_model={d_model}, got {shape[-1]} (shape {list(shape)})")
@@ -60,7 +70,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if tensor.dtype == torch.bfloat16:  # no numpy dtype; torch's isfinite is 30x slower than min/max here
         low, high = torch.aminmax(tensor)  # NaN propagates into both
         return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-    return bool(np.isfinite(tensor.numpy()).all())  # far cheaper per call than torch's dispatch
+    # numpy is far cheaper per call than torch's dispatch; the ufunc's reduce skips ndarray.all's Python wrapper.
+    return bool(np.logical_and.reduce(np.isfinite(tensor.numpy()), axis=None))
 
 
 def check_finite(rows: torch.Tensor) -> None:
@@ -77,10 +88,12 @@ def check_finite_output(output: torch.Tensor) -> None:
         )
 
 
-def view_rows(buffer: bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
+def view_rows(buffer: bytes | bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
     """(rows, d_model) of `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
 
     The caller has checked that the buffer holds exactly rows * d_model elements from `offset`.
+    A `bytes` buffer gives a tensor torch cannot mark read-only; nothing on the way to the model
+    writes into its input (the runner reads it, or copies it into a staging slot).
     """
     tensor = torch.frombuffer(buffer, dtype=dtype.torch, offset=offset, count=rows * d_model).view(rows, d_model)
     check_finite(tensor)
@@ -212,7 +225,8 @@ def _kind_name(dtype: np.dtype) -> str:
 
 def to_wire_dtype(output: torch.Tensor, dtype: DType) -> torch.Tensor:
     """The output in the answer's dtype, refused (422) if it holds inf or NaN there."""
-    wire = output.to(dtype.torch).contiguous()
+    fits = output.dtype == dtype.torch and output.is_contiguous()  # the common case: the batch's own rows, as they are
+    wire = output if fits else output.to(dtype.torch).contiguous()
     check_finite_output(wire)
     return wire
 

@@ -127,6 +127,7 @@ def serving(server: str, workers: int, cores: list[int], config: Path, torch_thr
             "--workers",
             str(workers),
             "--no-server-header",
+            "--no-proxy-headers",  # as ffn-serve runs: no proxy-headers middleware around the app
             "--no-access-log",
             "--log-level",
             "warning",
@@ -216,8 +217,12 @@ def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: floa
                 str(share),
                 "--duration",
                 str(seconds),
+                # measure_cell warms up before it; a warm-up or /metrics scrapes here would fall inside
+                # its server-CPU window without counting as requests (+30 % of CPU per request at C=1).
                 "--warmup",
-                "0.5",
+                "0",
+                "--metrics-url",
+                "",
                 "--json",
                 "-",
                 "--quiet",

@@ -123,7 +123,9 @@ def parse_dtype_header(value: str | None) -> DType:
 # ----- decoding -----------------------------------------------------------------------------
 
 
-def decode_raw(body: bytearray, shape_header: str | None, dtype_header: str | None, d_model: int) -> DecodedInput:
+def decode_raw(
+    body: bytes | bytearray, shape_header: str | None, dtype_header: str | None, d_model: int
+) -> DecodedInput:
     """application/octet-stream + X-Shape + X-Dtype, little-endian, C order. No copy."""
     shape = parse_shape_header(shape_header)
     dtype = parse_dtype_header(dtype_header)
@@ -136,7 +138,7 @@ def decode_raw(body: bytearray, shape_header: str | None, dtype_header: str | No
     return DecodedInput(view_rows(body, dtype, rows, d_model), shape, dtype)
 
 
-def decode_npy(body: bytearray, d_model: int) -> DecodedInput:
+def decode_npy(body: bytes | bytearray, d_model: int) -> DecodedInput:
     """application/x-npy: a version 1-3 .npy file, float32 or float16, little-endian, C order. No copy."""
     header, offset = _read_npy_header(body)
     dtype, shape = _npy_fields(header)
@@ -149,7 +151,7 @@ def decode_npy(body: bytearray, d_model: int) -> DecodedInput:
     return DecodedInput(view_rows(body, dtype, rows, d_model, offset), shape, dtype)
 
 
-def _read_npy_header(body: bytearray) -> tuple[object, int]:
+def _read_npy_header(body: bytes | bytearray) -> tuple[object, int]:
     """Parse the .npy header ourselves with ast.literal_eval: never np.load, so never pickle."""
     stream = io.BytesIO(memoryview(body)[: NPY_MAX_HEADER + 12].tobytes())
     try:
@@ -188,7 +190,7 @@ def _npy_fields(header: object) -> tuple[DType, tuple[int, ...]]:
     return BY_NUMPY[descr], shape
 
 
-def decode_json(body: bytearray, d_model: int, max_rows: int) -> DecodedInput:
+def decode_json(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput:
     """{"inputs": [[...], ...]} (or [batch, seq, d_model]), numbers only, finite in float32.
 
     A body with more arrays or values than `max_rows` rows is refused before it is parsed.

@@ -6,6 +6,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app import request_context
 from app.engine.service import ServedModel
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
@@ -44,6 +45,7 @@ async def transform(name: str, request: Request) -> Response:
                 served,
                 state.settings.max_queue_rows,
             )
+            request_context.decoded(decoded.shape, decoded.dtype.name)
             if encoding_in == "json":  # the body is gone, parsed into a tensor of its own
                 hold.resize(decoded.rows.nbytes)
             if asked is not None:
@@ -59,7 +61,7 @@ async def transform(name: str, request: Request) -> Response:
 
 # A plain function, not a coroutine: on the hot path an extra await costs more than its work.
 def _decode(
-    body: bytearray,
+    body: bytes | bytearray,
     headers: Headers,
     encoding_in: codec.Encoding,
     encoding_out: codec.Encoding,

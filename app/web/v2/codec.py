@@ -4,21 +4,29 @@ Request: a JSON object, optionally followed by raw tensor bytes when the header
 `Inference-Header-Content-Length` gives the JSON part's length; an input whose parameters
 hold `binary_data_size` takes its data from those bytes, in input order. Response: JSON, or a
 JSON header followed by the outputs asked for with `binary_data` (or `binary_data_output`).
+
+System shared memory: an input or output whose parameters name a registered region
+(`shared_memory_region`, `shared_memory_byte_size`, optionally `shared_memory_offset`) is read
+from or written to it instead (app/web/shared_memory.py), checked against the region before the
+request is queued; such an output is described in the answer without data, as in Triton.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import torch
 
+from app import request_context
 from app.web import mc_parameters, tensors
-from app.web.errors import InvalidInput, UnsupportedExtension, UnsupportedMediaType
+from app.web.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
 from app.web.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
 from app.web.http import media_type, refuse_content_encoding
+from app.web.shared_memory import Region, SharedMemoryRegions, turned_off
 from ffn_core.dtypes import BY_V2, DType
 
 SERVER_NAME = "ffn-serve"
@@ -34,6 +42,15 @@ MEDIA_TYPES = ("application/json", "application/octet-stream")
 
 
 @dataclass(frozen=True)
+class SharedMemorySpan:
+    """Where in a registered region a tensor is, checked to lie inside it."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
 class V2Request:
     rows: torch.Tensor  # (rows, d_model)
     shape: tuple[int, ...]
@@ -43,7 +60,8 @@ class V2Request:
     binary_output: bool  # binary_data_output: the default for outputs that do not say
     parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
     timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
-    binary_input: bool  # `rows` is a view of the body's binary section (else parsed from JSON: a tensor of its own)
+    binary_input: bool  # `rows` is a view of the body's binary section (else a tensor of its own: JSON, shared memory)
+    shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
 
 
 def check_content(content_type: str | None, content_encoding: str | None) -> None:
@@ -54,10 +72,19 @@ def check_content(content_type: str | None, content_encoding: str | None) -> Non
         raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
 
 
-def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: int) -> V2Request:
+def decode(
+    body: bytes | bytearray,
+    header_length: str | None,
+    d_model: int,
+    max_rows: int,
+    shared_memory: SharedMemoryRegions | None = None,
+    max_bytes: int = 0,
+) -> V2Request:
     """An infer request's one input tensor and its options; every field type-checked (400).
 
     A JSON part with more arrays or values than `max_rows` rows is refused before it is parsed.
+    `shared_memory`: the registered regions (None: the extension is off). An input read from one
+    counts against `max_bytes`, the body limit, as a body would: it is copied into memory too.
     """
     json_end = _json_length(header_length, len(body))
     json_part = memoryview(body)[:json_end] if json_end < len(body) else body
@@ -66,25 +93,28 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
+    request_context.named(request_id)  # from here on, an error answer carries the request's `id` too
     parameters = object_field(document, "parameters", "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     inputs = list_field(document, "inputs", "request")
     if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
     tensor = inputs[0]
-    name = str_field(tensor, "name", "input")
-    if name != INPUT_NAME:
-        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
-    datatype = str_field(tensor, "datatype", "input")
-    dtype = BY_V2.get(datatype) if datatype is not None else None
-    if dtype is None:
-        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
+    dtype = check_input(str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input"))
     shape = _shape(tensor.get("shape"))
     rows = tensors.check_shape(shape, d_model)
     input_parameters = object_field(tensor, "parameters", "input")
-    _refuse_extensions(parameters, input_parameters)
+    refuse_extensions(parameters, input_parameters)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
-    if binary_size is not None:
+    if SHARED_MEMORY_REGION in input_parameters:
+        if shared_memory is None:  # the extension is named first: nothing else about it matters then
+            raise turned_off()
+        if "data" in tensor or binary_size is not None:
+            raise InvalidInput("an input must set only one of 'data', 'binary_data_size' and 'shared_memory_region'")
+        if json_end != len(body):
+            raise InvalidInput("binary data follows the JSON header but the input is in shared memory")
+        values = shared_memory_tensor(input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes)
+    elif binary_size is not None:
         if "data" in tensor:
             raise InvalidInput("an input with binary_data_size must not also carry 'data'")
         values = _binary_tensor(body, json_end, binary_size, shape, rows, d_model, dtype)
@@ -93,10 +123,31 @@ def decode(body: bytearray, header_length: str | None, d_model: int, max_rows: i
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
         values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
     binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
-    outputs = _requested_outputs(document, binary_output, mc_parameters.asks_for_monte_carlo(parameters))
+    monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
+    output_bytes = rows * d_model * dtype.itemsize
+    outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
     return V2Request(
-        values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us, binary_size is not None
+        values,
+        shape,
+        dtype,
+        request_id,
+        outputs,
+        binary_output,
+        parameters,
+        timeout_us,
+        binary_size is not None,
+        in_shared_memory,
     )
+
+
+def check_input(name: str | None, datatype: str | None) -> DType:
+    """The input's dtype, once its name is the model's input and its datatype one served (both doors)."""
+    if name != INPUT_NAME:
+        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
+    dtype = BY_V2.get(datatype) if datatype is not None else None
+    if dtype is None:
+        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
+    return dtype
 
 
 SHARED_MEMORY_REGION = "shared_memory_region"
@@ -110,20 +161,54 @@ _EXTENSION_PARAMETERS = {
 }
 
 
-def _refuse_extensions(parameters: dict[str, Any], input_parameters: dict[str, Any]) -> None:
-    """Refuse a request that relies on an extension we do not implement, naming it."""
-    if SHARED_MEMORY_REGION in input_parameters:
-        raise _shared_memory_unsupported()
+def refuse_extensions(parameters: Mapping[str, Any], input_parameters: Mapping[str, Any]) -> None:
+    """Refuse a request that relies on an extension we do not implement, naming it (both doors)."""
     for name, (extension, detail) in _EXTENSION_PARAMETERS.items():
         if name in parameters:
             raise UnsupportedExtension(extension, f"parameter {name!r} was sent, but {detail}")
 
 
-def _shared_memory_unsupported() -> UnsupportedExtension:
-    return UnsupportedExtension(
-        "shared memory (system_shared_memory, cuda_shared_memory)",
-        "send tensors in the request body (binary_tensor_data)",
-    )
+def shared_memory_span(parameters: dict[str, Any], regions: SharedMemoryRegions | None, where: str) -> SharedMemorySpan:
+    """The registered region, offset and size a tensor's parameters name, checked to lie in the region.
+
+    `parameters` is the tensor's parameters as a dict: the gRPC door reads its own into one and calls this.
+    """
+    if regions is None:
+        raise turned_off()
+    name = str_field(parameters, SHARED_MEMORY_REGION, f"{where} parameter")
+    size = int_field(parameters, "shared_memory_byte_size", f"{where} parameter", minimum=0)
+    offset = int_field(parameters, "shared_memory_offset", f"{where} parameter", minimum=0) or 0
+    if name is None or size is None:
+        raise InvalidInput(f"{where}: shared_memory_region and shared_memory_byte_size go together")
+    region = regions.get(name)  # 404 when not registered
+    region.check_span(offset, size, where)
+    return SharedMemorySpan(region, offset, size)
+
+
+def shared_memory_tensor(
+    parameters: dict[str, Any],
+    regions: SharedMemoryRegions | None,
+    shape: tuple[int, ...],
+    rows: int,
+    d_model: int,
+    dtype: DType,
+    max_rows: int,
+    max_bytes: int,
+) -> torch.Tensor:
+    """The input's rows, copied out of its region (the client cannot change them under the batch)."""
+    span = shared_memory_span(parameters, regions, "input")
+    expected = rows * d_model * dtype.itemsize
+    if span.byte_size != expected:
+        raise InvalidInput(
+            f"shared_memory_byte_size is {span.byte_size} but shape {list(shape)} of {dtype.v2} needs {expected}"
+        )
+    if rows > max_rows or expected > max_bytes:
+        raise PayloadTooLarge(
+            f"an input of {rows} rows ({expected} bytes) in shared memory exceeds what a request may hold "
+            f"({max_rows} rows, {max_bytes} bytes: the body limit)"
+        )
+    data = span.region.read(span.offset, span.byte_size, "input")
+    return tensors.view_rows(data, dtype, rows, d_model)
 
 
 def _json_length(header_length: str | None, body_length: int) -> int:
@@ -142,7 +227,7 @@ def _shape(value: object) -> tuple[int, ...]:
 
 
 def _binary_tensor(
-    body: bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    body: bytes | bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     expected = rows * d_model * dtype.itemsize
     if size != expected:
@@ -153,7 +238,7 @@ def _binary_tensor(
 
 
 def _json_tensor(
-    data: object, source: bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+    data: object, source: bytes | bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
 ) -> torch.Tensor:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
@@ -163,34 +248,54 @@ def _json_tensor(
     return torch.from_numpy(array.reshape(rows, d_model))
 
 
-def _requested_outputs(document: dict[str, Any], binary_output: bool, monte_carlo: bool) -> dict[str, bool] | None:
-    """Output name -> binary for each output asked for: its binary_data, else binary_data_output."""
+def _requested_outputs(
+    document: dict[str, Any],
+    binary_output: bool,
+    monte_carlo: bool,
+    regions: SharedMemoryRegions | None,
+    output_bytes: int,
+) -> tuple[dict[str, bool] | None, dict[str, SharedMemorySpan]]:
+    """Output name -> binary for each output asked for (its binary_data, else binary_data_output), and
+    the outputs to write to shared memory instead, each span checked to hold `output_bytes`."""
     outputs = list_field(document, "outputs", "request")
     if not outputs:  # none named: every output, as in Triton
-        return None
+        return None, {}
     if not all(isinstance(o, dict) for o in outputs):
         raise InvalidInput("'outputs' must be a list of objects")
     wanted: dict[str, bool] = {}
+    in_shared_memory: dict[str, SharedMemorySpan] = {}
     for output in outputs:
-        name = str_field(output, "name", "output")
-        if name not in OUTPUT_NAMES:
-            raise InvalidInput(
-                f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
-                f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
-            )
-        if name == STD_OUTPUT_NAME and not monte_carlo:
-            raise InvalidInput(
-                f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
-                f"add parameters.{mc_parameters.PASSES}"
-            )
         output_parameters = object_field(output, "parameters", "output")
-        if "classification" in output_parameters:
-            raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
-        if SHARED_MEMORY_REGION in output_parameters:
-            raise _shared_memory_unsupported()
+        name = check_output(str_field(output, "name", "output"), output_parameters, monte_carlo)
         chosen = bool_field(output_parameters, "binary_data", "output parameter")
+        if SHARED_MEMORY_REGION in output_parameters:
+            if chosen:
+                raise InvalidInput(f"output {name!r} cannot set both shared_memory_region and binary_data")
+            span = shared_memory_span(output_parameters, regions, f"output {name!r}")
+            if span.byte_size < output_bytes:
+                raise InvalidInput(
+                    f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
+                )
+            in_shared_memory[name] = span
         wanted[name] = binary_output if chosen is None else chosen
-    return wanted
+    return wanted, in_shared_memory
+
+
+def check_output(name: str | None, output_parameters: Mapping[str, Any], monte_carlo: bool) -> str:
+    """A requested output's name, once it is one this request answers and asks for no extension (both doors)."""
+    if name not in OUTPUT_NAMES:
+        raise InvalidInput(
+            f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
+            f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
+        )
+    if name == STD_OUTPUT_NAME and not monte_carlo:
+        raise InvalidInput(
+            f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
+            f"add parameters.{mc_parameters.PASSES}"
+        )
+    if "classification" in output_parameters:
+        raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
+    return name
 
 
 def encode(
@@ -215,7 +320,10 @@ def encode(
     for name, binary in wanted.items():
         wire = tensors.to_wire_dtype(answers[name], request.dtype)
         described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
-        if binary:
+        span = request.shared_memory_outputs.get(name)
+        if span is not None:  # written to the region; the answer describes it without data, as Triton's
+            span.region.write(span.offset, tensors.raw_bytes(wire), f"output {name!r}")
+        elif binary:
             blob = tensors.raw_bytes(wire)
             described["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)

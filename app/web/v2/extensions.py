@@ -1,6 +1,8 @@
 """Triton's V2 extensions: model configuration, statistics and the repository index, in Triton's JSON shapes.
 
-The extensions this server does not implement (shared memory, trace, logging, repository
+The trace extension is app/web/v2/trace_extension.py's, logging log_settings.py's, system shared
+memory system_shared_memory.py's (with CUDA shared memory's refusal); their routes are listed here
+with the rest. The extensions this server does not implement (repository
 load/unload, generate) have their routes too, so that a client calling one learns which
 extension it asked for and why it is missing: a 400 `unsupported_extension`, not a bare 404.
 `EXTENSIONS` (GET /v2) lists exactly the ones implemented here and in the infer route.
@@ -18,7 +20,7 @@ from app.web.endpoints import Endpoint, Handler
 from app.web.errors import UnsupportedExtension
 from app.web.openapi import error_responses
 from app.web.state import ServiceState, StateDep
-from app.web.v2 import codec, statistics
+from app.web.v2 import codec, log_settings, statistics, system_shared_memory, trace_extension
 from app.web.v2.codec import PLATFORM
 from app.web.v2.schemas import (
     ModelConfiguration,
@@ -29,7 +31,12 @@ from app.web.v2.schemas import (
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
 # model_repository is not listed: of its three APIs only the index is served.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace", "logging"]
+
+
+def extensions(settings: Settings) -> list[str]:
+    """GET /v2's list: exactly the extensions this server answers, system shared memory when it is on."""
+    return [*EXTENSIONS, system_shared_memory.EXTENSION] if settings.shared_memory else list(EXTENSIONS)
 
 
 # ----- model configuration ---------------------------------------------------------------------
@@ -130,11 +137,14 @@ def _repository_entry(served: ServedModel) -> RepositoryModel:
     )
 
 
+def repository_models(models: list[ServedModel], ready_only: bool) -> list[RepositoryModel]:
+    """The repository index (both doors): every model and its state, or only the READY ones."""
+    entries = [_repository_entry(served) for served in models]
+    return [entry for entry in entries if entry.state == "READY"] if ready_only else entries
+
+
 async def repository_index(state: StateDep, body: RepositoryIndexRequest | None = None) -> list[RepositoryModel]:
-    entries = [_repository_entry(served) for served in state.engine.models()]
-    if body is not None and body.ready:
-        entries = [entry for entry in entries if entry.state == "READY"]
-    return entries
+    return repository_models(state.engine.models(), body is not None and body.ready)
 
 
 # ----- the extensions not implemented ----------------------------------------------------------
@@ -147,32 +157,7 @@ def _unsupported(extension: str, detail: str) -> Handler:
     return refuse
 
 
-_SHARED_MEMORY = "send tensors in the request body (binary_tensor_data)"
 _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
-    ("system_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/systemsharedmemory/status",
-        "GET /v2/systemsharedmemory/region/{region}/status",
-        "POST /v2/systemsharedmemory/region/{region}/register",
-        "POST /v2/systemsharedmemory/unregister",
-        "POST /v2/systemsharedmemory/region/{region}/unregister",
-    ],
-    ("cuda_shared_memory", _SHARED_MEMORY): [
-        "GET /v2/cudasharedmemory/status",
-        "GET /v2/cudasharedmemory/region/{region}/status",
-        "POST /v2/cudasharedmemory/region/{region}/register",
-        "POST /v2/cudasharedmemory/unregister",
-        "POST /v2/cudasharedmemory/region/{region}/unregister",
-    ],
-    ("trace", "requests are not traced; /metrics has queue, compute and total latency histograms"): [
-        "GET /v2/trace/setting",
-        "POST /v2/trace/setting",
-        "GET /v2/models/{name}/trace/setting",
-        "POST /v2/models/{name}/trace/setting",
-    ],
-    ("logging", "the log level and format are settings fixed at start (FFN_LOG_LEVEL, FFN_LOG_FORMAT)"): [
-        "GET /v2/logging",
-        "POST /v2/logging",
-    ],
     (
         "model_repository",
         "the models are fixed at start by the config file, so load and unload are refused; "
@@ -189,6 +174,14 @@ _UNSUPPORTED: dict[tuple[str, str], list[str]] = {
     ],
 }
 
+_DETAILS = {extension: detail for extension, detail in _UNSUPPORTED}
+
+
+def unsupported(extension: str) -> UnsupportedExtension:
+    """The refusal of an extension this server does not implement, as its HTTP routes give it (both doors)."""
+    return UnsupportedExtension(extension, _DETAILS[extension])
+
+
 _TAGS = {"tags": ["v2 extensions"]}
 _CONFIG = {
     "summary": "Model configuration (Triton's ModelConfig JSON)",
@@ -204,6 +197,8 @@ _STATS = {
 }
 
 ENDPOINTS = [
+    *log_settings.ENDPOINTS,
+    *system_shared_memory.ENDPOINTS,
     Endpoint("GET", "/v2/models/stats", all_stats, openapi={**_STATS, "summary": "Statistics of every model"}),
     Endpoint("GET", "/v2/models/{name}/stats", stats, openapi=_STATS),
     Endpoint("GET", "/v2/models/{name}/versions/{version}/stats", version_stats, openapi=_STATS),
@@ -220,6 +215,7 @@ ENDPOINTS = [
             **_TAGS,
         },
     ),
+    *trace_extension.ENDPOINTS,
     *(
         Endpoint(
             route.split(" ")[0],

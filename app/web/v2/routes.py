@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app import __version__
+from app import __version__, request_context
 from app.engine.errors import Unavailable
 from app.web import mc_parameters
 from app.web.endpoints import Endpoint
@@ -17,14 +18,15 @@ from app.web.openapi import error_responses, inline_defs
 from app.web.state import ServiceState, StateDep, service_state
 from app.web.v2 import codec, extensions
 from app.web.v2.codec import PLATFORM, SERVER_NAME
-from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ServerMetadata
+from app.web.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
 
-async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.EXTENSIONS)
+async def server_metadata(state: StateDep) -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=__version__, extensions=extensions.extensions(state.settings))
 
 
-def _model_metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+def metadata(state: ServiceState, name: str, version: str | None) -> ModelMetadata:
+    """A model's metadata (both doors); ModelNotFound (404) for an unknown name or version."""
     served = state.engine.model(name, version)
     tensor = {"datatype": served.dtype.v2, "shape": [-1, served.d_model]}
     return ModelMetadata.model_validate(
@@ -40,8 +42,8 @@ def _model_metadata(state: ServiceState, name: str, version: str | None) -> Mode
 
 def _model_ready(state: ServiceState, name: str, version: str | None) -> Response:
     status = state.engine.model(name, version).status
-    if status.ready:
-        return Response(status_code=200)
+    if status.ready:  # KServe's body: its SDK may read it (tritonclient reads the status alone)
+        return Response(orjson.dumps({"name": name, "ready": True}), media_type="application/json")
     return error_response(Unavailable(f"model {name!r} is not ready: {status.reason}"))
 
 
@@ -56,10 +58,18 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         codec.check_content(content_type, request.headers.get("content-encoding"))
         with state.held.request() as hold:
             body = await read_body(request, state.settings.max_body_bytes, hold)
-            decoded = codec.decode(body, header_length, served.d_model, state.settings.max_queue_rows)
-            if not decoded.binary_input:  # JSON data: the body is dropped, its tensor kept
+            decoded = codec.decode(
+                body,
+                header_length,
+                served.d_model,
+                state.settings.max_queue_rows,
+                state.shared_memory,
+                state.settings.max_body_bytes,
+            )
+            if not decoded.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
                 hold.resize(decoded.rows.nbytes)
             del body  # a binary input is a view of the body: those bytes stay held, and counted
+            request_context.decoded(decoded.shape, decoded.dtype.name)
             timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
             deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
             asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
@@ -82,11 +92,11 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
 
 
 async def model_metadata(name: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, None)
+    return metadata(state, name, None)
 
 
 async def model_version_metadata(name: str, version: str, state: StateDep) -> ModelMetadata:
-    return _model_metadata(state, name, version)
+    return metadata(state, name, version)
 
 
 async def model_ready(name: str, state: StateDep) -> Response:
@@ -113,9 +123,9 @@ _METADATA = {
     "tags": ["v2"],
 }
 _READY = {
-    "summary": "Model readiness",
-    "response_class": Response,  # 200 has no body
-    "responses": {200: {"content": {}}, **error_responses(401, 404, 503)},
+    "summary": "Model readiness (a probe: needs no API key)",
+    "response_model": ModelReady,
+    "responses": error_responses(404, 503),
     "tags": ["v2"],
 }
 _INFER: dict[str, Any] = {

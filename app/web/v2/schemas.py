@@ -21,6 +21,21 @@ class ServerMetadata(BaseModel):
     extensions: list[str]
 
 
+class ServerLive(BaseModel):
+    live: bool
+
+
+class ServerReady(BaseModel):
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    """What KServe's own server answers for a ready model."""
+
+    name: str
+    ready: bool
+
+
 class TensorMetadata(BaseModel):
     name: str
     datatype: str = _datatype()

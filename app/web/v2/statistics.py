@@ -5,9 +5,14 @@ No counters of its own: every number is a sample that /metrics exports too, read
 Samples of one model are summed over any other label, but the last-inference time, which is
 the latest.
 
-What Triton reports and the service does not measure is zero, never invented: compute_input
-and compute_output (host-device copies are timed inside compute_infer), the response cache
-(there is none), batch_stats (no per-batch-size timings) and response_stats.
+compute_input and compute_output count every successful request, as Triton's do (perf_analyzer
+refuses statistics whose three compute counts differ), with zero time: what Triton times there
+(gathering a batch's inputs and copying them to the device, copying the outputs back) happens
+inside the forward pass, which compute_infer times whole. Decoding and encoding the HTTP body
+are not counted there either: they fall outside `success` (from arrival at the batcher to the
+answer), and queue + compute must stay within success for perf_analyzer's server overhead.
+What the service does not have is zero, never invented: the response cache, batch_stats (no
+per-batch-size timings) and response_stats.
 """
 
 from __future__ import annotations
@@ -62,10 +67,11 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
             "success": _duration(succeeded, s["ffn_request_seconds_sum"]),
             "fail": _duration(s["ffn_failed_request_seconds_count"], s["ffn_failed_request_seconds_sum"]),
             "queue": _duration(s["ffn_queue_seconds_count"], s["ffn_queue_seconds_sum"]),
-            "compute_input": _NOT_MEASURED,
+            # Inside compute_infer's forward pass: counted per request, with no time of their own.
+            "compute_input": _duration(succeeded, 0.0),
             # As in Triton, per request: each request counts its batch's whole forward pass.
             "compute_infer": _duration(succeeded, s["ffn_request_compute_seconds_total"]),
-            "compute_output": _NOT_MEASURED,
+            "compute_output": _duration(succeeded, 0.0),
             "cache_hit": _NOT_MEASURED,
             "cache_miss": _NOT_MEASURED,
         },

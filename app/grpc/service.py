@@ -1,0 +1,269 @@
+"""inference.GRPCInferenceService on the engine facade: Triton's gRPC methods, each the twin of an HTTP route.
+
+The servicer is tritonclient's generated base class (tritonclient.grpc.service_pb2_grpc), so the
+method paths and messages are Triton's own. Every answer is read from the same places as its
+HTTP twin: metadata (app/web/v2/routes.py), model configuration, statistics and the repository
+index (app/web/v2/extensions.py), and every failure goes through the one error table
+(app/grpc/status.py). The methods of extensions this server does not implement answer
+UNIMPLEMENTED with the message their HTTP routes give; each is one method below, so serving
+one later (logging, trace, shared memory, load/unload) means replacing that method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from grpc.aio import ServicerContext as Context
+from tritonclient.grpc import model_config_pb2
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
+
+from app import __version__
+from app.engine.service import ServedModel
+from app.grpc import codec
+from app.grpc.malformed import Malformed
+from app.grpc.status import abort
+from app.grpc.stream import StreamInfer
+from app.web import mc_parameters
+from app.web.http import deadline_from
+from app.web.state import ServiceState
+from app.web.v2 import extensions, log_settings, statistics, system_shared_memory, trace_extension
+from app.web.v2 import routes as v2_routes
+from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
+
+PROTOCOL = "grpc"  # the protocol label of ffn_requests_total
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+def answered(
+    method: Callable[[Any, Any, Context], Awaitable[Response]],
+) -> Callable[[Any, Any, Context], Awaitable[Response]]:
+    """A unary method whose request may be Malformed and whose errors are answered from the error table."""
+
+    async def wrapper(self: Any, request: Any, context: Context) -> Response:
+        failure: BaseException
+        try:
+            if isinstance(request, Malformed):
+                raise request.error
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            failure = exc
+        await abort(context, failure)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+def _version(version: str) -> str | None:
+    """The version a request names; the empty string (the protobuf default) names none."""
+    return version or None
+
+
+class InferenceServicer(GRPCInferenceServiceServicer):
+    """Triton's GRPCInferenceService, answered from the engine facade and the service state."""
+
+    def __init__(self, state: ServiceState) -> None:
+        self._state = state
+        self._engine = state.engine
+        self._stream = StreamInfer(self._infer, max_rows=state.settings.max_batch_rows)
+
+    # ----- health and metadata --------------------------------------------------------------
+
+    @answered
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @answered
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._engine.ready)
+
+    @answered
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+        # As Triton's gRPC door: an unknown model is not ready (HTTP answers it 404, which clients read as false).
+        served = next((m for m in self._engine.models() if m.name == request.name), None)
+        version = _version(request.version)
+        ready = served is not None and (version is None or version == str(served.version)) and served.status.ready
+        return pb.ModelReadyResponse(ready=ready)
+
+    @answered
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=__version__, extensions=extensions.extensions(self._state.settings)
+        )
+
+    @answered
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
+        metadata = v2_routes.metadata(self._state, request.name, _version(request.version))
+        return json_format.ParseDict(metadata.model_dump(), pb.ModelMetadataResponse())
+
+    @answered
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
+        served = self._engine.model(request.name, _version(request.version))
+        config = extensions.model_configuration(served, self._state.settings)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+    @answered
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
+        # As Triton: no name asks for every model.
+        if request.name:
+            models = [self._engine.model(request.name, _version(request.version))]
+        else:
+            models = self._engine.models()
+        stats = statistics.model_stats(self._state.metrics.merged, models)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    @answered
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
+        entries = extensions.repository_models(self._engine.models(), request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(**entry.model_dump()) for entry in entries]
+        )
+
+    # ----- inference ------------------------------------------------------------------------
+
+    @answered
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        return await self._infer(request, context)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Context) -> None:
+        await self._stream.serve(context)
+
+    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        """One infer request, unary or from a stream: decoded, queued in the model's batcher, encoded."""
+        served = self._engine.model(request.model_name, _version(request.model_version))
+        with self._state.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):
+            served.check_serving()
+            decoded = codec.decode(request, served.d_model)
+            deadline = self._deadline(decoded.timeout_us, context)
+            asked = mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)
+            if asked is None:
+                output = await served.infer(decoded.rows, deadline=deadline)
+                return codec.encode(served, decoded, {OUTPUT_NAME: output})
+            result = await served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+            answers = {OUTPUT_NAME: result.mean, STD_OUTPUT_NAME: result.std}
+            return codec.encode(served, decoded, answers, mc_parameters.echoed(asked))
+
+    def _deadline(self, timeout_us: float | None, context: Context) -> float:
+        """The sooner of the call's gRPC deadline and the `timeout` parameter (else the default timeout)."""
+        timeout_ms = None if timeout_us is None else timeout_us / 1000.0
+        deadline = deadline_from(timeout_ms, self._state.settings.default_timeout_ms)
+        remaining = context.time_remaining()
+        if remaining is None:
+            return deadline
+        return min(deadline, asyncio.get_running_loop().time() + remaining)
+
+    # ----- the extensions: each the twin of its HTTP routes, through the same functions ----------
+
+    @answered
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        answer = pb.SystemSharedMemoryStatusResponse()
+        for region in system_shared_memory.status(self._state, request.name or None):
+            answer.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region["name"], key=region["key"], offset=region["offset"], byte_size=region["byte_size"]
+                )
+            )
+        return answer
+
+    @answered
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        system_shared_memory.regions_of(self._state)  # off: the same refusal as over HTTP
+        document = {"key": request.key, "offset": request.offset, "byte_size": request.byte_size}
+        await system_shared_memory.register_document(self._state, request.name, document)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @answered
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        await system_shared_memory.unregister(self._state, request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @answered
+    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        await system_shared_memory.cuda_shared_memory()
+
+    @answered
+    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        await system_shared_memory.cuda_shared_memory()
+
+    @answered
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        await system_shared_memory.cuda_shared_memory()
+
+    @answered
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
+        """The twin of GET and POST /v2[/models/{name}]/trace/setting: no settings in the request reads them."""
+        name = request.model_name or None
+        if request.settings:
+            # Triton's gRPC shape: each setting a list of strings; an empty list puts it back (JSON null).
+            document = {
+                key: (
+                    (list(value.value) or None) if key == "trace_level" else (value.value[0] if value.value else None)
+                )
+                for key, value in request.settings.items()
+            }
+            settings = await trace_extension.update_settings(self._state, name, document)
+        else:
+            settings = await trace_extension.settings_of(self._state, name)
+        answer = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            answer.settings[key].value.extend(value if isinstance(value, list) else [str(value)])
+        return answer
+
+    @answered
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
+        """The twin of GET and POST /v2/logging: no settings in the request reads them."""
+        update = {
+            key: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+            for key, value in request.settings.items()
+        }
+        settings = await log_settings.log_settings(self._state, update)
+        answer = pb.LogSettingsResponse()
+        for key, value in settings.items():
+            kind = (
+                "bool_param"
+                if isinstance(value, bool)
+                else "uint32_param"
+                if isinstance(value, int)
+                else "string_param"
+            )
+            setattr(answer.settings[key], kind, value)
+        return answer
+
+    @answered
+    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+        raise extensions.unsupported("model_repository")
+
+    @answered
+    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+        raise extensions.unsupported("model_repository")
+
+
+@contextmanager
+def _counted_if_cancelled(state: ServiceState, served: ServedModel, context: Context) -> Iterator[None]:
+    """Count a call cancelled while it waits: by its client (client_closed_request) or by its deadline.
+
+    ServiceState.count sees exceptions; a cancelled call ends with CancelledError instead.
+    """
+    try:
+        yield
+    except asyncio.CancelledError:
+        remaining = context.time_remaining()
+        outcome = "deadline_exceeded" if remaining is not None and remaining <= 0 else "client_closed_request"
+        state.metrics.requests.labels(model=served.name, outcome=outcome, protocol=PROTOCOL).inc()
+        raise

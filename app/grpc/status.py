@@ -1,0 +1,64 @@
+"""gRPC statuses from the one error table (app/web/errors.py): the code, the message, the trailing metadata.
+
+Every failure of the gRPC door goes through `grpc_error`, so a request refused over HTTP with a
+status and an error_type is refused over gRPC with the table's gRPC code, the same message, and
+the error_type in the trailing metadata (`ffn-error-type`). A retry hint travels the way gRPC
+clients read one (gRFC A6, `grpc-retry-pushback-ms`), beside HTTP's `retry-after` in seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+
+from app.errors import ServiceError
+from app.web.errors import INTERNAL, kind_of
+
+log = logging.getLogger("ffn_serve")
+
+ERROR_TYPE_KEY = "ffn-error-type"  # the error_type an HTTP answer carries in its JSON body
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # wait this long before retrying; negative: do not retry
+RETRY_AFTER_KEY = "retry-after"  # seconds, as HTTP's Retry-After
+
+
+@dataclass(frozen=True)
+class GrpcError:
+    """How one failure is answered over gRPC."""
+
+    code: grpc.StatusCode
+    details: str
+    trailers: tuple[tuple[str, str], ...]
+    error_type: str
+
+
+def grpc_error(exc: BaseException) -> GrpcError:
+    """The table's answer to `exc`: its gRPC code and message; anything unlisted is INTERNAL, with no detail."""
+    kind = kind_of(exc) if isinstance(exc, Exception) else INTERNAL
+    if kind is INTERNAL:
+        return GrpcError(INTERNAL.grpc, "internal server error", ((ERROR_TYPE_KEY, INTERNAL.error_type),), "internal")
+    message = exc.message if isinstance(exc, ServiceError) else str(exc)
+    trailers = [(ERROR_TYPE_KEY, kind.error_type)]
+    retry_after = kind.headers(exc).get("Retry-After") if isinstance(exc, Exception) else None
+    if retry_after is not None:
+        trailers += [(RETRY_AFTER_KEY, retry_after), (RETRY_PUSHBACK_KEY, str(int(retry_after) * 1000))]
+    elif kind.grpc is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # Too large ever to fit (the queue, the message limit, the device): the same request cannot succeed.
+        trailers.append((RETRY_PUSHBACK_KEY, "-1"))
+    return GrpcError(kind.grpc, message, tuple(trailers), kind.error_type)
+
+
+def log_if_internal(exc: BaseException) -> None:
+    """A bug (an error the table does not list) is logged with its traceback; the client learns nothing of it."""
+    if grpc_error(exc).error_type == INTERNAL.error_type:
+        log.error("unhandled error in a gRPC call", exc_info=exc)
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the table's status for `exc` (a bug is logged, and answered INTERNAL)."""
+    log_if_internal(exc)
+    error = grpc_error(exc)
+    await context.abort(error.code, error.details, error.trailers)
+    raise AssertionError("context.abort returned; this is a bug.")

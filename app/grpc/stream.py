@@ -1,0 +1,103 @@
+"""ModelStreamInfer: a bidirectional stream of infer requests, each answered as soon as it is computed.
+
+The requests of one stream are decoded and queued concurrently, so they batch with each other
+and with every other request, and each answer (or error, in `error_message`, as Triton sends
+it, with the error_type in the parameter `error_type`) carries its request's id. What a stream may hold is bounded: requests in flight and answers
+not yet written count against `max_rows` rows (a batch's worth; one request alone may be larger),
+and while the budget is spent the stream is not read, so a client that sends without reading its
+answers is held back by HTTP/2 flow control instead of filling the server's memory. When the
+client half-closes, every request still in flight is answered before the stream ends; when it
+cancels, they are dropped (their rows leave the queue uncomputed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+
+from app.grpc.malformed import Malformed
+from app.grpc.status import grpc_error, log_if_internal
+
+Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
+
+
+class RowBudget:
+    """Rows held by one stream's requests, at most `limit` (one request alone may hold more)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._changed = asyncio.Condition()
+
+    async def take(self, rows: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._used == 0 or self._used + rows <= self._limit)
+            self._used += rows
+
+    async def give(self, rows: int) -> None:
+        async with self._changed:
+            self._used -= rows
+            self._changed.notify_all()
+
+
+def rows_claimed(request: Any, limit: int) -> int:
+    """The rows a request will hold, read from its shape before it is decoded (at most `limit`; 1 if unreadable)."""
+    inputs: Any = getattr(request, "inputs", ())
+    shape = inputs[0].shape if len(inputs) == 1 else ()
+    if not 2 <= len(shape) <= 3 or min(shape) < 1:
+        return 1  # refused as soon as it is decoded
+    return min(limit, math.prod(shape[:-1]))
+
+
+class StreamInfer:
+    """Serves ModelStreamInfer calls with `infer`, the unary infer's own path."""
+
+    def __init__(self, infer: Infer, *, max_rows: int) -> None:
+        self._infer = infer
+        self._max_rows = max_rows
+
+    async def serve(self, context: grpc.aio.ServicerContext) -> None:
+        budget = RowBudget(self._max_rows)
+        writing = asyncio.Lock()  # one write at a time on a call
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            while (request := await context.read()) is not grpc.aio.EOF:
+                rows = rows_claimed(request, self._max_rows)
+                await budget.take(rows)
+                task = asyncio.create_task(self._answer(request, rows, context, budget, writing))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            while in_flight:  # half-closed: answer what was sent before ending the stream
+                await asyncio.gather(*in_flight)
+        finally:
+            for task in in_flight:  # the client left or the call was cancelled: nobody reads these answers
+                task.cancel()
+
+    async def _answer(
+        self, request: Any, rows: int, context: grpc.aio.ServicerContext, budget: RowBudget, writing: asyncio.Lock
+    ) -> None:
+        try:
+            try:
+                if isinstance(request, Malformed):  # a message of this stream that did not parse
+                    raise request.error
+                response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log_if_internal(exc)
+                error = grpc_error(exc)
+                infer_response = pb.ModelInferResponse(
+                    id=getattr(request, "id", ""), model_name=getattr(request, "model_name", "")
+                )
+                # The error_type a unary call gets in its trailers: a stream's answers have none of their own.
+                infer_response.parameters["error_type"].string_param = error.error_type
+                response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)
+            async with writing:
+                await context.write(response)
+        finally:
+            await budget.give(rows)

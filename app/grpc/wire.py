@@ -1,0 +1,113 @@
+"""A budget on what parsing an infer request costs, checked on its wire bytes before protobuf parses them.
+
+Tensor data parses to its own size: `raw_input_contents` are byte strings, packed `fp32_contents`
+four bytes a value. Everything else costs the parser far more memory than its wire size: an
+empty sub-message is two bytes on the wire and an object of a hundred in memory, a one-byte
+varint eight. So a request may hold at most `MAX_OTHER_BYTES` of anything but tensor data, and
+at most `MAX_FIELDS` fields in all: what a request with a few names, a shape, a few parameters
+and outputs needs many times over, and a hard bound on the parser's memory and on this scan's
+own time (it reads field headers only, skipping every payload). The HTTP door counts a JSON
+body's arrays and values before parsing it (app/web/tensors.py) for the same reason.
+
+A request of at most `MAX_OTHER_BYTES` in all is not scanned: whatever it holds, its parse is small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from app.web.errors import InvalidInput, PayloadTooLarge
+
+MAX_OTHER_BYTES = 64 * 1024
+MAX_FIELDS = 1024
+
+# Field numbers of grpc_service.proto (tritonclient.grpc.service_pb2).
+_LENGTH_DELIMITED = 2
+_REQUEST_INPUTS, _REQUEST_RAW_INPUT_CONTENTS = 5, 7  # ModelInferRequest
+_INPUT_CONTENTS = 5  # ModelInferRequest.InferInputTensor
+_CONTENTS_FP32 = 6  # InferTensorContents
+
+
+class _Budget:
+    """Fields seen so far and bytes of everything but tensor data, refused as soon as either is over."""
+
+    def __init__(self) -> None:
+        self.fields = 0
+        self.other = 0
+
+    def field(self) -> None:
+        self.fields += 1
+        if self.fields > MAX_FIELDS:
+            raise PayloadTooLarge(
+                f"the request holds more than {MAX_FIELDS} protobuf fields; an infer request needs a few dozen "
+                "(repeated values such as fp32_contents must be packed, as every protobuf library writes them)"
+            )
+
+    def add(self, size: int) -> None:
+        self.other += size
+        if self.other > MAX_OTHER_BYTES:
+            raise PayloadTooLarge(
+                f"the request holds more than {MAX_OTHER_BYTES} bytes besides its tensor data "
+                "(names, shape, parameters, outputs); send the tensor in raw_input_contents or fp32_contents"
+            )
+
+
+def check_infer_request(data: bytes) -> None:
+    """Refuse a ModelInferRequest whose parse would cost more than its tensor data and a small allowance."""
+    if len(data) <= MAX_OTHER_BYTES:
+        return
+    view = memoryview(data)
+    budget = _Budget()
+    for number, wire_type, start, end in _fields(view, budget):
+        if wire_type == _LENGTH_DELIMITED and number == _REQUEST_RAW_INPUT_CONTENTS:
+            continue
+        if wire_type == _LENGTH_DELIMITED and number == _REQUEST_INPUTS:
+            _check_input(view[start:end], budget)
+        else:
+            budget.add(end - start)
+
+
+def _check_input(view: memoryview, budget: _Budget) -> None:
+    for number, wire_type, start, end in _fields(view, budget):
+        if wire_type == _LENGTH_DELIMITED and number == _INPUT_CONTENTS:
+            for inner, inner_type, inner_start, inner_end in _fields(view[start:end], budget):
+                if not (inner_type == _LENGTH_DELIMITED and inner == _CONTENTS_FP32):
+                    budget.add(inner_end - inner_start)
+        else:
+            budget.add(end - start)
+
+
+def _fields(view: memoryview, budget: _Budget) -> Iterator[tuple[int, int, int, int]]:
+    """(field number, wire type, payload start, payload end) of each field of one message, headers only."""
+    position, end = 0, len(view)
+    while position < end:
+        budget.field()
+        key, position = _varint(view, position, end)
+        number, wire_type = key >> 3, key & 7
+        start = position
+        if wire_type == 0:
+            _, position = _varint(view, position, end)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == _LENGTH_DELIMITED:
+            length, start = _varint(view, position, end)
+            position = start + length
+        elif wire_type == 5:
+            position += 4
+        else:  # 3 and 4 are proto2 groups, which no field of this protocol is; 6 and 7 do not exist
+            raise InvalidInput(f"malformed protobuf: field {number} has wire type {wire_type}")
+        if position > end:
+            raise InvalidInput(f"malformed protobuf: field {number} runs past the end of its message")
+        yield number, wire_type, start, position
+
+
+def _varint(view: memoryview, position: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while position < end and shift < 70:
+        byte = view[position]
+        position += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, position
+        shift += 7
+    raise InvalidInput("malformed protobuf: a varint runs past the end of its message or past 10 bytes")

@@ -1,0 +1,340 @@
+"""The spans of a traced request and of the batches it rode in, exported over OTLP/HTTP.
+
+Imported only when tracing is on (app/tracing/__init__.py: start_tracing), with the OpenTelemetry
+SDK and exporter it needs. What one traced request leaves:
+
+    POST /v2/models/{name}/infer      SERVER span: the whole request, from the fast path's start
+    ├── decode                        headers, body read and decoded to rows
+    ├── queue                         from the batcher's submit to its batch's start
+    ├── compute                       its batch on the device (several, for a request cut into chunks;
+    │                                 for Monte Carlo dropout, every slice of passes, one event each)
+    └── encode                        from the handler's resuming to the answer's bytes
+    links ──▶ batch                   one span per batch a traced request rode in, its own trace
+                                      (rows, bucket, device, every request id in it), linking back
+
+Every request span and stage span carries the request id (X-Request-Id) and the V2 `id` when
+the request has one. The trace's parent is the request's `traceparent` when it names a valid
+one (W3C trace context, read by OpenTelemetry's propagator; an invalid one starts a new trace,
+as the specification says), and the answer carries the request span's `traceparent`.
+
+The stage spans are made when the request ends, from times recorded on the way (one clock read
+per stage), so the request path itself does no span work; nothing here runs for a request that
+is not traced but a look at its Policy. Spans are never made current in OpenTelemetry's context
+and no global provider is set: FastAPI's own instrumentation, which turns on when one is, stays
+off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, get_current_span
+from opentelemetry.trace import set_span_in_context as in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from starlette.responses import Response
+from starlette.types import Scope
+
+from app import __version__
+from app.engine.queue import Entry
+from app.engine.registry import ServedModel
+from app.request_context import RequestContext, current
+from app.tracing.config import Export
+from app.tracing.trace_settings import Policy, TraceSettings
+
+SCOPE_NAME = "ffn_serve"
+MAX_ID_LENGTH = 256  # a V2 `id` is any string the client sent: a span holds this much of it
+MAX_SLICE_EVENTS = 128  # OpenTelemetry's default event limit per span: more would be dropped anyway
+_EMPTY = Context()  # the parent of a request with no traced parent: never whatever is current
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class Tracing:
+    """This process's tracers, its one span processor and exporter, and the trace settings they follow."""
+
+    def __init__(self, export: Export, settings: TraceSettings, exporter: SpanExporter | None = None) -> None:
+        """`exporter`: OTLP/HTTP to `export.endpoint` unless given (its headers, timeout, compression from OTEL_*)."""
+        self.export = export
+        self.settings = settings
+        resource = Resource.create({"service.version": __version__, "service.instance.id": _instance()})
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": "ffn-serve"}))  # unless OTEL_SERVICE_NAME says
+        self._processor = BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=export.endpoint))
+        # Requests follow OTEL_TRACES_SAMPLER; a batch is recorded whenever a recorded request rode in it,
+        # which only a provider of its own, always on, can say (the batch starts a trace of its own).
+        requests = TracerProvider(resource=resource, shutdown_on_exit=False)
+        batches = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
+        for provider in (requests, batches):
+            provider.add_span_processor(self._processor)
+        self.tracer = requests.get_tracer(SCOPE_NAME, __version__)
+        self.batch_tracer = batches.get_tracer(SCOPE_NAME, __version__)
+        self._sending: set[asyncio.Future[bool]] = set()
+
+    def begin(self, scope: Scope, route: str, model: str | None) -> RequestTrace | None:
+        """The trace of the request `scope` on `route`, if it is traced; None (and nothing started) if not."""
+        context = current()
+        if context is None:
+            return None
+        policy = self.settings.policy(model)
+        if not policy.level:
+            return None
+        parent = remote_parent(scope["headers"])
+        if parent is None and not policy.take_turn():
+            return None
+        method = scope["method"]
+        span = self.tracer.start_span(f"{method} {route}", context=parent or _EMPTY, kind=SpanKind.SERVER)
+        if not span.is_recording():  # the sampler said no: nothing to end, nothing to export
+            return None
+        # Set once recorded, not given to the sampler: OpenTelemetry's samplers decide on the trace
+        # id and the parent, and a request the sampler drops should cost as little as can be.
+        span.set_attributes(
+            {
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": scope["path"],
+                "ffn.request_id": context.request_id,
+                **({} if model is None else {"ffn.model_name": model}),
+            }
+        )
+        if parent is None:
+            policy.traced_one()
+        trace = RequestTrace(self, span, policy, context)
+        context.trace = trace
+        return trace
+
+    def observer(self, served: ServedModel) -> ModelObserver:
+        return ModelObserver(self, served)
+
+    def send_now(self) -> None:
+        """Export what has been collected, off the event loop (log_frequency's turn came)."""
+        future = asyncio.get_running_loop().run_in_executor(None, self._processor.force_flush)
+        self._sending.add(future)
+        future.add_done_callback(self._sending.discard)
+
+    async def shutdown(self) -> None:
+        """Export what is left and stop the exporter (bounded by the exporter's own timeout)."""
+        await asyncio.to_thread(self._processor.shutdown)
+
+
+def remote_parent(headers: Sequence[tuple[bytes, bytes]]) -> Context | None:
+    """The context a valid `traceparent` (with its `tracestate`) names; None without one.
+
+    Two traceparent headers are invalid (W3C trace context, 3.2): the request starts a new trace.
+    """
+    parent: str | None = None
+    states: list[str] = []
+    for name, value in headers:
+        if name == b"traceparent":
+            if parent is not None:
+                return None
+            parent = value.decode("latin-1")
+        elif name == b"tracestate":
+            states.append(value.decode("latin-1"))
+    if parent is None:
+        return None
+    carrier = {"traceparent": parent}
+    if states:
+        carrier["tracestate"] = ",".join(states)
+    context = _PROPAGATOR.extract(carrier)
+    return context if get_current_span(context).get_span_context().is_valid else None
+
+
+class RequestTrace:
+    """One traced request: its span, and the times of its stages until it ends."""
+
+    __slots__ = (
+        "_answered",
+        "_arrived",
+        "_batches",
+        "_compute",
+        "_context",
+        "_decoded",
+        "_input",
+        "_output",
+        "_passes",
+        "_policy",
+        "_resumed",
+        "_slices",
+        "_started",
+        "_tracing",
+        "span",
+    )
+
+    def __init__(self, tracing: Tracing, span: Span, policy: Policy, context: RequestContext) -> None:
+        self._tracing, self.span, self._policy, self._context = tracing, span, policy, context
+        self._started = time.time_ns()
+        self._decoded = self._resumed = self._answered = 0
+        self._arrived = 0  # when its rows were submitted to the batcher
+        self._compute: list[int] = []  # [first batch's start, last batch's end]
+        self._batches = 0
+        self._slices: list[tuple[int, int]] = []  # Monte Carlo: (end, passes done) of each slice
+        self._passes = 0
+        self._input: dict[str, Any] = {}
+        self._output: dict[str, Any] = {}
+
+    @property
+    def request_id(self) -> str:
+        return self._context.request_id
+
+    # ----- the stages, as they happen ----------------------------------------------------------
+
+    def decoded(self, shape: tuple[int, ...], dtype: str) -> None:
+        self._decoded = time.time_ns()
+        if self._policy.tensors:
+            self._input = {"ffn.input.shape": list(shape), "ffn.input.dtype": dtype}
+
+    def resumed(self) -> None:
+        self._resumed = time.time_ns()
+
+    def rode(self, batch: SpanContext, arrived: int, started: int, ended: int) -> None:
+        """Its rows (or a chunk of them) ran in `batch` from `started` to `ended` (epoch ns)."""
+        self.span.add_link(batch)
+        self._batches += 1
+        self._ran(arrived, started, ended)
+
+    def sliced(self, arrived: int, started: int, ended: int, passes_done: int) -> None:
+        """A slice of its Monte Carlo passes ran; `passes_done` in all so far."""
+        self._passes = passes_done
+        if len(self._slices) < MAX_SLICE_EVENTS:
+            self._slices.append((ended, passes_done))
+        self._ran(arrived, started, ended)
+
+    def _ran(self, arrived: int, started: int, ended: int) -> None:
+        if not self._compute:
+            self._arrived = arrived
+            self._compute = [started, ended]
+        else:
+            self._compute[1] = max(self._compute[1], ended)
+
+    def answered(self, response: Response, error_type: str | None) -> None:
+        """The answer is ready to send: its status on the span, the span's `traceparent` on the answer."""
+        self._answered = time.time_ns()
+        status = response.status_code
+        self.span.set_attribute("http.response.status_code", status)
+        if error_type is not None:
+            self.span.set_attribute("error.type", error_type)
+        if status >= 500:  # a client's mistake is not the server span's error (HTTP semantic conventions)
+            self.span.set_status(Status(StatusCode.ERROR, error_type))
+        if self._policy.tensors:
+            body = getattr(response, "body", b"")  # a plain Response: the tensor routes answer whole bodies
+            self._output = {"ffn.output.bytes": len(body), "ffn.output.content_type": response.media_type or ""}
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=in_context(self.span))
+        for name, value in carrier.items():
+            response.raw_headers.append((name.encode("latin-1"), value.encode("latin-1")))
+
+    # ----- the end: its stage spans, then its own --------------------------------------------
+
+    def end(self) -> None:
+        ids = {"ffn.request_id": self._context.request_id}
+        v2_id = self._context.v2_id
+        if v2_id is not None:
+            ids["ffn.v2_id"] = v2_id[:MAX_ID_LENGTH]
+            self.span.set_attribute("ffn.v2_id", ids["ffn.v2_id"])
+        if self._decoded:
+            self._stage("decode", self._started, self._decoded, {**ids, **self._input})
+        if self._compute:
+            started, ended = self._compute
+            self._stage("queue", self._arrived, started, ids)
+            compute = self._stage("compute", started, ended, {**ids, **self._compute_attributes()}, end_now=False)
+            for at, done in self._slices:
+                compute.add_event("slice", {"ffn.mc.passes_done": done}, timestamp=at)
+            compute.end(end_time=ended)
+        if self._resumed and self._answered:
+            self._stage("encode", self._resumed, self._answered, {**ids, **self._output})
+        self.span.end()
+        if self._policy.collected_one():
+            self._tracing.send_now()
+
+    def _compute_attributes(self) -> dict[str, Any]:
+        if self._slices:
+            return {"ffn.mc.passes": self._passes, "ffn.mc.slices": len(self._slices)}
+        return {"ffn.batches": self._batches}
+
+    def _stage(self, name: str, start: int, end: int, attributes: dict[str, Any], *, end_now: bool = True) -> Span:
+        span = self._tracing.tracer.start_span(
+            name, context=in_context(self.span), start_time=start, attributes=attributes
+        )
+        if end_now:
+            span.end(end_time=max(start, end))
+        return span
+
+
+class ModelObserver:
+    """The batch observer of one model (app/engine/observe.py): a span for each batch a traced request rode in."""
+
+    def __init__(self, tracing: Tracing, served: ServedModel) -> None:
+        self._tracing = tracing
+        self._model = served.name
+        self._device = str(served.device)
+        self._computed_rows = served.computed_rows
+
+    def tag(self) -> RequestContext | None:
+        """Every request's context, traced or not: a batch span names every request that rode in it."""
+        return current()
+
+    def batch(self, entries: Sequence[Entry], started: float, ended: float, rows: int) -> None:
+        traces = [_trace_of(entry) for entry in entries]
+        traced = {id(trace): trace for trace in traces if trace is not None}
+        if not traced:
+            return
+        to_epoch = time.time_ns() - time.perf_counter_ns()
+        start, end = _ns(started, to_epoch), _ns(ended, to_epoch)
+        request_ids = list(
+            dict.fromkeys(entry.tag.request_id for entry in entries if isinstance(entry.tag, RequestContext))
+        )
+        span = self._tracing.batch_tracer.start_span(
+            "batch",
+            context=_EMPTY,
+            kind=SpanKind.INTERNAL,
+            links=[Link(trace.span.get_span_context()) for trace in traced.values()],
+            start_time=start,
+            attributes={
+                "ffn.model_name": self._model,
+                "ffn.batch.rows": rows,
+                "ffn.batch.bucket": self._computed_rows(rows),
+                "ffn.batch.device": self._device,
+                "ffn.batch.requests": len(request_ids),
+                "ffn.request_ids": request_ids,
+            },
+        )
+        span.end(end_time=end)
+        batch = span.get_span_context()
+        for entry, trace in zip(entries, traces, strict=True):
+            if trace is not None:
+                trace.rode(batch, _ns(entry.arrived, to_epoch), start, end)
+
+    def monte_carlo_slice(self, entry: Entry, started: float, ended: float) -> None:
+        trace = _trace_of(entry)
+        if trace is None or entry.passes is None:
+            return
+        to_epoch = time.time_ns() - time.perf_counter_ns()
+        trace.sliced(_ns(entry.arrived, to_epoch), _ns(started, to_epoch), _ns(ended, to_epoch), entry.passes.done)
+
+
+def _trace_of(entry: Entry) -> RequestTrace | None:
+    """The trace of the request an entry belongs to, if that request is traced."""
+    tag = entry.tag
+    if isinstance(tag, RequestContext) and isinstance(tag.trace, RequestTrace):
+        return tag.trace
+    return None
+
+
+def _ns(perf_counter_s: float, to_epoch: int) -> int:
+    """A time.perf_counter() reading as nanoseconds since the epoch."""
+    return round(perf_counter_s * 1e9) + to_epoch
+
+
+def _instance() -> str:
+    """service.instance.id: this serving process, told apart from its siblings and from other hosts'."""
+    return f"{socket.gethostname()}:{os.getpid()}"

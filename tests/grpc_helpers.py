@@ -1,0 +1,58 @@
+"""What the gRPC tests share: requests built as tritonclient builds them, an async stub, trailing metadata."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+D_MODEL = 512
+
+
+def infer_request(
+    x: np.ndarray,
+    model: str = "demo",
+    *,
+    datatype: str = "FP32",
+    request_id: str = "",
+    parameters: dict[str, object] | None = None,
+    outputs: tuple[str, ...] = (),
+) -> pb.ModelInferRequest:
+    """A ModelInferRequest with `x` in raw_input_contents, as tritonclient.grpc sends one."""
+    wire = {"FP32": "<f4", "FP16": "<f2"}[datatype]
+    request = pb.ModelInferRequest(model_name=model, id=request_id, raw_input_contents=[x.astype(wire).tobytes()])
+    request.inputs.add(name="input", datatype=datatype, shape=list(x.shape))
+    for name in outputs:
+        request.outputs.add(name=name)
+    for key, value in (parameters or {}).items():
+        if isinstance(value, bool):
+            request.parameters[key].bool_param = value
+        elif isinstance(value, int):
+            request.parameters[key].int64_param = value
+        elif isinstance(value, float):
+            request.parameters[key].double_param = value
+        else:
+            request.parameters[key].string_param = str(value)
+    return request
+
+
+def output_of(response: pb.ModelInferResponse, index: int = 0) -> np.ndarray:
+    tensor = response.outputs[index]
+    dtype = {"FP32": "<f4", "FP16": "<f2"}[tensor.datatype]
+    return np.frombuffer(response.raw_output_contents[index], dtype=dtype).reshape(tuple(tensor.shape))
+
+
+@asynccontextmanager
+async def stub(target: str, **options: object) -> AsyncIterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    """A stub on a fresh channel (its own connection), closed after the block; answers of any size, as tritonclient."""
+    options = {"grpc.max_receive_message_length": 2**31 - 1, **options}
+    async with grpc.aio.insecure_channel(target, options=list(options.items())) as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def trailers(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return {key: value for key, value in (error.trailing_metadata() or ())}

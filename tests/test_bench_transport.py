@@ -1,0 +1,109 @@
+"""bench.transport: its --quick run (so the command cannot rot), its goals, and the stage classifier of its profile."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+
+from bench import stages, transport
+from bench.transport import Cell
+
+
+def test_quick_run_measures_the_service_beside_both_echoes(tmp_path, capsys):
+    out = tmp_path / "transport.json"
+    assert transport.main(["--quick", "--models", "near-free", "--generator", "ffn-loadtest", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cells = {(c["server"], c["rows"], c["concurrency"]): c for c in result["cells"]}
+    assert set(cells) == {(s, r, c) for s in ("echo", "echo+protocol", "near-free") for r in (1, 16) for c in (1, 4)}
+    for cell in cells.values():
+        assert cell["errors"] == 0 and cell["rows_per_s"] > 0 and cell["cpu_ms_per_request"] > 0, cell
+        # Request and answer bodies of r rows of 768 float32 each.
+        assert cell["bytes_per_s"] == pytest.approx(cell["rows_per_s"] * 2 * 768 * 4)
+    served = cells["near-free", 16, 4]
+    assert 16 <= served["mean_batch_rows"] <= 64 and served["model_ms_per_request"] > 0
+    assert math.isnan(cells["echo", 16, 4]["mean_batch_rows"])
+    assert [g["goal"].split(":")[0] for g in result["goals"]] == [
+        "r=256, C=16",
+        "r=16, C=16",
+        "r=1, C=1",
+        "r=1, C=1",
+        "r=1, C=4",
+    ]
+    text = capsys.readouterr().out
+    assert "| 16 | 4 | near-free |" in text and "predicted rows/s per worker" in text
+
+
+def _cell(server: str, rows: int, concurrency: int, rows_per_s: float, p50: float, cpu: float) -> Cell:
+    return Cell(server, rows, concurrency, 3, rows_per_s, rows_per_s * 2 * 768 * 4, p50, 2 * p50, cpu, 0, 1.0, 0.01)
+
+
+def test_goals_compare_the_near_free_service_with_the_plain_echo():
+    cells = [
+        _cell("echo", 256, 16, 10_000, 5.0, 1.0),
+        _cell("near-free", 256, 16, 7_000, 6.0, 1.4),  # 70 %: met at the bound
+        _cell("echo", 16, 16, 10_000, 2.0, 0.2),
+        _cell("near-free", 16, 16, 4_999, 4.0, 0.4),  # just under 50 %
+        _cell("echo", 1, 1, 2_000, 0.40, 0.10),
+        _cell("near-free", 1, 1, 1_500, 0.95, 0.31),  # +0.55 ms; 3.1x
+    ]
+    found = {g.goal: (g.measured, g.met) for g in transport.goals(cells)}
+    assert found == {
+        "r=256, C=16: ≥ 70% of echo's bytes/s": ("70%", True),
+        "r=16, C=16: ≥ 50% of echo's rows/s": ("50%", False),
+        "r=1, C=1: p50 within 0.5 ms of echo's": ("0.95 vs 0.40 ms (+0.55)", False),
+        "r=1, C=1: server CPU per request ≤ 3× echo's": ("0.310 vs 0.100 ms (3.1×)", False),
+    }
+
+
+def test_the_prediction_takes_the_models_own_share_out():
+    # 0.5 ms of CPU per 16-row request, 0.1 of it the model's: 16 rows per 0.4 ms = 40,000 rows/s.
+    cells = [Cell("near-free", 16, 64, 3, 30_000, 0.0, 1.0, 2.0, 0.5, 0, 64.0, 0.1)]
+    assert transport.prediction(cells)[-1] == "| 16 | 64 | 30,000 | 0.500 | 0.100 | 40,000 |"
+
+
+def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
+    loop = "Runner.run (asyncio/runners.py:118);RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:409)"
+    handler = f"{loop};FastPath._handle (app/web/endpoints.py:99);transform (app/web/native/routes.py:40)"
+    raw = "\n".join(
+        [
+            f"thread (1): MainThread;{handler};_decode (app/web/native/routes.py:70);view_rows (app/web/tensors.py:72);"
+            "check_finite (app/web/tensors.py:55);all_finite (app/web/tensors.py:47) 5",
+            f"thread (1): MainThread;{handler};encode (app/web/native/codec.py:240);to_wire_dtype (app/web/tensors.py:165);"
+            "check_finite_output (app/web/tensors.py:60);all_finite (app/web/tensors.py:47) 3",
+            f"thread (1): MainThread;{loop};Batcher._collect (app/engine/batcher.py:290);Batcher._run (app/engine/batcher.py:370);"
+            "ModelRunner.launch (app/engine/runner.py:130);FeedForward.forward (ffn_core/model.py:41);"
+            "Linear.forward (torch/nn/modules/linear.py:134) 7",
+            f"thread (1): MainThread;{loop};Batcher._collect (app/engine/batcher.py:290);"
+            "Batcher._split (app/engine/batcher.py:385) 2",
+            "thread (2): ffn-cpu_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81) 4",
+            f"thread (1): MainThread;{handler};Response.__call__ (starlette/responses.py:169);"
+            "RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:524) 6",
+            f"thread (1): MainThread;{handler};ServiceState.count (app/web/state.py:34);"
+            "Counter.inc (prometheus_client/metrics.py:300) 1",
+            f"thread (1): MainThread;{handler} 2",
+            "thread (1): MainThread;Runner.run (asyncio/runners.py:118) 9",
+            "thread (1): MainThread;something (elsewhere.py:1) 1",
+        ]
+    )
+    samples = stages.classify(raw)
+    assert samples == Counter(
+        {
+            "decode": 5,
+            "encode": 3,
+            "compute": 7,
+            "split": 2,
+            "device-thread handoff": 4,
+            "write": 6,
+            "metrics": 1,
+            "edge: guard, fast path, handler": 2,
+            "event loop": 9,
+            "other": 1,
+        }
+    )
+    spread = stages.breakdown(samples, cpu_ms_per_request=0.4)
+    assert list(spread) == [stage for stage in stages.ORDER if samples[stage]]
+    assert spread["compute"] == pytest.approx((7 / 40, 70.0))
+    assert sum(micros for _, micros in spread.values()) == pytest.approx(400.0)
