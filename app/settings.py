@@ -196,7 +196,7 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         default=None,
         description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
-        "visible ASCII, no spaces.",
+        "visible ASCII, no spaces, at most half of max_header_bytes.",
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(

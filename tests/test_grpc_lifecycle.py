@@ -34,14 +34,15 @@ async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable
             # Four passes of a second or so each: the drain is still going when the checks below ask.
             big = infer_request(np.ones((3072, D_MODEL), np.float32), "slow")
             in_flight = asyncio.gather(*(s.ModelInfer(big) for _ in range(4)))
-            await wait_for_metrics(
-                http,
-                lambda m: (
-                    metric_value(m, "ffn_queue_seconds_count", model="slow")
-                    > metric_value(before, "ffn_queue_seconds_count", model="slow")
-                ),
-                "the in-flight call's forward pass to start",
-            )
+            started_before = metric_value(before, "ffn_queue_seconds_count", model="slow")
+
+            def all_four_taken(m: str) -> bool:
+                # All four in the engine's hands (one running, three queued) before the drain begins;
+                # else one still on its way is refused as draining, rightly, and the test is a race.
+                started = metric_value(m, "ffn_queue_seconds_count", model="slow") - started_before
+                return started >= 1 and started + metric_value(m, "ffn_queue_rows", model="slow") / 3072 >= 4
+
+            await wait_for_metrics(http, all_four_taken, "the four calls to be taken")
             server.terminate()
             refusals = []
             while True:  # until the drain shows: readiness false, then new work refused
@@ -57,8 +58,8 @@ async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             if not refusals:  # still draining: the engine's refusal, with its reason
                 assert info.value.details() == "model 'slow' is not ready: draining before shutdown"
-            answer = await in_flight
-            assert output_of(answer).shape == (3072, D_MODEL)
+            answers = await in_flight  # every accepted call is answered whole, the drain notwithstanding
+            assert [output_of(answer).shape for answer in answers] == [(3072, D_MODEL)] * 4
         assert server.wait(60) == 0, server.logs()
 
 
