@@ -643,6 +643,28 @@ async def test_a_pipelined_flood_is_parsed_a_few_requests_at_a_time_and_all_answ
         writer.close()
 
 
+async def test_a_drain_answers_the_pipelined_requests_already_parsed_the_last_with_connection_close() -> None:
+    # The drain's Connection: close goes on the newest request parsed (uvicorn's `cycle`): every
+    # request already parsed, pipelined behind the one under way, is answered before the close.
+    app = EchoApp()
+    app.reading.clear()  # the first answer waits: the second is parsed and pipelined behind it
+    async with serving(LIMITS, app) as served:
+        reader, writer = await served.connect(get("/first") + get("/second"))
+        await until(
+            lambda: len(served.state.connections) == 1 and len(served.only_connection().pipeline) == 1,
+            "the second request pipelined",
+        )
+        type(served.only_connection()).close_connections(served.state.connections)
+        app.reading.set()
+        first, second = await answer(reader), await answer(reader)
+        assert first.json() == {"path": "/first", "body_bytes": 0}
+        assert first.headers.get("connection") != "close"
+        assert second.json() == {"path": "/second", "body_bytes": 0}
+        assert second.headers.get("connection") == "close"
+        assert await until_closed(reader) == b""
+        writer.close()
+
+
 async def test_a_held_body_is_not_timed_out_while_the_server_does_not_read_it() -> None:
     app = EchoApp()
     app.reading.clear()

@@ -457,9 +457,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Close gracefully: the last answer under way says `Connection: close`; an idle connection
         is closed once it has been quiet for IDLE_CLOSE_S (uvicorn's own closes it at once)."""
         if self.cycle is not None and not self.cycle.response_complete:
-            # Pipelined requests already parsed are answered first; the newest one's answer closes.
-            newest = self.pipeline[0][0] if self.pipeline else self.cycle
-            newest.keep_alive = False
+            # `cycle` is the newest request parsed: those pipelined before it are answered first.
+            self.cycle.keep_alive = False
         elif not self._receiving_request():
             self._close_when_quiet()
         # else a request's head is arriving: its answer will say Connection: close
