@@ -47,6 +47,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 # Messages on a worker's pipe, as tuples: the first item says which.
 READY = "ready"  # worker -> supervisor: warm, taking traffic
+HEARTBEAT = "heartbeat"  # worker -> supervisor: its event loop runs (app/engine/loop_watch.py)
 BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s, forget)
 APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key, number)
 APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
@@ -163,6 +164,11 @@ class Control:
     def send_ready(self) -> None:
         if self._conn is not None:
             self._send((READY,))
+
+    def heartbeat(self) -> None:
+        """From the event loop: it runs. The supervisor replaces a worker whose heartbeats stop."""
+        if self._conn is not None:
+            self._send((HEARTBEAT,))
 
     def _read(self, conn: Connection, closed: Callable[[], None]) -> None:
         try:

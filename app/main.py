@@ -19,6 +19,7 @@ from app.web.docs_assets import serve_docs_offline
 from app.web.endpoints import ServiceApp, register
 from app.web.errors import install_error_handlers
 from app.web.guard import GuardMiddleware, JsonCORSMiddleware
+from app.web.held import HeldBytes
 from app.web.native import routes as native
 from app.web.openapi import document_validation_errors_as_400
 from app.web.request_ids import RequestIds
@@ -48,13 +49,14 @@ def create_app(
     """
     registry = registry or Registry(settings, Metrics())
     control = control or Control()
-    engine = Engine(settings, registry, control)
+    engine = Engine(settings, registry, control, beat=control.heartbeat)
     export = traces_export(settings.otlp_endpoint, os.environ)
     trace_settings = TraceSettings(tracing=export is not None)
     tracing = start_tracing(export, trace_settings)
     regions = SharedMemoryRegions() if settings.shared_memory else None
+    held = HeldBytes(settings.max_held_bytes)
     state = ServiceState(
-        settings, engine, registry.metrics, control, trace_settings, tracing=tracing, shared_memory=regions
+        settings, engine, registry.metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
     )
     control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
     control.register(log_settings.COMMAND, log_settings.apply_command)

@@ -14,6 +14,7 @@ import gc
 import logging
 import signal
 import socket
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from types import FrameType
@@ -21,6 +22,7 @@ from types import FrameType
 import uvicorn
 
 from app.control import Control
+from app.descriptors import fit_connection_cap
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
@@ -70,7 +72,8 @@ class DrainingServer(uvicorn.Server):
     Kubernetes take the pod out), new work gets 503, and every accepted request is answered,
     each answer with `Connection: close` (app/web/protocol.py): a kept-alive connection would
     be closed under the next request its client writes when the process exits.
-    A second signal exits at once. `on_started` is called once the sockets accept connections.
+    A second signal exits at once. SIGHUP reads the config file again (`capture_signals`).
+    `on_started` is called once the sockets accept connections.
     """
 
     def __init__(
@@ -93,6 +96,10 @@ class DrainingServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         """uvicorn's SIGTERM and SIGINT, and SIGHUP: read the config file again, while serving."""
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            with super().capture_signals():
+                yield
+            return
         previous = signal.signal(signal.SIGHUP, self._hang_up)
         try:
             with super().capture_signals():
@@ -205,7 +212,12 @@ def serve_here(
             log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror or exc)
             return EXIT_CANNOT_BIND
         log_start(settings, listeners)
-    settings = settings.model_copy(update={"metrics_port": listeners.metrics_port()})
+    settings = settings.model_copy(
+        update={
+            "metrics_port": listeners.metrics_port(),
+            "max_connections": fit_connection_cap(settings.max_connections),
+        }
+    )
     app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control)
     config = uvicorn.Config(
         app,

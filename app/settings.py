@@ -11,7 +11,9 @@ imports torch, so a mistake is reported before the server and torch are imported
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +37,11 @@ from app.tracing.config import endpoint_problem
 ENV_PREFIX = "FFN_"
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# Words that V2 paths use where a model's name goes (GET /v2/models/stats is every model's
+# statistics): a model so named could never be reached. tests/test_settings.py derives them
+# from the endpoint tables.
+ROUTE_WORDS = frozenset({"stats"})
+MAX_CONFIG_BYTES = 1024 * 1024  # a config file is settings and a few [[models]] tables, never this large
 
 
 class ModelSpec(BaseModel):
@@ -64,6 +71,15 @@ class ModelSpec(BaseModel):
         lt=1.0,
         description="Dropout rate of Monte Carlo dropout requests; unset: the file's (native files store it).",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_route_word(cls, name: str) -> str:
+        if name in ROUTE_WORDS:
+            raise ValueError(
+                f"{name!r} is a word of the V2 paths (/v2/models/{name}); no model so named could be reached"
+            )
+        return name
 
 
 class Settings(BaseSettings):
@@ -123,11 +139,18 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(default=20.0, ge=0.0, description="On SIGTERM, how long to finish accepted work.")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, description="Largest request body, in bytes.")
+    max_held_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=1024,
+        description="Bytes the requests one process is answering may hold: bodies as they arrive (a declared "
+        "length before it is read), then their tensors; past it, 429 (retry shortly). At least max_body_bytes.",
+    )
     max_header_bytes: int = Field(
         default=16 * 1024,
         ge=1024,
         le=1024 * 1024,
-        description="Largest request head (request line and headers); cut off with 431 as it arrives.",
+        description="Largest request head (request line and headers), and the budget of every other byte of a "
+        "request that is not body data (chunk framing, trailers: plus 1/64 of the body); cut off with 431 as it arrives.",
     )
     header_timeout_s: float = Field(
         default=10.0,
@@ -139,6 +162,12 @@ class Settings(BaseSettings):
         gt=0.0,
         description="Longest pause while a request's body arrives; else 408.",
     )
+    min_body_rate: int = Field(
+        default=65536,
+        ge=0,
+        description="Bytes per second a body must average after its first read_timeout_s, so that it arrives "
+        "within read_timeout_s + its size / this rate; else 408. 0: no rate, the pause bound alone.",
+    )
     send_timeout_s: float = Field(
         default=30.0,
         gt=0.0,
@@ -147,13 +176,27 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="Open HTTP connections per process (past it, 503 and close); also the most gRPC calls in "
-        "flight per process (past it, RESOURCE_EXHAUSTED).",
+        description="Open HTTP connections per process: at the cap the one idle longest is closed for a new one, "
+        "and with none idle the new one gets 503; at most half may be still sending their request. Also the most "
+        "gRPC calls in flight per process (past it, RESOURCE_EXHAUSTED). The process's file descriptor limit is "
+        "raised to fit it, or it is lowered with a log line.",
+    )
+    max_loop_lag_s: float = Field(
+        default=2.0,
+        gt=0.0,
+        description="Readiness answers 503 for a few seconds after the event loop was held longer than this "
+        "(a huge body parsed, a blocking bug): the process answers nothing while it is held.",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Workers: one whose event loop sends its supervisor no heartbeat for this long (stopped, hung, "
+        "blocked) is killed and replaced, with a log line.",
     )
     api_key: SecretStr | None = Field(
         default=None,
         description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
-        "visible ASCII, no spaces.",
+        "visible ASCII, no spaces, at most half of max_header_bytes.",
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
@@ -238,6 +281,15 @@ class Settings(BaseSettings):
             raise ValueError(f"{folder} is not a folder")
         return folder.resolve()
 
+    @model_validator(mode="after")
+    def _one_body_fits_the_held_budget(self) -> Settings:
+        if self.max_held_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"max_held_bytes ({self.max_held_bytes}) must be at least max_body_bytes ({self.max_body_bytes}): "
+                "else the largest body could never be read"
+            )
+        return self
+
     @field_validator("api_key")
     @classmethod
     def _usable_key(cls, key: SecretStr | None) -> SecretStr | None:
@@ -251,6 +303,17 @@ class Settings(BaseSettings):
         if not all("!" <= char <= "~" for char in value):
             raise ValueError("the API key must be visible ASCII characters without spaces (a Bearer token)")
         return key
+
+    @model_validator(mode="after")
+    def _key_fits_in_a_head(self) -> Settings:
+        # A key that fills the head budget would get every request that carries it a 431.
+        if self.api_key is not None and len(self.api_key.get_secret_value()) > self.max_header_bytes // 2:
+            raise ValueError(
+                f"the API key is {len(self.api_key.get_secret_value())} characters: a request carrying it "
+                f"would pass max_header_bytes ({self.max_header_bytes}); use one of at most "
+                f"{self.max_header_bytes // 2}, or raise max_header_bytes"
+            )
+        return self
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -299,20 +362,31 @@ class ConfigFileError(SettingsError):
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML file's values, model weight paths made relative to the file's folder."""
+    """The TOML file's values, model weight paths made relative to the file's folder.
+
+    Read as the weight files are: a regular file only (a FIFO would hang the start, /dev/zero
+    never end), of at most MAX_CONFIG_BYTES, UTF-8, nested no deeper than the parser can go.
+    """
+    text = _config_text(path)
     try:
-        with path.open("rb") as f:
-            values = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigFileError(f"config file {path} is not valid TOML: arrays or tables nested too deeply") from None
     models = values.get("models", [])
     if not isinstance(models, list):
         raise ConfigFileError(f"config file {path}: `models` must be an array of tables ([[models]])")
-    for model in models:
+    for index, model in enumerate(models):
         if isinstance(model, dict) and isinstance(model.get("weights"), str):
-            model["weights"] = str((path.parent / model["weights"]).resolve())
+            weights = path.parent / model["weights"]
+            try:
+                model["weights"] = str(weights.resolve())
+            except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop, before Python 3.13
+                raise ConfigFileError(
+                    f"config file {path}: models[{index}].weights {model['weights']!r}: cannot resolve {weights}: "
+                    f"{getattr(exc, 'strerror', None) or exc}"
+                ) from None
     return values
 
 
@@ -340,6 +414,44 @@ class _ModelTables(BaseModel):
     @classmethod
     def _unique_names(cls, models: list[ModelSpec]) -> list[ModelSpec]:
         return unique_names(models)
+
+
+# What a path that is not a regular file is. ffn_core/readers.py has the same table for weight
+# files; settings cannot import it (ffn_core imports torch, which settings never wait for).
+_FILE_TYPES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _config_text(path: Path) -> str:
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
+        raise ConfigFileError(f"config file {path} is {kind}, not a regular file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigFileError(
+            f"config file {path} is {info.st_size} bytes; a config file holds at most {MAX_CONFIG_BYTES}"
+        )
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_CONFIG_BYTES:  # grew since it was looked at
+        raise ConfigFileError(f"config file {path} is over {MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(
+            f"config file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
 
 
 def load_settings(**overrides: Any) -> Settings:
@@ -370,6 +482,22 @@ def _validated(origins: Origins, values: dict[str, Any]) -> Settings:
         raise SettingsError(problems) from None
     except SourceError as exc:
         raise SettingsError([source_problem(exc, origins)]) from None
+    except RecursionError:
+        raise SettingsError([_too_deep(origins)]) from None
+
+
+def _too_deep(origins: Origins) -> str:
+    """The one line for a list or table value nested past what the JSON parser can go (FFN_MODELS=[[[[...)."""
+    for name, value in origins.environ.items():
+        if name.upper().startswith(ENV_PREFIX):
+            try:
+                json.loads(value)
+            except RecursionError:
+                key = name[len(ENV_PREFIX) :].lower()
+                return f"invalid setting {key} (environment variable {name}): a list or table nested too deeply"
+            except ValueError:
+                pass
+    return "invalid settings: a list or table nested too deeply"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -431,6 +559,8 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
         return source(parsed_args=parsed)()
     except SourceError as exc:
         raise SettingsError([str(exc)]) from None
+    except RecursionError:
+        raise SettingsError(["a flag's list or table is nested too deeply"]) from None
 
 
 def misspelt_variables(environ: Mapping[str, str] = os.environ) -> list[str]:

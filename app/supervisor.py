@@ -7,10 +7,14 @@ a connection is only ever accepted by a warm worker.
 
 - A worker that dies is started again after a backoff (0.5 s, doubling to 30 s; back to 0.5 s
   once a worker has stayed up 30 s), with a log line.
+- A ready worker's event loop beats every half second (app/engine/loop_watch.py); one silent for
+  `heartbeat_timeout_s` (stopped, hung, its loop blocked) is killed with SIGKILL, with a log line,
+  and started again like any dead worker: its clients see their connections close, not a hang.
 - A worker that exits before the service was first ready stops the start: the others are
   stopped and the parent exits with that worker's code (no restart loop on a bad model).
 - SIGTERM or SIGINT is passed to every worker, which drains what it accepted; the parent exits
-  0 once all have exited 0. A second signal is passed on too (the workers then exit at once).
+  0 once all have exited 0, its metrics folder removed. A second signal is passed on too (the
+  workers then exit at once).
 - SIGHUP goes to one ready worker, which reads the config file again and loads, reloads or
   unloads what changed in every worker (app/control.py carries it); the workers started later
   replay those loads.
@@ -40,7 +44,7 @@ from types import FrameType
 from prometheus_client import multiprocess
 
 from app.collectors import write_processes
-from app.control import READY, Control
+from app.control import HEARTBEAT, READY, Control
 from app.logs import configure_logging
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.metrics_folder import metrics_folder
@@ -72,6 +76,7 @@ class Slot:
     conn: Connection | None = None
     ready: bool = False
     ready_at: float = 0.0
+    beat_at: float | None = None  # its last heartbeat; None: not watched (starting, or already killed)
     failures: int = 0
     restart_at: float | None = None
 
@@ -154,6 +159,7 @@ class Supervisor:
                 if slot.process is not None and slot.process.sentinel in woken:
                     self._reap(slot)
             now = time.monotonic()
+            self._kill_the_silent(now)
             for slot in self._slots:
                 if slot.restart_at is not None and slot.restart_at <= now and self._stop_deadline is None:
                     slot.restart_at = None
@@ -164,6 +170,8 @@ class Supervisor:
 
     def _timeout(self) -> float | None:
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
+        if self._stop_deadline is None:
+            due += [s.beat_at + self.settings.heartbeat_timeout_s for s in self._slots if s.beat_at is not None]
         if (deadline := self._relay.next_deadline()) is not None:
             due.append(deadline)
         if self._stop_deadline is not None:
@@ -185,7 +193,7 @@ class Supervisor:
         )
         process.start()
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
-        slot.process, slot.conn, slot.ready = process, ours, False
+        slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
         log.info("worker %d started (pid %d)", slot.index, process.pid)
         self._record_processes()
         self._relay.started(slot)
@@ -198,13 +206,17 @@ class Supervisor:
             slot.conn.close()
             slot.conn = None
             return
-        if message[0] == READY:
+        if message[0] == HEARTBEAT:
+            if slot.ready:
+                slot.beat_at = time.monotonic()
+        elif message[0] == READY:
             self._ready(slot)
         else:
             self._relay.received(slot, message)
 
     def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
+        slot.beat_at = slot.ready_at
         log.info("worker %d (pid %s) ready", slot.index, slot.pid)
         # A worker that finishes warming up after the stop began announces nothing: the listening
         # sockets are closed by then, and the service is not starting but stopping.
@@ -212,6 +224,23 @@ class Supervisor:
             self._serving = True
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
+
+    def _kill_the_silent(self, now: float) -> None:
+        """SIGKILL every ready worker whose event loop has not beaten for heartbeat_timeout_s."""
+        if self._stop_deadline is not None:
+            return  # stopping: the drain has its own deadline, and a draining loop may stop beating
+        for slot in self._slots:
+            if slot.beat_at is None or slot.process is None or now - slot.beat_at < self.settings.heartbeat_timeout_s:
+                continue
+            log.error(
+                "worker %d (pid %s) sent no heartbeat for %.1f s (heartbeat_timeout_s): its event loop is stopped, "
+                "hung or blocked; killing it",
+                slot.index,
+                slot.pid,
+                now - slot.beat_at,
+            )
+            slot.beat_at = None
+            slot.process.kill()
 
     # ----- workers leaving ------------------------------------------------------------------
 
@@ -222,7 +251,7 @@ class Supervisor:
         code = process.exitcode
         if slot.conn is not None:
             slot.conn.close()
-        slot.process, slot.conn = None, None
+        slot.process, slot.conn, slot.beat_at = None, None, None
         self._relay.exited(slot)
         multiprocess.mark_process_dead(process.pid, str(self._folder))
         self._record_processes()

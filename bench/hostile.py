@@ -1,8 +1,9 @@
-"""Hostile clients against a real server: what a header flood, a huge JSON body and unread answers cost.
+"""Hostile clients against a real server: what each kind of abuse costs it, and the good requests beside it.
 
 Not run in CI. It starts `python -m app.cli` on a free 127.0.0.1 port from `--server-dir` (this
 checkout by default; point it at another checkout to compare before and after), runs each
-scenario on a fresh server, samples the server's VmRSS every 20 ms, and prints one line each:
+scenario on a fresh server, samples the server's VmRSS every 20 ms, and prints one table row each.
+Scenarios of issue 11:
 
 - headers: 4 connections each send up to 64 MiB of 8 KB headers of a head that never ends;
 - empty-rows: a 64 MiB JSON body of empty rows `[[],[],...]`, while /v2/health/live is probed;
@@ -11,226 +12,411 @@ scenario on a fresh server, samples the server's VmRSS every 20 ms, and prints o
 - unread: 12 clients ask for ~10 MiB JSON answers on sockets they never read (and keep open);
   RSS once the answers are computed, and after the send timeout (`--send-timeout`, default 2 s).
 
+Scenarios of issue 20, each beside a stream of good requests (4 clients, each a new connection
+per 1-row request; p50 and p99 against the same stream while quiet, measured first in the same run):
+
+- trailers (class 1): chunked requests whose trailer section never ends, 4 at a time, repeated;
+- pipelined (class 2): tiny GETs pipelined without reading an answer, 2 connections at a time;
+- trickle (class 5): 64 connections (the cap, FFN_MAX_CONNECTIONS=64) send a body one byte every
+  1.5 s, inside a 2 s read timeout; the good requests' failures are the 503s;
+- idle (class 5): 64 connections that say nothing, reopened as the server closes them;
+- mc-flood (class 3): 16 clients loop on 64-row x 64-pass Monte Carlo requests (dropout 0.1,
+  max_batch_rows 64, a queue of 131,072 row-passes, so that they fill half); the good requests carry X-Timeout-Ms 2000,
+  and those answered 504 or later than that are counted past their deadline;
+- envelope, strings (class 6): a 57 MiB V2 body of 4.6 M parameter keys, a 25 MiB one of 8.3 M
+  empty strings, while /v2/health/live is probed;
+- held (class 7): 32 clients upload 32 MiB raw bodies at 4 MiB/s each (FFN_MAX_HELD_BYTES 256 MiB),
+  each claiming a 1-row shape, so that it is a 400 once read whole: what is measured is the bodies
+  held at once, not the compute;
+- stopped-worker (class 8): two workers, 8 keep-alive clients, one worker SIGSTOPped: how many
+  clients were answered, refused (their connection closed) or left hanging (30 s), and how long
+  until a replacement was ready.
+
 The server runs with a fixed glibc mmap threshold (MEASURABLE_MALLOC), so that memory it frees
 shows in its RSS.
 
-    python3 bench/hostile.py
-    python3 bench/hostile.py --server-dir /path/to/checkout-before --only headers empty-rows
+    python3 -m bench.hostile                                  # every scenario, about 10 minutes
+    python3 -m bench.hostile --server-dir /tmp/before --only trailers pipelined
 
-The stall is the longest a health probe waited for its answer; RSS growth is peak minus the
-reading before the scenario. Timings are noisy on a shared machine; RSS is not.
+RSS growth is peak minus the reading before the scenario. Timings are noisy on a shared machine;
+RSS is not.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
+import os
+import re
+import signal
 import sys
+import tempfile
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ffn_client.http1 import Response, read_response
+from bench.hostile_clients import (
+    MEASURABLE_MALLOC,
+    V1,
+    GoodTraffic,
+    MiB,
+    PeakMemory,
+    Samples,
+    empty_rows_body,
+    flood_for,
+    flood_headers,
+    flood_pipelined,
+    flood_trailers,
+    idle_connection,
+    numbers_body,
+    one_row_request,
+    probe_while,
+    quiet_samples,
+    slow_upload,
+    trickle_body,
+    unread_clients,
+    unread_request,
+)
+from ffn_client.http1 import read_response
 from ffn_client.testing import HOST, ServerProcess, http_request, raw_request, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-V1 = "/v1/models/demo/transform"
-MiB = 1 << 20
-# glibc keeps large freed blocks for reuse once it has seen one freed (its mmap threshold rises),
-# so RSS would not show memory given back; a fixed threshold makes RSS show what is really held.
-MEASURABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+QUIET_S = 4.0  # the good requests alone, before each flood
+FLOOD_S = 12.0  # how long each repeated flood runs
 
 
-# ----- hostile clients (tests/test_hostile_connections.py uses them too) ----------------------
+@dataclass
+class Row:
+    """One scenario's figures: what the attack got, the server's memory, and the good requests beside it."""
+
+    scenario: str
+    outcome: str
+    growth_mib: float | None = None
+    quiet: Samples | None = None
+    flooded: Samples | None = None
+    note: str = ""
+
+    def cells(self) -> list[str]:
+        growth = "" if self.growth_mib is None else f"+{self.growth_mib:,.0f} MiB"
+        if self.quiet is None or self.flooded is None:
+            return [self.scenario, self.outcome, growth, "", "", "", self.note]
+        q50, q99 = self.quiet.percentile(50) * 1000, self.quiet.percentile(99) * 1000
+        f50, f99 = self.flooded.percentile(50) * 1000, self.flooded.percentile(99) * 1000
+        return [
+            self.scenario,
+            self.outcome,
+            growth,
+            f"{q50:.1f} / {q99:.1f}",
+            f"{f50:.1f} / {f99:.1f} ({f99 / q99:.1f}x)",
+            f"{self.flooded.failed} of {len(self.flooded.statuses)}",
+            self.note,
+        ]
 
 
-class PeakMemory:
-    """Samples a server's resident size every 20 ms while a block runs: `growth` is peak minus before."""
-
-    def __init__(self, server: ServerProcess) -> None:
-        self.server = server
-        self.before = self.peak = server.rss_bytes()
-        self._task: asyncio.Task[None] | None = None
-
-    async def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, self.server.rss_bytes())
-            await asyncio.sleep(0.02)
-
-    async def __aenter__(self) -> PeakMemory:
-        self._task = asyncio.create_task(self._sample())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        self.peak = max(self.peak, self.server.rss_bytes())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.before
+HEADER = [
+    "scenario",
+    "what the attack got",
+    "RSS growth",
+    "good p50 / p99 ms, quiet",
+    "while flooded",
+    "good failed",
+    "note",
+]
 
 
-async def flood_headers(port: int, total: int) -> None:
-    """Send a request head that never ends: 8 KB headers until `total` bytes or the server hangs up."""
-    _, writer = await asyncio.open_connection(HOST, port)
-    try:
-        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
-        line = b"X-Flood-%06d: " + b"a" * 8000 + b"\r\n"
-        for i in range(total // len(line)):
-            writer.write(line % i)
-            await writer.drain()
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    finally:
-        writer.close()
+def table(rows: list[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
 
 
-async def probe_while(port: int, work: Awaitable[Response], limit: float = 60.0) -> tuple[Response, list[float]]:
-    """Run `work` while GET /v2/health/live is probed on its own connection; each probe's wait in seconds."""
-    loop = asyncio.get_running_loop()
-    waits: list[float] = []
-    task = asyncio.ensure_future(work)
-    reader, writer = await asyncio.open_connection(HOST, port)
-    try:
-        while not task.done():
-            sent = loop.time()
-            writer.write(http_request("GET", "/v2/health/live", close=False))
-            r = await asyncio.wait_for(read_response(reader), limit)
-            assert r.status == 200, f"health probe answered {r.status}"
-            waits.append(loop.time() - sent)
-            await asyncio.sleep(0.02)
-    finally:
-        writer.close()
-    return await task, waits
+async def beside_good_traffic(server: ServerProcess, flood: Callable[[], Awaitable[str]]) -> Row:
+    """Quiet good traffic, then the same during `flood` (which names its outcome), with the peak RSS."""
+    quiet = await quiet_samples(server.port, QUIET_S)
+    async with PeakMemory(server) as memory, GoodTraffic(server.port) as good:
+        outcome = await flood()
+    return Row("", outcome, memory.growth / MiB, quiet, good.samples)
 
 
-async def request_and_never_read(port: int, request: bytes) -> socket.socket:
-    """Send `request` on a socket with a tiny receive buffer, and never read the answer."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, (HOST, port))
-    await loop.sock_sendall(sock, request)
-    return sock
+# ----- issue 11 ------------------------------------------------------------------------------------
 
 
-def empty_rows_body(size: int) -> bytes:
-    """A JSON body of `size` bytes whose inputs are empty rows: [[],[],...]."""
-    rows = (size - 16) // 3
-    return b'{"inputs": [' + b"[]," * (rows - 1) + b"[]]}"
-
-
-def numbers_body(rows: int, columns: int) -> bytes:
-    """A JSON body of rows x columns plain numbers (0.1234567 each)."""
-    row = b"[" + b",".join([b"0.1234567"] * columns) + b"]"
-    return b'{"inputs": [' + b",".join([row] * rows) + b"]}"
-
-
-def json_post(body: bytes, headers: dict[str, str] | None = None) -> bytes:
-    return http_request("POST", V1, {**(headers or {}), "Content-Type": "application/json"}, body, close=False)
-
-
-# ----- scenarios ---------------------------------------------------------------------------------
-
-
-async def headers_scenario(server: ServerProcess) -> str:
+async def headers_scenario(server: ServerProcess) -> Row:
     async with PeakMemory(server) as memory:
         await asyncio.wait_for(asyncio.gather(*(flood_headers(server.port, 64 * MiB) for _ in range(4))), 120)
-    return (
-        f"headers: 4 x 64 MiB of headers, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB "
-        f"(+{memory.growth / MiB:.0f} MiB)"
-    )
+    return Row("headers", "4 x 64 MiB of headers", memory.growth / MiB)
 
 
-async def body_scenario(server: ServerProcess, name: str, body: bytes) -> str:
+async def body_scenario(server: ServerProcess, name: str, body: bytes, headers: dict[str, str] | None = None) -> Row:
+    path = V1 if headers is None else "/v2/models/demo/infer"
+    request = http_request("POST", path, {"Content-Type": "application/json"}, body, close=False)
     async with PeakMemory(server) as memory:
-        r, waits = await probe_while(server.port, raw_request(server.port, json_post(body), timeout=120))
-    return (
-        f"{name}: {len(body) / MiB:.0f} MiB body -> {r.status}, {len(waits)} probes, longest probe wait "
-        f"{max(waits, default=0) * 1000:.0f} ms, RSS {memory.before / MiB:.0f} -> peak {memory.peak / MiB:.0f} MiB "
-        f"(+{memory.growth / MiB:.0f} MiB, {memory.growth / len(body):.1f}x the body)"
+        r, waits = await probe_while(server.port, raw_request(server.port, request, timeout=120))
+    return Row(
+        name,
+        f"{len(body) / MiB:.0f} MiB body: {r.status}",
+        memory.growth / MiB,
+        note=f"{memory.growth / len(body):.1f}x the body; longest probe wait {max(waits, default=0) * 1000:.0f} ms",
     )
 
 
-def unread_request(rows: int = 1024, headers: dict[str, str] | None = None) -> bytes:
-    """A raw float32 request of `rows` zero rows whose JSON answer is about 10 KiB a row."""
-    return http_request(
-        "POST",
-        V1,
-        {**(headers or {}), "Content-Type": "application/octet-stream", "X-Shape": f"{rows},512"},
-        np.zeros((rows, 512), dtype="<f4").tobytes(),
-        close=False,
-    )
-
-
-async def unread_clients(
-    server: ServerProcess, request: bytes, clients: int, send_timeout: float, dropped: Callable[[], bool] | None = None
-) -> tuple[int, int]:
-    """RSS once `clients` unread answers are computed, and again after the send timeout: (held, after).
-
-    `dropped`, if given, says when the server has let go of every answer (else: the timeout plus 3 s).
-    """
-    sockets = [await request_and_never_read(server.port, request) for _ in range(clients)]
-    try:
-        await asyncio.sleep(8.0)  # every answer computed, and stuck in its transport
-        held = server.rss_bytes()
-        await asyncio.sleep(send_timeout + 3.0)
-        for _ in range(1200):
-            if dropped is None or dropped():
-                break
-            await asyncio.sleep(0.1)
-        return held, server.rss_bytes()
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-async def unread_scenario(server: ServerProcess, send_timeout: float) -> str:
+async def unread_scenario(server: ServerProcess, send_timeout: float) -> Row:
     request = unread_request()
     assert (await raw_request(server.port, request)).status == 200  # caches at this size, read normally
     before = server.rss_bytes()
     held, after = await unread_clients(server, request, 12, send_timeout)
-    return (
-        f"unread: 12 clients never reading ~10 MiB answers, RSS {before / MiB:.0f} -> {held / MiB:.0f} MiB "
-        f"with the answers computed (+{(held - before) / MiB:.0f}), {after / MiB:.0f} MiB after the send timeout "
-        f"(+{(after - before) / MiB:.0f}), the clients still connected"
+    return Row(
+        "unread",
+        "12 clients never reading ~10 MiB answers",
+        (after - before) / MiB,
+        note=f"+{(held - before) / MiB:.0f} MiB once computed; the growth column is after the send timeout",
     )
 
 
-async def run(scenario: str, server: ServerProcess, send_timeout: float) -> str:
-    if scenario == "headers":
-        return await headers_scenario(server)
-    if scenario == "empty-rows":
-        return await body_scenario(server, scenario, empty_rows_body(64 * MiB))
-    if scenario == "big-json":
-        return await body_scenario(server, scenario, numbers_body(10_000, 513))
-    return await unread_scenario(server, send_timeout)
+# ----- issue 20 ------------------------------------------------------------------------------------
+
+
+async def trailers_scenario(server: ServerProcess) -> Row:
+    async def flood() -> str:
+        runs = await flood_for(FLOOD_S, 4, lambda: flood_trailers(server.port, 64 * MiB))
+        return f"{runs} trailer floods of up to 64 MiB"
+
+    row = await beside_good_traffic(server, flood)
+    row.scenario = "trailers"
+    return row
+
+
+async def pipelined_scenario(server: ServerProcess) -> Row:
+    async def flood() -> str:
+        runs = await flood_for(FLOOD_S, 2, lambda: flood_pipelined(server.port, 64 * MiB))
+        return f"{runs} connections pipelining up to 64 MiB of GETs"
+
+    row = await beside_good_traffic(server, flood)
+    row.scenario = "pipelined"
+    return row
+
+
+async def trickle_scenario(server: ServerProcess) -> Row:
+    async def flood() -> str:
+        statuses: Counter[str] = Counter()
+        loop = asyncio.get_running_loop()
+        stop = loop.time() + FLOOD_S
+
+        async def lane() -> None:  # a trickler, and another as soon as it is answered
+            while (left := stop - loop.time()) > 1.0:
+                status = await trickle_body(server.port, 1.5, limit=left - 0.5)
+                statuses["still trickling at the end" if status is None else str(status)] += 1
+
+        await asyncio.gather(*(lane() for _ in range(64)))
+        return "tricklers: " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
+
+    row = await beside_good_traffic(server, flood)
+    row.scenario = "trickle"
+    return row
+
+
+async def idle_scenario(server: ServerProcess) -> Row:
+    async def flood() -> str:
+        runs = await flood_for(FLOOD_S, 64, lambda: idle_connection(server.port, FLOOD_S))
+        return f"{runs} idle connections, 64 at a time"
+
+    row = await beside_good_traffic(server, flood)
+    row.scenario = "idle"
+    return row
+
+
+async def mc_flood_scenario(server: ServerProcess) -> Row:
+    deadline_ms = 2000
+    x = np.linspace(-1, 1, 64 * 512, dtype="<f4").reshape(64, 512)
+    mc = http_request(
+        "POST",
+        V1 + "?mc_passes=64",
+        {"Content-Type": "application/octet-stream", "X-Shape": "64,512"},
+        x.tobytes(),
+    )
+    statuses: Counter[int] = Counter()
+
+    async def mc_client() -> None:
+        statuses[(await raw_request(server.port, mc, timeout=120)).status] += 1
+
+    good_request = one_row_request({"X-Timeout-Ms": str(deadline_ms)})
+    quiet = await quiet_samples(server.port, QUIET_S, good_request)
+    async with GoodTraffic(server.port, request=good_request) as good:
+        await flood_for(FLOOD_S, 16, mc_client)
+    late = sum(
+        status == 504 or (status == 200 and t * 1000 > deadline_ms)
+        for t, status in zip(good.samples.latencies, good.samples.statuses, strict=True)
+    )
+    outcome = "Monte Carlo requests answered " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
+    return Row(
+        "mc-flood", outcome, None, quiet, good.samples, f"{late} good requests past their {deadline_ms} ms deadline"
+    )
+
+
+def envelope_body() -> bytes:
+    keys = b",".join(b'"k%07d":1' % i for i in range(4_600_000))
+    return (
+        b'{"parameters": {'
+        + keys
+        + b'}, "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ['
+        + b",".join([b"0.5"] * 512)
+        + b"]}]}"
+    )
+
+
+def strings_body() -> bytes:
+    strings = b",".join([b'""'] * 8_300_000)
+    return (
+        b'{"parameters": {"s": ['
+        + strings
+        + b']}, "inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "data": ['
+        + b",".join([b"0.5"] * 512)
+        + b"]}]}"
+    )
+
+
+async def held_scenario(server: ServerProcess) -> Row:
+    statuses: Counter[int | None] = Counter()
+
+    async def upload() -> None:
+        statuses[await slow_upload(server.port, 32 * MiB, 4 * MiB, shape="1,512")] += 1
+
+    async with PeakMemory(server) as memory:
+        await asyncio.gather(*(upload() for _ in range(32)))
+    outcome = "32 x 32 MiB uploads answered " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items(), key=str))
+    return Row("held", outcome, memory.growth / MiB)
+
+
+def workers_of(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.add(int(child))
+            except FileNotFoundError:
+                pass
+    return found
+
+
+async def stopped_worker_scenario(server: ServerProcess) -> Row:
+    request = one_row_request()
+    connections = [await asyncio.open_connection(HOST, server.port) for _ in range(8)]
+
+    async def ask(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> str:
+        reader, writer = connection
+        try:
+            writer.write(request.replace(b"Connection: close\r\n", b""))
+            await writer.drain()
+            return "answered" if (await asyncio.wait_for(read_response(reader), 30)).status == 200 else "refused"
+        except TimeoutError:
+            return "hanging"
+        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+            return "refused"
+
+    assert set(await asyncio.gather(*(ask(c) for c in connections))) == {"answered"}
+    victim = min(workers_of(server.pid))
+    loop = asyncio.get_running_loop()
+    stopped = loop.time()
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        outcomes = Counter(await asyncio.gather(*(ask(c) for c in connections)))
+        replaced = None
+        while loop.time() - stopped < 60:
+            logs = server.logs()
+            after = logs.partition(f"(pid {victim}) was killed by SIGKILL")[2]
+            if re.search(r"worker \d \(pid \d+\) ready", after):
+                replaced = loop.time() - stopped
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        for _, writer in connections:
+            writer.close()
+    note = "never replaced (60 s)" if replaced is None else f"a replacement ready {replaced:.1f} s after the stop"
+    return Row("stopped-worker", ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())), note=note)
+
+
+# ----- running them ---------------------------------------------------------------------------------
+
+SCENARIOS = [
+    "headers",
+    "empty-rows",
+    "big-json",
+    "unread",
+    "trailers",
+    "pipelined",
+    "trickle",
+    "idle",
+    "mc-flood",
+    "envelope",
+    "strings",
+    "held",
+    "stopped-worker",
+]
+
+
+def server_env(scenario: str, send_timeout: float) -> dict[str, str]:
+    env = {"FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning", "FFN_SEND_TIMEOUT_S": str(send_timeout), **MEASURABLE_MALLOC}
+    if scenario in ("trickle", "idle"):
+        env |= {"FFN_MAX_CONNECTIONS": "64", "FFN_READ_TIMEOUT_S": "2"}
+    if scenario == "mc-flood":
+        env |= {"FFN_MAX_BATCH_ROWS": "64", "FFN_MAX_QUEUE_ROWS": "131072", "FFN_MAX_MC_PASSES": "64"}
+    if scenario == "held":
+        env |= {"FFN_MAX_HELD_BYTES": str(256 * MiB)}
+    if scenario == "stopped-worker":
+        env |= {"FFN_WORKERS": "2", "FFN_LOG_LEVEL": "info"}
+    return env
+
+
+async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
+    scenarios: dict[str, Callable[[], Awaitable[Row]]] = {
+        "headers": lambda: headers_scenario(server),
+        "empty-rows": lambda: body_scenario(server, scenario, empty_rows_body(64 * MiB)),
+        "big-json": lambda: body_scenario(server, scenario, numbers_body(10_000, 513)),
+        "unread": lambda: unread_scenario(server, send_timeout),
+        "trailers": lambda: trailers_scenario(server),
+        "pipelined": lambda: pipelined_scenario(server),
+        "trickle": lambda: trickle_scenario(server),
+        "idle": lambda: idle_scenario(server),
+        "mc-flood": lambda: mc_flood_scenario(server),
+        "envelope": lambda: body_scenario(server, scenario, envelope_body(), {}),
+        "strings": lambda: body_scenario(server, scenario, strings_body(), {}),
+        "held": lambda: held_scenario(server),
+        "stopped-worker": lambda: stopped_worker_scenario(server),
+    }
+    return await scenarios[scenario]()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-dir", type=Path, default=REPO_ROOT, help="checkout whose app/ is served")
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=["headers", "empty-rows", "big-json", "unread"],
-        default=["headers", "empty-rows", "big-json", "unread"],
-    )
+    parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS)
     parser.add_argument("--send-timeout", type=float, default=2.0, help="FFN_SEND_TIMEOUT_S of the server")
     args = parser.parse_args(argv)
-    env = {
-        "FFN_WARMUP": "0",
-        "FFN_LOG_LEVEL": "warning",
-        "FFN_SEND_TIMEOUT_S": str(args.send_timeout),
-        **MEASURABLE_MALLOC,
-    }
-    for scenario in args.only:
-        with start_server(env=env, cwd=args.server_dir) as server:
-            print(asyncio.run(run(scenario, server, args.send_timeout)), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "ffn.toml"
+        config.write_text('[[models]]\nname = "demo"\ndropout = 0.1\n')  # the built-in demo, with a dropout rate
+        for scenario in args.only:
+            with start_server(
+                env=server_env(scenario, args.send_timeout),
+                config=config if scenario == "mc-flood" else None,
+                cwd=args.server_dir,
+            ) as server:
+                row = asyncio.run(run(scenario, server, args.send_timeout))
+                row.scenario = scenario
+                rows.append(row)
+                print("| " + " | ".join(row.cells()) + " |", flush=True)
+    print()
+    print(f"server: {args.server_dir}")
+    print(table(rows))
     return 0
 
 

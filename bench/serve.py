@@ -3,13 +3,16 @@
     python3 -m bench.serve                       # 768/3072 GELU float32, r in {1,16}, C in {1,16,64}
     python3 -m bench.serve --max-wait-ms 0 1 2 --seconds 5 --json out/serve.json --plot docs/img/serve.png
     python3 -m bench.serve --workers 1 2 --server-cpus 0,1 --client-cpus 0,1    # 1 and 2 worker processes
+    python3 -m bench.serve --server-dirs . /tmp/before --repeats 3    # this checkout against another, cell by cell
 
 The server runs pinned to core 0 with one torch thread per worker; the load generator (wrk,
 closed loop with C connections) runs pinned to core 1; the in-process rows/s is measured pinned
 to core 0 with one thread at the batch size the batcher actually formed (mean rows per batch,
 read from /metrics), so every ratio compares like with like (with several workers on several
 cores, the ratio is against that one core and may pass 100 %). Needs `wrk` (Debian package wrk)
-and Linux.
+and Linux. With several `--server-dirs` (checkouts whose app/ is served), each cell runs against
+each in turn, `--repeats` times, and the table ends with each checkout's median req/s and p99
+as a ratio of the first's: the cost of a change on the request path, measured in one run.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ LUA = Path(__file__).with_name("wrk") / "post.lua"
 SERVER_CORE = 0  # the in-process reference runs here
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
 @dataclass
 class Cell:
+    server: str
     workers: int
     encoding: str
     rows_per_request: int
@@ -147,6 +154,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-cpus", default=str(SERVER_CORE), help="taskset list for the server, e.g. 0 or 0,1")
     p.add_argument("--client-cpus", default="1", help="taskset list for wrk")
     p.add_argument("--seconds", type=float, default=5.0, help="wrk duration per cell")
+    p.add_argument(
+        "--server-dirs", type=Path, nargs="+", default=[REPO_ROOT], help="checkouts whose app/ is served, compared"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs of each cell against each checkout (interleaved)")
     p.add_argument("--json", type=Path, help="write the cells as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG plot here")
     return p.parse_args(argv)
@@ -166,11 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         save_ffn(model, folder / "ffn.safetensors")
         (folder / "ffn.toml").write_text('[[models]]\nname = "ffn"\nweights = "ffn.safetensors"\n')
-        for workers, max_wait in [(w, m) for w in args.workers for m in args.max_wait_ms]:
+        runs = [
+            (server_dir, w, m)
+            for _ in range(args.repeats)
+            for w in args.workers
+            for m in args.max_wait_ms
+            for server_dir in args.server_dirs
+        ]
+        for server_dir, workers, max_wait in runs:
             with start_server(
                 server_env(max_wait, args.max_batch_rows, workers),
                 folder / "ffn.toml",
                 prefix=pinned(args.server_cpus),
+                cwd=server_dir,
                 ready_timeout=120.0,
             ) as server:
                 base = server.url
@@ -190,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                             base_rps = inprocess.rows_per_s(round(mean_batch))
                             rows_per_s = ok * rows / seconds
                             cell = Cell(
+                                server_dir.resolve().name,
                                 workers,
                                 encoding,
                                 rows,
@@ -210,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     batch1_ms = 1000.0 / inprocess.rows_per_s(1)
     print()
     print(table(cells, batch1_ms, args))
+    if len(args.server_dirs) > 1:
+        print()
+        print(comparison(cells))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -220,15 +243,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def comparison(cells: list[Cell]) -> str:
+    """Each checkout's median req/s and p99 per cell, as a ratio of the first checkout's."""
+    from statistics import median
+
+    def key(c: Cell) -> tuple[int, str, int, int, float]:
+        return (c.workers, c.encoding, c.rows_per_request, c.concurrency, c.max_wait_ms)
+
+    servers = list(dict.fromkeys(c.server for c in cells))
+    lines = [
+        "| workers | encoding | r | C | " + " | ".join(f"{s}: req/s, p99 ms" for s in servers) + " | req/s, p99 vs "
+        f"{servers[0]} |",
+        "|" + "---|" * (5 + len(servers)),
+    ]
+    for cell_key in dict.fromkeys(key(c) for c in cells):
+        figures = {}
+        for server in servers:
+            runs = [c for c in cells if c.server == server and key(c) == cell_key]
+            figures[server] = (median(c.requests_per_s for c in runs), median(c.p99_ms for c in runs))
+        first = figures[servers[0]]
+        ratios = ", ".join(
+            f"{s}: {figures[s][0] / first[0]:.2f}x, {figures[s][1] / first[1]:.2f}x" for s in servers[1:]
+        )
+        lines.append(
+            f"| {cell_key[0]} | {cell_key[1]} | {cell_key[2]} | {cell_key[3]} | "
+            + " | ".join(f"{figures[s][0]:,.0f}, {figures[s][1]:.2f}" for s in servers)
+            + f" | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
 HEADER = (
-    "| workers | encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | p99/p50 | errors "
+    "| server | workers | encoding | r | C | max_wait ms | req/s | rows/s | p50 ms | p99 ms | p99/p50 | errors "
     "| rows/batch | in-process rows/s at that batch | ratio |"
 )
 
 
 def format_row(c: Cell) -> str:
     return (
-        f"| {c.workers} | {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} "
+        f"| {c.server} | {c.workers} | {c.encoding} | {c.rows_per_request} | {c.concurrency} | {c.max_wait_ms:g} "
         f"| {c.requests_per_s:,.0f} | {c.rows_per_s:,.0f} | {c.p50_ms:.2f} | {c.p99_ms:.2f} "
         f"| {c.p99_ms / c.p50_ms:.1f} | {c.errors} | {c.mean_batch_rows:.1f} "
         f"| {c.inprocess_rows_per_s:,.0f} | {c.ratio:.0%} |"

@@ -1,5 +1,6 @@
-"""app/web/protocol.py on its own: uvicorn's HTTP/1.1 protocol with a bounded, timed head, a body
-timeout, a send timeout and a connection cap.
+"""app/web/protocol.py on its own: uvicorn's HTTP/1.1 protocol fed in slices within each connection's
+budgets (issue 20: every non-body byte of a message, pipelined requests, the body's rate, the
+cap's idle and receiving connections), a bounded, timed head, a body timeout and a send timeout.
 
 The protocol serves a few-line ASGI app in this process: on a real loopback socket (asyncio's
 create_server, as uvicorn runs it) or fed by hand through a fake transport where the test must
@@ -11,7 +12,9 @@ before the server accepts its connection. A slow machine only makes a test take 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -27,7 +30,8 @@ from uvicorn.server import ServerState
 from app import cli
 from app.settings import Settings
 from app.web import uvicorn_members
-from app.web.protocol import ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
+from app.web.connections import ConnectionBudget
+from app.web.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
 from ffn_client.http1 import Response, build_request, read_response
 
 HOST = "127.0.0.1"
@@ -43,6 +47,13 @@ LIMITS = ConnectionLimits(
 
 
 @dataclass
+class Seen:
+    path: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+@dataclass
 class EchoApp:
     """Answers 200 with {"path", "body_bytes"} once the whole body is in; records disconnects it sees.
 
@@ -53,6 +64,8 @@ class EchoApp:
     big_bytes: int = 8 << 20
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     reading: asyncio.Event = field(default_factory=asyncio.Event)  # cleared: the app has not read the body yet
+    started: int = 0  # requests the app was called for
+    seen: list[Seen] = field(default_factory=list)  # each request the app read whole, in order
 
     def __post_init__(self) -> None:
         self.reading.set()
@@ -61,15 +74,18 @@ class EchoApp:
         self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Any
     ) -> None:
         assert scope["type"] == "http"
+        self.started += 1
         await self.reading.wait()
-        size, more = 0, True
+        body, more = b"", True
         while more:
             message = await receive()
             if message["type"] == "http.disconnect":
                 self.disconnected.set()
                 return
-            size += len(message.get("body", b""))
+            body += message.get("body", b"")
             more = message.get("more_body", False)
+        size = len(body)
+        self.seen.append(Seen(scope["path"], list(scope["headers"]), body))
         if scope["path"].startswith("/slow"):
             await asyncio.sleep(SLOW_S)
         if scope["path"] == "/big":
@@ -84,7 +100,9 @@ class EchoApp:
 
 
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
-    return type("TestProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
+    """The protocol with `limits`, and a connection cap of its own, as uvicorn_options makes it."""
+    budget: ConnectionBudget[LimitedHttpToolsProtocol] = ConnectionBudget(limits.max_connections)
+    return type("TestProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "budget": budget})
 
 
 def uvicorn_config(app: EchoApp) -> Config:
@@ -101,6 +119,12 @@ class Served:
     port: int
     state: ServerState
     app: EchoApp
+    budget: ConnectionBudget[LimitedHttpToolsProtocol]
+
+    def only_connection(self) -> LimitedHttpToolsProtocol:
+        (protocol,) = self.state.connections
+        assert isinstance(protocol, LimitedHttpToolsProtocol)
+        return protocol
 
     async def connect(self, first: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection whose `first` bytes are sent before the server can accept it.
@@ -130,7 +154,7 @@ async def serving(limits: ConnectionLimits = LIMITS, app: EchoApp | None = None)
         lambda: make(config=config, server_state=state, app_state={}, _loop=loop), HOST, 0
     )
     try:
-        yield Served(server.sockets[0].getsockname()[1], state, app)
+        yield Served(server.sockets[0].getsockname()[1], state, app, make.budget)
     finally:
         server.close()
         for connection in list(state.connections):
@@ -428,32 +452,292 @@ async def test_an_answer_nobody_reads_is_dropped_after_the_send_timeout(caplog) 
 # ----- the connection cap ------------------------------------------------------------------------
 
 
-async def test_past_max_connections_a_new_connection_gets_503_then_is_served_once_one_closes() -> None:
-    limits = ConnectionLimits(1024, header_timeout_s=LONG, read_timeout_s=LONG, send_timeout_s=LONG, max_connections=2)
-    async with serving(limits) as served:
-        idle = [await served.connect() for _ in range(2)]
-        await served.until_connections(2)
-        reader, writer = await served.connect(request("GET", "/over"))
-        json_error(await answer(reader), 503, "too_many_connections")
-        writer.close()
-        _, first = idle.pop()
-        first.close()
-        await served.until_connections(1)
-        reader, writer = await served.connect(request("GET", "/again"))
+def limits_with(**changes: Any) -> ConnectionLimits:
+    return dataclasses.replace(LIMITS, **changes)
+
+
+async def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
+    # Issue 20, class 5: silent connections held the cap until the head timeout; now a newcomer closes the oldest.
+    async with serving(limits_with(max_connections=4)) as served:
+        idle = [await served.connect() for _ in range(4)]
+        await served.until_connections(4)
+        reader, writer = await served.connect(request("GET", "/new"))
         r = await answer(reader)
-        assert r.status == 200 and r.json() == {"path": "/again", "body_bytes": 0}
-        writer.close()
-        for _, other in idle:
+        assert r.status == 200 and r.json() == {"path": "/new", "body_bytes": 0}
+        assert await until_closed(idle[0][0]) == b""  # the oldest, closed quietly
+        for _, other in [*idle, (reader, writer)]:
             other.close()
+
+
+async def test_at_the_cap_with_no_idle_connection_a_new_one_gets_503_then_is_served_once_one_closes() -> None:
+    app = EchoApp()
+    app.reading.clear()  # every request waits in the app: its connection is busy, not idle
+    async with serving(limits_with(max_connections=2), app) as served:
+        busy = [await served.connect(request("GET", f"/busy{i}")) for i in range(2)]
+        await until(lambda: app.started == 2, "two requests in the app")
+        reader, writer = await served.connect(request("GET", "/over"))
+        r = await answer(reader)
+        json_error(r, 503, "too_many_connections")
+        assert r.headers["retry-after"] == "1"
+        writer.close()
+        app.reading.set()
+        for i, (busy_reader, busy_writer) in enumerate(busy):
+            assert (await answer(busy_reader)).json() == {"path": f"/busy{i}", "body_bytes": 0}
+            busy_writer.close()
+        await served.until_connections(0)
+        reader, writer = await served.connect(request("GET", "/again"))
+        assert (await answer(reader)).json() == {"path": "/again", "body_bytes": 0}
+        writer.close()
+
+
+async def test_connections_still_sending_their_request_hold_half_the_cap_at_most() -> None:
+    async with serving(limits_with(max_connections=8)) as served:
+        tricklers = [await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
+        await until(lambda: served.budget.receiving == 4, "half the cap receiving")
+        reader, writer = await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+        assert "still sending" in json_error(await answer(reader), 503, "too_many_connections")["error"]
+        # A request that arrives whole is served beside them.
+        good_reader, good_writer = await served.connect(request("GET", "/good"))
+        assert (await answer(good_reader)).json() == {"path": "/good", "body_bytes": 0}
+        for _, other in [*tricklers, (reader, writer), (good_reader, good_writer)]:
+            other.close()
+
+
+def test_the_budget_closes_the_connection_idle_longest_and_counts_receivers() -> None:
+    budget: ConnectionBudget[str] = ConnectionBudget(max_connections=3)
+    assert [budget.opened(name) for name in "abc"] == [(True, None)] * 3
+    budget.busy("a")
+    budget.idle("b")  # b is now the most recently idle; c the longest
+    assert budget.opened("d") == (True, "c")
+    assert budget.still_receiving("b") is True  # one receiver: max_receiving is 3 // 2 = 1
+    assert budget.still_receiving("d") is False
+    assert budget.opened("e") == (False, None)  # a busy, b receiving, d refused: none idle
+    budget.closed("a")
+    assert budget.opened("e") == (True, None)
+
+
+# ----- every byte that is not body data counts, in slices cut where messages may end (issue 20) -----
+
+
+def get(path: str) -> bytes:
+    return request("GET", path)
+
+
+def chunked(path: str, chunks: list[bytes], trailers: bytes = b"", extension: bytes = b"") -> bytes:
+    framed = b"".join(b"%x%s\r\n%s\r\n" % (len(c), extension, c) for c in chunks)
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode()
+    return head + framed + b"0\r\n" + trailers + b"\r\n"
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_requests_split_at_any_byte_are_each_answered_in_order(seed: int) -> None:
+    """CRLF CRLF inside bodies, chunked trailers and extensions, heads whose end straddles two reads."""
+    stream = [
+        (get("/a"), b""),
+        (request("POST", "/b", b"x\r\n\r\ny" * 50), b"x\r\n\r\ny" * 50),
+        (chunked("/c", [b"ab\r\n\r\ncd", b"e" * 700], b"X-Trailer: 1\r\n", b";ext=1"), b"ab\r\n\r\ncd" + b"e" * 700),
+        (get("/d"), b""),
+        (chunked("/e", [b"\r\n\r\n"]), b"\r\n\r\n"),
+        (request("POST", "/f"), b""),
+    ]
+    data = b"".join(message for message, _ in stream)
+    pieces = random.Random(seed)
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        reader, writer = await served.connect()
+        offset = 0
+        while offset < len(data):
+            size = pieces.choice([1, 2, 3, 4, 5, 17, 64, 1000])
+            writer.write(data[offset : offset + size])
+            await writer.drain()
+            offset += size
+            if pieces.random() < 0.3:
+                await asyncio.sleep(0.002)  # a read of its own
+        for (_, body), path in zip(stream, "abcdef", strict=True):
+            r = await answer(reader)
+            assert r.status == 200 and r.json() == {"path": f"/{path}", "body_bytes": len(body)}, r.body
+        assert [seen.body for seen in served.app.seen] == [body for _, body in stream]
+        writer.close()
+
+
+async def test_a_head_of_exactly_the_budget_is_served_and_one_byte_more_is_431() -> None:
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        start = b"GET /x HTTP/1.1\r\nX-Pad: "
+        fitting = start + b"a" * (2048 - len(start) - 4) + b"\r\n\r\n"
+        assert len(fitting) == 2048
+        reader, writer = await served.connect(fitting)
+        assert (await answer(reader)).status == 200
+        writer.write(fitting.replace(b"X-Pad: ", b"X-Pad: a"))
+        json_error(await answer(reader), 431, "header_too_large")
+        writer.close()
+
+
+async def test_trailers_count_against_the_budget_and_never_become_headers() -> None:
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        reader, writer = await served.connect(
+            chunked("/t", [b"abc"], b"X-Trailer: sneaky\r\nContent-Type: text/evil\r\n")
+        )
+        assert (await answer(reader)).json() == {"path": "/t", "body_bytes": 3}
+        names = {name for name, _ in served.app.seen[0].headers}
+        assert b"x-trailer" not in names and b"content-type" not in names
+        # A flood of trailers: before, every one was appended to the request's headers (2.7 GB in 13 s).
+        writer.write(b"POST /t HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n")
+        for i in range(1000):
+            writer.write(b"X-Trailer-%04d: %s\r\n" % (i, b"v" * 100))
+        json_error(await answer(reader), 431, "header_too_large")
+        assert await until_closed(reader) == b""
+        assert len(served.app.seen) == 1  # the flooded request never reached the app whole
+        writer.close()
+
+
+async def test_endless_chunk_extensions_are_cut_off() -> None:
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        reader, writer = await served.connect(
+            b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1;ext="
+        )
+        try:
+            for _ in range(1000):  # 1 MB of one chunk extension that never ends
+                writer.write(b"a" * 1000)
+                await writer.drain()
+        except ConnectionResetError:
+            pass
+        assert "chunk framing and trailers" in json_error(await answer(reader), 431, "header_too_large")["error"]
+        writer.close()
+
+
+async def test_chunk_framing_is_allowed_one_64th_of_the_body() -> None:
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        # 600 chunks of 512 bytes: 4,200 bytes of framing, within 2,048 + 307,200 / 64.
+        reader, writer = await served.connect(chunked("/ok", [b"z" * 512] * 600))
+        assert (await answer(reader)).json() == {"path": "/ok", "body_bytes": 600 * 512}
+        # 2,000 chunks of one byte: 12,000 bytes of framing for 2,000 of data.
+        writer.write(chunked("/tiny", [b"z"] * 2000))
+        json_error(await answer(reader), 431, "header_too_large")
+        writer.close()
+
+
+async def test_after_an_error_answer_input_is_dropped() -> None:
+    async with serving(limits_with(max_header_bytes=2048)) as served:
+        reader, writer = await served.connect(b"GET / HTTP/1.1\r\nX: " + b"a" * 8192 + b"\r\n\r\n" + get("/after"))
+        json_error(await answer(reader), 431, "header_too_large")
+        assert await until_closed(reader) == b""
+        assert served.app.seen == []
+        writer.close()
+
+
+# ----- pipelining: a few requests at a time are parsed ------------------------------------------
+
+
+async def test_a_pipelined_flood_is_parsed_a_few_requests_at_a_time_and_all_answered() -> None:
+    # Issue 20, class 2: before, every request of a read was parsed and queued (1 GB in 10 s).
+    app = EchoApp()
+    app.reading.clear()  # the first answer waits: everything behind it is pipelined
+    async with serving(LIMITS, app) as served:
+        reader, writer = await served.connect(b"".join(get(f"/{i}") for i in range(500)))
+        await until(lambda: len(served.state.connections) == 1 and served.only_connection().flow.held, "held input")
+        assert app.started == 1
+        assert 1 + len(served.only_connection().pipeline) == MAX_UNANSWERED  # the one running and those behind
+        app.reading.set()
+        for i in range(500):
+            assert (await answer(reader)).json() == {"path": f"/{i}", "body_bytes": 0}
+        assert [seen.path for seen in app.seen] == [f"/{i}" for i in range(500)]
+        writer.close()
+
+
+async def test_a_drain_answers_the_pipelined_requests_already_parsed_the_last_with_connection_close() -> None:
+    # The drain's Connection: close goes on the newest request parsed (uvicorn's `cycle`): every
+    # request already parsed, pipelined behind the one under way, is answered before the close.
+    app = EchoApp()
+    app.reading.clear()  # the first answer waits: the second is parsed and pipelined behind it
+    async with serving(LIMITS, app) as served:
+        reader, writer = await served.connect(get("/first") + get("/second"))
+        await until(
+            lambda: len(served.state.connections) == 1 and len(served.only_connection().pipeline) == 1,
+            "the second request pipelined",
+        )
+        type(served.only_connection()).close_connections(served.state.connections)
+        app.reading.set()
+        first, second = await answer(reader), await answer(reader)
+        assert first.json() == {"path": "/first", "body_bytes": 0}
+        assert first.headers.get("connection") != "close"
+        assert second.json() == {"path": "/second", "body_bytes": 0}
+        assert second.headers.get("connection") == "close"
+        assert await until_closed(reader) == b""
+        writer.close()
+
+
+async def test_a_held_body_is_not_timed_out_while_the_server_does_not_read_it() -> None:
+    app = EchoApp()
+    app.reading.clear()
+    async with serving(limits_with(read_timeout_s=SHORT, min_body_rate=1000), app) as served:
+        big = b"q" * 300_000  # pipelined behind a held answer: reading pauses once 64 KiB wait unread
+        reader, writer = await served.connect()
+        writer.write(get("/first") + request("POST", "/second", big))
+        await until(lambda: len(served.state.connections) == 1 and served.only_connection().flow.read_paused, "paused")
+        await asyncio.sleep(5 * SHORT)  # read timeouts pass, all of them the server's own doing
+        app.reading.set()
+        assert (await answer(reader)).json() == {"path": "/first", "body_bytes": 0}
+        assert (await answer(reader)).json() == {"path": "/second", "body_bytes": len(big)}
+        writer.close()
+
+
+# ----- a body's deadline: its size at the minimum rate ----------------------------------------------
+
+
+async def test_a_body_trickled_inside_the_pause_bound_still_meets_its_deadline() -> None:
+    # Issue 20, class 5: before, a byte every 0.2 s inside a 0.5 s read timeout held the connection forever.
+    async with serving(limits_with(read_timeout_s=0.5, min_body_rate=1000)) as served:
+        reader, writer = await served.connect(request("POST", "/slow", b"", Content_Length="100000"))
+        response = asyncio.ensure_future(read_response(reader))
+        async with asyncio.timeout(BOUND_S):
+            while not response.done():
+                writer.write(b"x")
+                await asyncio.sleep(0.2)
+            assert "min_body_rate" in json_error(await response, 408, "request_timeout")["error"]
+        assert served.app.seen == []
+        writer.close()
+
+
+async def test_a_body_sent_faster_than_the_rate_is_served() -> None:
+    async with serving(limits_with(read_timeout_s=0.5, min_body_rate=1000)) as served:
+        reader, writer = await served.connect(request("POST", "/fast", b"", Content_Length="40000"))
+        for _ in range(20):  # 2,000 bytes every 0.1 s: 20 times the rate
+            writer.write(b"y" * 2000)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        assert (await answer(reader)).json() == {"path": "/fast", "body_bytes": 40000}
+        writer.close()
+
+
+# ----- upgrades are answered as plain HTTP ------------------------------------------------------------
+
+
+async def test_a_websocket_upgrade_is_answered_as_plain_http_and_the_connection_closed() -> None:
+    async with serving() as served:
+        reader, writer = await served.connect(
+            b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"  # a WebSocket frame, as if upgraded
+        )
+        r = await answer(reader)
+        assert r.status == 200 and r.json() == {"path": "/ws", "body_bytes": 0}
+        assert r.headers.get("connection") == "close"
+        assert await until_closed(reader) == b""
+        writer.close()
 
 
 def test_uvicorn_options_carry_the_settings_limits() -> None:
     settings = Settings(
-        max_header_bytes=2048, header_timeout_s=1.5, read_timeout_s=2.5, send_timeout_s=3.5, max_connections=7
+        max_header_bytes=2048,
+        header_timeout_s=1.5,
+        read_timeout_s=2.5,
+        send_timeout_s=3.5,
+        max_connections=7,
+        min_body_rate=1000,
     )
     protocol = uvicorn_options(settings)["http"]
     assert issubclass(protocol, LimitedHttpToolsProtocol)
-    assert protocol.limits == ConnectionLimits(2048, 1.5, 2.5, 3.5, 7)
+    assert protocol.limits == ConnectionLimits(2048, 1.5, 2.5, 3.5, 7, 1000)
+    assert protocol.budget.max_connections == 7 and protocol.budget.max_receiving == 3
 
 
 # ----- the uvicorn it runs on --------------------------------------------------------------------
@@ -478,8 +762,8 @@ def _drop_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     ("remove", "member"),
     [
         (
-            lambda mp: mp.delattr(httptools_impl.HttpToolsProtocol, "_unsupported_upgrade_warning"),
-            "HttpToolsProtocol._unsupported_upgrade_warning",
+            lambda mp: mp.delattr(httptools_impl.HttpToolsProtocol, "_unset_keepalive_if_required"),
+            "HttpToolsProtocol._unset_keepalive_if_required",
         ),
         (lambda mp: mp.delattr(httptools_impl, "STATUS_LINE"), "httptools_impl.STATUS_LINE"),
         (_drop_pipeline, "HttpToolsProtocol.pipeline"),
@@ -500,4 +784,4 @@ def test_a_uvicorn_without_a_member_stops_the_start_with_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ffn-serve: ")
     assert f"uvicorn {version('uvicorn')} lacks {member}" in err
-    assert "uvicorn[standard]" in err, "the message names the range to install"
+    assert "install uvicorn" in err and "<0.55" in err, "the message names the range to install"

@@ -196,6 +196,12 @@ def drain_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) -> None:
     with start_server(config=drain_config, env={"FFN_WORKERS": "2"}) as server:
+        # Both workers warm first: the test counts two drains, and one worker answering is enough to
+        # be "ready" (on a busy machine the second was still loading when the signal came).
+        give_up = time.monotonic() + 120  # a bound, so that a hang fails instead
+        while "ready: 2 workers" not in server.logs():
+            assert time.monotonic() < give_up, f"the second worker never became ready; log:\n{server.logs()}"
+            await asyncio.sleep(0.05)
         outcomes: list[tuple[float, str]] = []  # (sent at, outcome) of every request
         answers: list[tuple[np.ndarray, np.ndarray]] = []  # (x, y) of every 200, checked after the run
         stop = asyncio.Event()

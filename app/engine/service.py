@@ -29,6 +29,7 @@ import torch
 from app.control import Control, Reply
 from app.engine.errors import LoadFailed, ModelControlOff, ModelNotFound, Unavailable
 from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
+from app.engine.loop_watch import LoopWatch
 from app.engine.registry import Registry, ServedModel
 from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import READY, ModelState, ModelStatus
@@ -47,8 +48,15 @@ LOAD_TIMEOUT_S = 300.0
 class Engine:
     """The served models, looked up by name, and their lifecycle from start to drain."""
 
-    def __init__(self, settings: Settings, registry: Registry, control: Control | None = None) -> None:
-        """`control`: how a load reaches every serving process (by default this one alone)."""
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        control: Control | None = None,
+        beat: Callable[[], None] | None = None,
+    ) -> None:
+        """`control`: how a load reaches every serving process (by default this one alone).
+        `beat`: called on every tick of the loop watch (a worker's heartbeat to its supervisor)."""
         self.settings = settings
         self._registry = registry
         self._started = False
@@ -59,6 +67,7 @@ class Engine:
         self._control.register(LOAD_MODEL, self._lifecycle.apply_load)
         self._control.register(UNLOAD_MODEL, self._lifecycle.apply_unload)
         self._config_lock = asyncio.Lock()  # one SIGHUP applied at a time
+        self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
 
     # ----- lookup ----------------------------------------------------------------------------
 
@@ -113,6 +122,9 @@ class Engine:
             return ModelStatus(ModelState.UNAVAILABLE, "; ".join(unavailable))
         if any(m.status.state is ModelState.LOADING for m in models):
             return ModelStatus(ModelState.LOADING, "models are still loading or warming up")
+        lagging = self._loop_watch.lagging()
+        if lagging is not None:
+            return ModelStatus(ModelState.UNAVAILABLE, lagging)
         return READY
 
     @property
@@ -125,6 +137,7 @@ class Engine:
         """Load if needed and start the batchers; warm-up runs in the background (live before ready)."""
         if self.settings.torch_threads:
             torch.set_num_threads(self.settings.torch_threads)
+        self._loop_watch.start()
         if not self._registry.models:
             await asyncio.to_thread(self._registry.load)
         for served in self.models():
@@ -154,9 +167,10 @@ class Engine:
         return finished
 
     async def stop(self) -> None:
-        """Stop warming up, answer every pending entry 503 and release the device threads."""
+        """Stop warming up and the loop watch, answer every pending entry 503 and release the device threads."""
         if self._warm_up_task is not None:
             self._warm_up_task.cancel()
+        self._loop_watch.stop()
         for served in self.models():
             await served.stop()
         await self._lifecycle.stop()

@@ -87,6 +87,10 @@ class UnsupportedTransferEncoding(EdgeError):
     """A Transfer-Encoding other than chunked (RFC 9112: 501); the connection is closed after the answer."""
 
 
+class TooManyBytesHeld(EdgeError):
+    """The requests this process is answering hold its budget of bytes (max_held_bytes); retry shortly."""
+
+
 class TooManyConnections(EdgeError):
     """The server holds its maximum of open connections; this one is answered and closed."""
 
@@ -147,6 +151,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
         _retry_after(lambda exc: exc.retry_after_s if isinstance(exc, engine.Overloaded) else 1),
     ),
     NonFiniteOutput: ErrorKind(422, "non_finite_output", StatusCode.OUT_OF_RANGE),
+    TooManyBytesHeld: ErrorKind(429, "too_many_bytes_held", StatusCode.RESOURCE_EXHAUSTED, _retry_after(lambda exc: 1)),
     HeaderTooLarge: ErrorKind(431, "header_too_large", StatusCode.RESOURCE_EXHAUSTED, _close_connection),
     ClientDisconnected: ErrorKind(499, "client_closed_request", StatusCode.CANCELLED),
     # Starlette's own: the client left while its body was being read.

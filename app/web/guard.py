@@ -12,6 +12,10 @@
 - On the metrics port (`metrics_port`), only `/metrics` is served, and without the key: what a
   Prometheus scrape needs and nothing else (Triton's metrics port, TEI's Prometheus port).
 
+- Only HTTP requests (and the server's lifespan events) reach the app: a WebSocket or any other
+  kind of connection is refused here, whatever a later route would do with it (the server runs
+  without a WebSocket implementation, so none arrives today).
+
 CORS, when configured, sits outside the guard: browsers' preflights carry no key and are
 answered before it, and the guard's 401 carries the CORS headers a browser needs to read it.
 """
@@ -80,7 +84,10 @@ class GuardMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            if scope["type"] == "lifespan":
+                await self.app(scope, receive, send)
+            elif scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})  # policy violation, before any handshake
             return
         refusal = self._refusal(scope)
         if refusal is not None:

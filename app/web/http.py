@@ -11,6 +11,7 @@ from starlette.requests import ClientDisconnect, Request
 from app import request_context
 from app.web.errors import ClientDisconnected, InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from app.web.fields import header_int, header_number
+from app.web.held import Hold
 
 T = TypeVar("T")
 
@@ -35,18 +36,22 @@ def refuse_content_encoding(content_encoding: str | None) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, hold: Hold | None = None) -> bytes:
     """The whole body, refused with 413 as soon as it passes `limit`.
 
-    Content-Length is checked before reading; a chunked body is counted as it streams in. A
-    client that hangs up is a 499, not a failure of ours; one that stalls mid-body is answered
-    408 by the protocol (app/web/protocol.py), which this read then sees as a hang-up. A body
-    that came in one piece (every small one) is that piece itself, not a copy; a larger one is
-    joined once at the end. Binary tensors are viewed in it without a copy, read-only.
+    Content-Length is checked, and taken from the process's budget of held bytes (`hold`, 429
+    when spent), before reading; a chunked body is counted and taken as it streams in. (The
+    control routes' small bodies, bounded by their own limit, pass no `hold`.) A client that
+    hangs up is a 499, not a failure of ours; one that stalls mid-body is answered 408 by the
+    protocol (app/web/protocol.py), which this read then sees as a hang-up. A body that came in
+    one piece (every small one) is that piece itself, not a copy; a larger one is joined once at
+    the end. Binary tensors are viewed in it without a copy, read-only.
     """
     declared = header_int(request.headers.get("content-length"), "Content-Length")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    if declared is not None and hold is not None:
+        hold.grow(declared)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -54,6 +59,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+            if hold is not None and size > hold.size:
+                hold.resize(size)
             if chunk:
                 chunks.append(chunk)
     except ClientDisconnect:

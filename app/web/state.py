@@ -14,6 +14,7 @@ from app.metrics import Metrics
 from app.settings import Settings
 from app.tracing.trace_settings import TraceSettings
 from app.web.errors import ERRORS, INTERNAL, error_type_of
+from app.web.held import HeldBytes
 from app.web.shared_memory import SharedMemoryRegions
 
 # Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
@@ -30,6 +31,7 @@ class ServiceState:
     engine: Engine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
+    held: HeldBytes  # bytes held by the requests this process is answering (app/web/held.py)
     trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
     tracing: Tracing | None = None  # None: requests are not traced
     shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off

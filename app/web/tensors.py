@@ -3,7 +3,8 @@
 Everything a client can get wrong is refused here with InvalidInput, before the batcher.
 Raw tensors are little-endian and C order; they are viewed in the request's own buffer,
 never copied. JSON bodies are counted before they are parsed, so that a body cannot ask for
-more Python objects than the largest tensor the model would accept.
+more Python objects than the largest tensor the model would accept, nor an envelope (the
+objects and strings around the tensor) larger than a request needs.
 """
 
 from __future__ import annotations
@@ -31,8 +32,22 @@ with warnings.catch_warnings():
 MAX_RANK = 3
 # Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
 _JSON_SLACK = 1024
-# An integer literal orjson would turn into a float because it does not fit in 64 bits.
-_WIDE_INTEGER = re.compile(rb"(?<![0-9.eE+-])-?[0-9]{19,}(?![0-9.eE])")
+# The envelope around the tensor: a V2 request needs a few dozen objects and strings (keys included).
+# Counted as '{' and '"' characters before parsing, those inside strings too: far above any request's
+# needs, far below what makes parsing costly (the review's 4.6 M keys cost 12x the body and 3 s).
+MAX_JSON_OBJECTS = 4096
+MAX_JSON_STRINGS = 16384
+# Integer literals beyond 64 bits, which orjson turns into floats: the characters of numbers mapped
+# to three classes (digits to '9'; '.', 'e', 'E', '+' to '.'; '-' kept), everything else to ' ', so
+# that a run of 19 or more digits standing alone is found at C speed.
+_NUMBER_CLASSES = bytes(
+    ord("9") if chr(i).isdigit() and i < 128 else ord(".") if chr(i) in ".eE+" else i if i == ord("-") else ord(" ")
+    for i in range(256)
+)
+_LONG_RUN = b"9" * 19
+_DIGITS = re.compile(rb"9*")
+_MAX_LONG_INTEGERS = 4096  # long integer literals examined at most, one Python step each
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 
 def check_shape(shape: Sequence[int], d_model: int) -> int:
@@ -86,22 +101,27 @@ def view_rows(buffer: bytes | bytearray, dtype: DType, rows: int, d_model: int, 
 
 
 def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
-    """Refuse (413), before parsing, a JSON body with more arrays or values than `max_rows` rows hold.
+    """Refuse (413), before parsing, a JSON body with more arrays, values, objects or strings than a request needs.
 
-    Parsing makes a Python object of every value and array (a 3-byte `[],` becomes a 56-byte
-    list), so an unchecked body could cost 20x its size and seconds of the event loop. Counting
-    brackets and commas is a C-speed pass; a tensor of `max_rows` rows fits within the counts.
-    Nesting deeper than a tensor's rank is refused too (400).
+    Parsing makes a Python object of every value, array, object and string (a 3-byte `[],`
+    becomes a 56-byte list, a 6-byte `"k":1,` a key and an int), so an unchecked body could
+    cost 20x its size and seconds of the event loop. Counting brackets, commas, braces and
+    quotes is a C-speed pass: a tensor of `max_rows` rows fits within the counts, and so does
+    any envelope a request needs. Characters inside strings count too, which only makes the
+    bounds stricter; nesting is checked on what was parsed (orjson stops at 1024 levels).
     """
     data = bytes(body) if isinstance(body, memoryview) else body
-    if b"[" * (MAX_RANK + 1) in data:  # deeper than any tensor; whitespace-spaced nesting meets orjson's limit
-        raise InvalidInput(f"JSON arrays are nested deeper than a rank-{MAX_RANK} tensor")
     max_arrays = 2 * max_rows + _JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
     max_values = max_rows * d_model + max_arrays + _JSON_SLACK
     if data.count(b"[") > max_arrays or data.count(b",") > max_values:
         raise PayloadTooLarge(
             f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
             f"send fewer rows per request, or a binary body"
+        )
+    if data.count(b"{") > MAX_JSON_OBJECTS or data.count(b'"') > 2 * MAX_JSON_STRINGS:
+        raise PayloadTooLarge(
+            f"JSON body holds more than {MAX_JSON_OBJECTS} objects or {MAX_JSON_STRINGS} strings "
+            "(its '{' and '\"' characters, counted before parsing); a request needs a few dozen"
         )
 
 
@@ -135,8 +155,10 @@ def json_numbers_to_array(
         raise InvalidInput(f"{field!r} must contain only numbers (found {_kind_name(array.dtype)})")
     if array.size:
         peak = max(float(array.max()), -float(array.min()))
-        if peak >= 2.0**63 and _WIDE_INTEGER.search(text) is not None:
-            raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
+        if peak >= 2.0**63 and array.dtype.kind == "f":  # only then can a float have been an integer literal
+            wide = _integers_beyond_64_bits(text)
+            if wide and np.isin(array, list(wide)).any():
+                raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
         largest = float(torch.finfo(dtype.torch).max)
         if peak > largest:
             raise InvalidInput(
@@ -144,6 +166,38 @@ def json_numbers_to_array(
                 f"(largest {largest:g})"
             )
     return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _integers_beyond_64_bits(text: bytes | bytearray) -> set[float]:
+    """The values (as orjson made them, floats) of the integer literals in `text` beyond 64 bits.
+
+    A candidate is a run of 19 or more digits with nothing of a number around it but a leading
+    '-'; one inside a string may look the same, so the caller counts only the values that are in
+    the parsed tensor. Past _MAX_LONG_INTEGERS candidates the rest go unexamined: this is a check
+    of the client's own precision, never worth more than a bounded pass of the event loop.
+    """
+    classes = text.translate(_NUMBER_CLASSES)
+    found: set[float] = set()
+    start = classes.find(_LONG_RUN)
+    for _ in range(_MAX_LONG_INTEGERS):
+        if start == -1:
+            break
+        run = _DIGITS.match(classes, start)
+        assert run is not None, "'9*' matches anywhere; this is a bug."
+        end = run.end()
+        if start >= 1 and classes[start - 1] == ord("-"):
+            start -= 1
+        alone = (start == 0 or classes[start - 1] == ord(" ")) and (end == len(classes) or classes[end] == ord(" "))
+        if alone:
+            literal = bytes(text[start:end])
+            try:
+                in_range = INT64_MIN <= int(literal) <= UINT64_MAX
+            except ValueError:  # past Python's 4,300 digits: far beyond 64 bits
+                in_range = False
+            if not in_range:
+                found.add(float(literal))
+        start = classes.find(_LONG_RUN, end)
+    return found
 
 
 def _check_numbers_only(value: list[object], field: str) -> None:

@@ -23,15 +23,15 @@ MODULE = ("STATUS_LINE", "HttpToolsProtocol", "RequestResponseCycle")
 FLOW_MODULE = ("FlowControl",)
 PROTOCOL_METHODS = (
     "_should_upgrade",
-    "_unsupported_upgrade_warning",
     "_unset_keepalive_if_required",
     "send_400_response",
-    "handle_websocket_upgrade",
     "connection_made",
     "connection_lost",
     "data_received",
     "on_message_begin",
+    "on_header",
     "on_headers_complete",
+    "on_body",
     "on_message_complete",
     "on_response_complete",
     "pause_writing",
@@ -48,10 +48,19 @@ PROTOCOL_STATE = (
     "transport",
     "flow",
     "scope",
+    "headers",
 )
-FLOW_STATE = ("read_paused",)
+FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
 SERVER_STATE = ("default_headers",)
-CYCLE_STATE = ("response_started", "response_complete", "disconnected", "message_event", "scope")
+CYCLE_STATE = (
+    "response_started",
+    "response_complete",
+    "disconnected",
+    "message_event",
+    "scope",
+    "keep_alive",
+    "transport",
+)
 
 
 def missing() -> list[str]:
@@ -107,7 +116,7 @@ def mismatch() -> str | None:
 
 
 def _pinned_uvicorn() -> str:
-    """The uvicorn requirement of the installed ffn-serve (pyproject's pin), e.g. `uvicorn[standard]<0.55,>=0.30.6`."""
+    """The uvicorn requirement of the installed ffn-serve (pyproject's pin), e.g. `uvicorn<0.55,>=0.30.6`."""
     try:
         found = [r for r in requires("ffn-serve") or [] if re.match(r"uvicorn\b", r)]
     except PackageNotFoundError:

@@ -36,23 +36,33 @@ async def transform(name: str, request: Request) -> Response:
         encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
         encoding_out = codec.response_encoding(headers.get("accept"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        body = await read_body(request, state.settings.max_body_bytes)
-        # Looked up again: a reload may have swapped the copy while the body arrived. From here to
-        # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
-        served = state.engine.model(name)
-        if parameters is not None:
-            asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
-        decoded = _decode(body, headers, encoding_in, encoding_out, served, state.settings.max_queue_rows)
-        del body
-        request_context.decoded(decoded.shape, decoded.dtype.name)
-        if asked is not None:
-            result = await unless_disconnected(
-                request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+        with state.held.request() as hold:
+            body = await read_body(request, state.settings.max_body_bytes, hold)
+            # Looked up again: a reload may have swapped the copy while the body arrived. From here to
+            # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
+            served = state.engine.model(name)
+            if parameters is not None:
+                asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
+            decoded = _decode(
+                body,
+                headers,
+                encoding_in,
+                encoding_out,
+                served,
+                state.settings.max_queue_rows,
             )
-            content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
-        else:
-            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
-            content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+            del body  # binary rows are a view of it: those bytes stay held, and counted
+            request_context.decoded(decoded.shape, decoded.dtype.name)
+            if encoding_in == "json":  # the body is gone, parsed into a tensor of its own
+                hold.resize(decoded.rows.nbytes)
+            if asked is not None:
+                result = await unless_disconnected(
+                    request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+                )
+                content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
+            else:
+                output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+                content, answer_headers = codec.encode(name, output, decoded, encoding_out)
         return Response(content, headers=answer_headers)
 
 

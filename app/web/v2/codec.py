@@ -60,6 +60,7 @@ class V2Request:
     binary_output: bool  # binary_data_output: the default for outputs that do not say
     parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
     timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
+    binary_input: bool  # `rows` is a view of the body's binary section (else a tensor of its own: JSON, shared memory)
     shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
 
 
@@ -125,7 +126,18 @@ def decode(
     monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
     output_bytes = rows * d_model * dtype.itemsize
     outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
-    return V2Request(values, shape, dtype, request_id, outputs, binary_output, parameters, timeout_us, in_shared_memory)
+    return V2Request(
+        values,
+        shape,
+        dtype,
+        request_id,
+        outputs,
+        binary_output,
+        parameters,
+        timeout_us,
+        binary_size is not None,
+        in_shared_memory,
+    )
 
 
 def check_input(name: str | None, datatype: str | None) -> DType:

@@ -56,33 +56,36 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
         codec.check_content(content_type, request.headers.get("content-encoding"))
-        body = await read_body(request, state.settings.max_body_bytes)
-        # Looked up again: a reload may have swapped the copy while the body arrived. From here to
-        # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
-        served = state.engine.model(name, version)
-        decoded = codec.decode(
-            body,
-            header_length,
-            served.d_model,
-            state.settings.max_queue_rows,
-            state.shared_memory,
-            state.settings.max_body_bytes,
-        )
-        del body  # the decoded rows keep what they need of it (a view, for binary data)
-        request_context.decoded(decoded.shape, decoded.dtype.name)
-        timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
-        deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
-        asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
-        if asked is None:
-            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
-            content, headers = codec.encode(name, served.version, decoded, {codec.OUTPUT_NAME: output})
-        else:
-            # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
-            result = await unless_disconnected(
-                request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+        with state.held.request() as hold:
+            body = await read_body(request, state.settings.max_body_bytes, hold)
+            # Looked up again: a reload may have swapped the copy while the body arrived. From here to
+            # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
+            served = state.engine.model(name, version)
+            decoded = codec.decode(
+                body,
+                header_length,
+                served.d_model,
+                state.settings.max_queue_rows,
+                state.shared_memory,
+                state.settings.max_body_bytes,
             )
-            tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
-            content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
+            if not decoded.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
+                hold.resize(decoded.rows.nbytes)
+            del body  # a binary input is a view of the body: those bytes stay held, and counted
+            request_context.decoded(decoded.shape, decoded.dtype.name)
+            timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
+            deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
+            asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
+            if asked is None:
+                output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+                content, headers = codec.encode(name, served.version, decoded, {codec.OUTPUT_NAME: output})
+            else:
+                # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
+                result = await unless_disconnected(
+                    request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+                )
+                tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
+                content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
         return Response(content, headers=headers)
 
 

@@ -1,0 +1,83 @@
+"""The connection cap of one serving process, kept so that slow or silent clients cannot fill it.
+
+Every open connection counts against `max_connections`. Of those, two kinds cost a client nothing
+to hold, and are bounded here besides:
+
+- idle ones (nothing unanswered, no byte of a next request yet): at the cap, a new connection
+  closes the one idle longest instead of being refused (as a keep-alive timeout would, only sooner);
+- receiving ones (a request begun whose head or body has not all arrived, when a read ends):
+  at most half the cap. A request that arrives in one read, the common case, never counts; a
+  client trickling its request in must wait its turn, so tricklers cannot keep everyone out.
+
+What is left holding the cap is work the server itself does (a request in the queue, an answer
+being sent), which the queue, the deadlines and the send timeout bound. Pure bookkeeping: no
+sockets, no clock; `tests/test_protocol.py` drives it with fake connections.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+Connection = TypeVar("Connection")
+
+
+class ConnectionBudget(Generic[Connection]):
+    """Which of a process's open connections are idle and which are still receiving a request."""
+
+    def __init__(self, max_connections: int) -> None:
+        self.max_connections = max_connections
+        self.max_receiving = max(1, max_connections // 2)
+        self._open: set[Connection] = set()
+        self._idle: OrderedDict[Connection, None] = OrderedDict()  # oldest first
+        self._receiving: set[Connection] = set()
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    @property
+    def receiving(self) -> int:
+        return len(self._receiving)
+
+    def opened(self, connection: Connection) -> tuple[bool, Connection | None]:
+        """A new connection: (admitted, the idle connection to close to make room for it, if any)."""
+        victim = None
+        if len(self._open) >= self.max_connections:
+            if not self._idle:
+                return False, None
+            victim, _ = self._idle.popitem(last=False)
+            self._forget(victim)
+        self._open.add(connection)
+        self._idle[connection] = None
+        return True, victim
+
+    def idle(self, connection: Connection) -> None:
+        """Nothing unanswered and no byte of a next request: the first to go when room is needed."""
+        if connection in self._open:
+            self._receiving.discard(connection)
+            self._idle[connection] = None
+            self._idle.move_to_end(connection)
+
+    def busy(self, connection: Connection) -> None:
+        """A request is in the server's hands (queued, computed, or its answer being sent)."""
+        self._idle.pop(connection, None)
+        self._receiving.discard(connection)
+
+    def still_receiving(self, connection: Connection) -> bool:
+        """A read ended inside a request: True if it may wait for the rest, False if too many already do."""
+        self._idle.pop(connection, None)
+        if connection in self._receiving:
+            return True
+        if len(self._receiving) >= self.max_receiving:
+            return False
+        self._receiving.add(connection)
+        return True
+
+    def closed(self, connection: Connection) -> None:
+        self._forget(connection)
+
+    def _forget(self, connection: Connection) -> None:
+        self._open.discard(connection)
+        self._idle.pop(connection, None)
+        self._receiving.discard(connection)
