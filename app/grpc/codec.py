@@ -26,7 +26,7 @@ from app.engine.service import ServedModel
 from app.web import mc_parameters, tensors
 from app.web.errors import InvalidInput
 from app.web.fields import number_field
-from app.web.shared_memory import SharedMemoryRegions
+from app.web.shared_memory import SharedMemoryRegions, turned_off
 from app.web.v2 import codec as v2
 from app.web.v2.codec import INPUT_NAME, SHARED_MEMORY_REGION, SharedMemorySpan
 from ffn_core.dtypes import DType
@@ -81,7 +81,7 @@ def decode(
     v2.refuse_extensions(parameters, input_parameters)
     typed = not request.raw_input_contents and SHARED_MEMORY_REGION not in input_parameters
     if SHARED_MEMORY_REGION in input_parameters:
-        _check_shared_memory_input(request, tensor, input_parameters, shared_memory)
+        _check_shared_memory_input(request, tensor, shared_memory)
         values = v2.shared_memory_tensor(
             input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes
         )
@@ -98,7 +98,7 @@ def decode(
         name = v2.check_output(output.name, output_parameters, monte_carlo)
         outputs[name] = None
         if SHARED_MEMORY_REGION in output_parameters:
-            in_shared_memory[name] = _output_span(name, output_parameters, shared_memory, output_bytes)
+            in_shared_memory[name] = v2.shared_memory_output_span(name, output_parameters, shared_memory, output_bytes)
     return GrpcInferRequest(
         values, shape, dtype, request.id, tuple(outputs) or None, parameters, timeout_us, typed, in_shared_memory
     )
@@ -107,25 +107,13 @@ def decode(
 def _check_shared_memory_input(
     request: pb.ModelInferRequest,
     tensor: pb.ModelInferRequest.InferInputTensor,
-    parameters: dict[str, Any],
     regions: SharedMemoryRegions | None,
 ) -> None:
     """An input in a region carries no values of its own; with the extension off, its 400 comes first."""
-    if regions is None:
-        v2.shared_memory_span(parameters, regions, "input")  # raises the extension's refusal, naming the setting
+    if regions is None:  # the extension is named first: nothing else about it matters then
+        raise turned_off()
     if request.raw_input_contents or tensor.HasField("contents"):
         raise InvalidInput("input 'input' names a shared_memory_region and also carries contents; send one of them")
-
-
-def _output_span(
-    name: str, parameters: dict[str, Any], regions: SharedMemoryRegions | None, output_bytes: int
-) -> SharedMemorySpan:
-    span = v2.shared_memory_span(parameters, regions, f"output {name!r}")
-    if span.byte_size < output_bytes:
-        raise InvalidInput(
-            f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
-        )
-    return span
 
 
 def _raw(

@@ -185,6 +185,18 @@ def shared_memory_span(parameters: dict[str, Any], regions: SharedMemoryRegions 
     return SharedMemorySpan(region, offset, size)
 
 
+def shared_memory_output_span(
+    name: str, parameters: dict[str, Any], regions: SharedMemoryRegions | None, output_bytes: int
+) -> SharedMemorySpan:
+    """Where output `name` is to be written, checked to hold its `output_bytes` (both doors)."""
+    span = shared_memory_span(parameters, regions, f"output {name!r}")
+    if span.byte_size < output_bytes:
+        raise InvalidInput(
+            f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
+        )
+    return span
+
+
 def shared_memory_tensor(
     parameters: dict[str, Any],
     regions: SharedMemoryRegions | None,
@@ -271,12 +283,7 @@ def _requested_outputs(
         if SHARED_MEMORY_REGION in output_parameters:
             if chosen:
                 raise InvalidInput(f"output {name!r} cannot set both shared_memory_region and binary_data")
-            span = shared_memory_span(output_parameters, regions, f"output {name!r}")
-            if span.byte_size < output_bytes:
-                raise InvalidInput(
-                    f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
-                )
-            in_shared_memory[name] = span
+            in_shared_memory[name] = shared_memory_output_span(name, output_parameters, regions, output_bytes)
         wanted[name] = binary_output if chosen is None else chosen
     return wanted, in_shared_memory
 
