@@ -14,6 +14,7 @@ import gc
 import logging
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -239,6 +240,7 @@ def serve_here(
     # paused the event loop for over 100 ms every second or two under load (docs/benchmarks.md).
     gc.collect()
     gc.freeze()
+    set_switch_interval(settings.gil_switch_interval_us)
     try:
         server.run(sockets=listeners.all())
     except SystemExit as exc:  # uvicorn's way out when the app's start-up (its lifespan) failed
@@ -247,6 +249,21 @@ def serve_here(
     if server.exit_code != EXIT_OK:
         return server.exit_code
     return EXIT_OK if server.started else EXIT_START_FAILED
+
+
+def set_switch_interval(microseconds: int) -> None:
+    """Let a thread that waits for the GIL ask for it after `microseconds` (Python's default: 5,000).
+
+    The model thread needs the GIL for a moment between each of the forward pass's operators. A
+    thread that waits asks the holder to let go only after a whole interval in which the GIL did
+    not change hands, and its wait starts again each time the event loop lets go of it for a
+    system call and takes it straight back, which a busy loop does every few microseconds (each
+    socket read and write). With 5 ms, a loop kept busy (a pipelined flood of health probes, many
+    clients) held a 1-row forward pass of 0.2 ms for 100 ms to 2 s; at 50 µs the model's requests
+    kept their quiet latency (docs/operations.md, bench/hostile.py). Only threads that wait pay the
+    interval: with the model thread idle, nothing changes.
+    """
+    sys.setswitchinterval(microseconds / 1e6)
 
 
 def _hang_up_unless_serving(sig: int, frame: FrameType | None) -> None:

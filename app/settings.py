@@ -202,6 +202,13 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         default=0, ge=0, description="torch intra-op threads per process; 0 = torch's default, or cores / workers."
     )
+    gil_switch_interval_us: int = Field(
+        default=50,
+        ge=1,
+        le=100_000,
+        description="How long the event loop may keep the GIL from the model thread once it asks, in microseconds "
+        "(Python's switch interval; Python's default 5000 starves the model while the loop is busy).",
+    )
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     max_mc_passes: int = Field(
         default=64,

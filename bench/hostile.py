@@ -18,7 +18,11 @@ per 1-row request; p50 and p99 against the same stream while quiet, measured fir
 - trailers (class 1): chunked requests whose trailer section never ends, 4 at a time, repeated;
 - pipelined (class 2): tiny GETs pipelined without reading an answer, 2 connections at a time;
 - trickle (class 5): 64 connections (the cap, FFN_MAX_CONNECTIONS=64) send a body one byte every
-  1.5 s, inside a 2 s read timeout; the good requests' failures are the 503s;
+  1.5 s, inside a 2 s read timeout, and one refused 503 tries again 0.2 s later; the good
+  requests' failures are the 503s;
+- reconnect (class 5, as a connection flood): the same tricklers, but one refused tries again at
+  once: some 2,500 connections a second, each refused, which is a flood of connections more than
+  of slow bodies;
 - idle (class 5): 64 connections that say nothing, reopened as the server closes them;
 - mc-flood (class 3): 16 clients loop on 64-row x 64-pass Monte Carlo requests (dropout 0.1,
   max_batch_rows 64, a queue of 131,072 row-passes, so that they fill half); the good requests carry X-Timeout-Ms 2000,
@@ -86,6 +90,7 @@ from ffn_client.testing import HOST, ServerProcess, http_request, raw_request, s
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET_S = 4.0  # the good requests alone, before each flood
 FLOOD_S = 12.0  # how long each repeated flood runs
+REFUSED_TRICKLER_WAIT_S = 0.2  # a trickler refused 503 tries again after this (the reconnect scenario: at once)
 
 
 @dataclass
@@ -199,23 +204,25 @@ async def pipelined_scenario(server: ServerProcess) -> Row:
     return row
 
 
-async def trickle_scenario(server: ServerProcess) -> Row:
+async def trickle_scenario(server: ServerProcess, after_refusal_s: float) -> Row:
+    """64 tricklers; one refused 503 tries again after `after_refusal_s` (0: at once, a connection flood)."""
+
     async def flood() -> str:
         statuses: Counter[str] = Counter()
         loop = asyncio.get_running_loop()
         stop = loop.time() + FLOOD_S
 
-        async def lane() -> None:  # a trickler, and another as soon as it is answered
+        async def lane() -> None:  # a trickler, and another once it is answered
             while (left := stop - loop.time()) > 1.0:
                 status = await trickle_body(server.port, 1.5, limit=left - 0.5)
                 statuses["still trickling at the end" if status is None else str(status)] += 1
+                if status == 503:
+                    await asyncio.sleep(after_refusal_s)
 
         await asyncio.gather(*(lane() for _ in range(64)))
         return "tricklers: " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
 
-    row = await beside_good_traffic(server, flood)
-    row.scenario = "trickle"
-    return row
+    return await beside_good_traffic(server, flood)
 
 
 async def idle_scenario(server: ServerProcess) -> Row:
@@ -353,6 +360,7 @@ SCENARIOS = [
     "trailers",
     "pipelined",
     "trickle",
+    "reconnect",
     "idle",
     "mc-flood",
     "envelope",
@@ -364,7 +372,7 @@ SCENARIOS = [
 
 def server_env(scenario: str, send_timeout: float) -> dict[str, str]:
     env = {"FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning", "FFN_SEND_TIMEOUT_S": str(send_timeout), **MEASURABLE_MALLOC}
-    if scenario in ("trickle", "idle"):
+    if scenario in ("trickle", "reconnect", "idle"):
         env |= {"FFN_MAX_CONNECTIONS": "64", "FFN_READ_TIMEOUT_S": "2"}
     if scenario == "mc-flood":
         env |= {"FFN_MAX_BATCH_ROWS": "64", "FFN_MAX_QUEUE_ROWS": "131072", "FFN_MAX_MC_PASSES": "64"}
@@ -383,7 +391,8 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
         "unread": lambda: unread_scenario(server, send_timeout),
         "trailers": lambda: trailers_scenario(server),
         "pipelined": lambda: pipelined_scenario(server),
-        "trickle": lambda: trickle_scenario(server),
+        "trickle": lambda: trickle_scenario(server, REFUSED_TRICKLER_WAIT_S),
+        "reconnect": lambda: trickle_scenario(server, 0.0),
         "idle": lambda: idle_scenario(server),
         "mc-flood": lambda: mc_flood_scenario(server),
         "envelope": lambda: body_scenario(server, scenario, envelope_body(), {}),

@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -164,3 +165,24 @@ def test_sighup_keeps_serving_and_a_later_stop_leaves_no_metrics_folder(tmp_path
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.logs()
     assert not list(tmp_path.glob("ffn-metrics-*"))
+
+
+# ----- the GIL's switch interval: the model thread is not starved by a busy loop ------------------
+
+
+def test_the_switch_interval_setting_sets_pythons_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.server import set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        set_switch_interval(Settings().gil_switch_interval_us)
+        assert sys.getswitchinterval() == pytest.approx(50e-6)
+        monkeypatch.setenv("FFN_GIL_SWITCH_INTERVAL_US", "200")
+        set_switch_interval(Settings().gil_switch_interval_us)
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+    finally:
+        sys.setswitchinterval(before)
+    for bad in ("0", "-5", "100001", "1e3"):
+        monkeypatch.setenv("FFN_GIL_SWITCH_INTERVAL_US", bad)
+        with pytest.raises(ValueError, match="gil_switch_interval_us"):
+            Settings()

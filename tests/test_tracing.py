@@ -286,3 +286,21 @@ async def test_requests_that_share_a_batch_all_link_to_its_one_span(
     assert batch_span.attributes["ffn.batch.rows"] == 4 and batch_span.attributes["ffn.batch.requests"] == 4
     assert sorted(batch_span.attributes["ffn.request_ids"]) == ids
     assert sorted(batch_span.links) == sorted((r.trace_id, r.span_id) for r in requests if r is not None)
+
+
+def test_health_probes_are_not_traced(server: ServerProcess, receiver: OtlpReceiver) -> None:
+    # The probes take the fast path, as the tensor routes do; an orchestrator's probes every few
+    # seconds would otherwise fill the traces. A traced request sent after them marks the moment
+    # by which their spans, had there been any, would have arrived.
+    for path in ("/v2/health/live", "/v2/health/ready"):
+        response = httpx.get(f"{server.url}{path}", headers={"X-Request-Id": "probe-" + path[-4:]}, timeout=60)
+        assert response.status_code == 200 and "traceparent" not in response.headers
+    request_id = "after-the-probes-" + secrets.token_hex(4)
+    body, _ = v2_body(1)
+    response = httpx.post(
+        f"{server.url}/v2/models/demo/infer", json=body, headers={"X-Request-Id": request_id}, timeout=60
+    )
+    assert response.status_code == 200
+    spans = receiver.wait_for(lambda spans: by_request_id(spans, request_id) is not None)
+    assert not [s for s in spans if str(s.attributes.get("ffn.request_id", "")).startswith("probe-")]
+    assert not [s for s in spans if "health" in s.name]
