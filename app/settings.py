@@ -209,6 +209,13 @@ class Settings(BaseSettings):
         description="How long the event loop may keep the GIL from the model thread once it asks, in microseconds "
         "(Python's switch interval; Python's default 5000 starves the model while the loop is busy).",
     )
+    inline_forward_us: int = Field(
+        default=500,
+        ge=0,
+        le=100_000,
+        description="CPU: batches whose forward pass took at most this long at start (microseconds) run on the "
+        "event loop's thread, saving two thread hand-offs; longer ones run on the model thread. 0: never.",
+    )
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     max_mc_passes: int = Field(
         default=64,

@@ -383,3 +383,32 @@ async def test_a_dead_collector_stops_accepting_fails_the_queue_and_says_why(exe
     with pytest.raises(Unavailable, match="stopped unexpectedly"):
         await batcher.submit(rows(1))
     await batcher.stop()
+
+
+async def test_batches_within_inline_rows_run_on_the_loops_thread_and_larger_ones_on_the_model_thread(executor):
+    threads: list[tuple[int, str]] = []
+
+    def forward(parts):
+        threads.append((sum(p.shape[0] for p in parts), threading.current_thread().name))
+        return torch.cat(list(parts)) * 2 + 1
+
+    batcher = await make(forward, executor, max_batch_rows=64)
+    batcher.inline_rows = 4
+    for n in (1, 4, 5, 3):
+        x = rows(n, start=10.0 * n)
+        assert torch.equal(await asyncio.wait_for(batcher.submit(x), 5), x * 2 + 1)
+    loop_thread = threading.current_thread().name
+    assert [(n, name == loop_thread) for n, name in threads] == [(1, True), (4, True), (5, False), (3, True)]
+    await batcher.stop()
+
+
+async def test_an_inline_pass_that_fails_fails_its_batch_and_the_collector_lives_on(executor):
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64)
+    batcher.inline_rows = 64
+    forward.fail_with = RuntimeError("boom")
+    with pytest.raises(ModelError):
+        await asyncio.wait_for(batcher.submit(rows(2)), 5)
+    forward.fail_with = None
+    await answers_right(batcher, rows(3))
+    await batcher.stop()

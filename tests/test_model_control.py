@@ -148,6 +148,7 @@ async def test_requests_admitted_before_a_reload_finish_on_the_old_copy_and_read
         return forward(parts)
 
     old._batcher._forward = held
+    old._batcher.inline_rows = 0  # on the model thread: held there, it does not hold the event loop
     warming, warm = threading.Event(), threading.Event()
     warm_up = ModelRunner.warm_up
 

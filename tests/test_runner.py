@@ -226,3 +226,43 @@ def test_cuda_runner_matches_cpu(model, dtype):
     x = torch.cat(parts).numpy()
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     np.testing.assert_allclose(y.float().numpy(), numpy_ffn(x, numpy_weights(model)), rtol=tolerance, atol=tolerance)
+
+
+def test_inline_rows_is_the_largest_bucket_within_the_budget(model, monkeypatch):
+    """Timed with a clock the test controls: each forward pass of n rows 'takes' n x 100 µs."""
+    import app.engine.runner as runner_module
+
+    runner = ModelRunner(model, max_batch_rows=64)
+    last_rows = [0]
+    forward = runner._forward_plain
+
+    def counted(parts):
+        last_rows[0] = sum(p.shape[0] for p in parts)
+        return forward(parts)
+
+    monkeypatch.setattr(runner, "_forward_plain", counted)
+    monkeypatch.setattr(runner_module, "_seconds", lambda fn, parts: (fn(parts), last_rows[0] * 100e-6)[1])
+    assert runner.inline_rows(0.0) == 0, "0 turns it off"
+    assert runner.inline_rows(50e-6) == 0, "not even one row fits"
+    assert runner.inline_rows(100e-6) == 1
+    assert runner.inline_rows(500e-6) == 4, "8 rows take 800 µs"
+    assert runner.inline_rows(10.0) == 64, "every bucket fits"
+
+
+def test_inline_rows_times_real_passes_and_stays_off_where_buffers_are_shared(model):
+    assert ModelRunner(model, max_batch_rows=64).inline_rows(10.0) == 64, "a second per pass: every bucket"
+    assert ModelRunner(model, max_batch_rows=64, staging=True).inline_rows(10.0) == 0
+    assert ModelRunner(model, max_batch_rows=64, batch_invariant_rows=16).inline_rows(10.0) == 0
+
+
+@pytest.mark.parametrize(("budget_us", "inline"), [(100_000, 8), (0, 0)])
+async def test_a_served_model_times_its_short_passes_before_it_turns_ready(start_app, budget_us, inline):
+    """The registry's setting reaches the batcher by the time the model is ready; answers are the same."""
+    served = await start_app(Settings(max_batch_rows=8, inline_forward_us=budget_us, warmup=False))
+    engine = served.app.state.service.engine
+    assert engine.model("demo")._batcher.inline_rows == inline
+    x = parts_of(7, [3])[0]
+    response = await served.client.post("/v1/models/demo/transform", json={"inputs": x.tolist()})
+    assert response.status_code == 200, response.text
+    expected = numpy_ffn(x.numpy(), numpy_weights(demo_ffn()))
+    np.testing.assert_allclose(np.asarray(response.json()["outputs"]), expected, rtol=1e-5, atol=1e-5)

@@ -97,6 +97,8 @@ class Batcher:
         self.max_queue_rows = max_queue_rows
         self._forward = forward
         self._launch = launch
+        # Plain batches of at most this many rows run on the event loop's thread (see _compute).
+        self.inline_rows = 0
         self._start_monte_carlo = monte_carlo
         self._executor = executor
         # One slot per batch in flight: the collector takes a batch only when it holds one.
@@ -389,6 +391,10 @@ class Batcher:
     async def _compute(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The forward pass on the device thread; launched there and waited for elsewhere when it can be."""
         loop = asyncio.get_running_loop()
+        if self._launch is None and sum(part.shape[0] for part in parts) <= self.inline_rows:
+            # A pass this short costs less here than the two hand-offs to and from the model
+            # thread, each a wait for the GIL and for a core (docs/configuration.md: inline_forward_us).
+            return self._forward(parts)
         if self._launch is None:
             return await loop.run_in_executor(self._executor, self._forward, parts)
         pending = await loop.run_in_executor(self._executor, self._launch, parts)

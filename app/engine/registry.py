@@ -63,6 +63,7 @@ class ServedModel:
         self._runner = runner
         self._batcher = batcher
         self._executor = executor
+        self.inline_forward_s = 0.0  # see warm_up and Batcher.inline_rows; set by the registry
         self._state_gauge = metrics.model_state
         # ffn_model_state follows a copy while it is the registry's entry for its name (enter_service),
         # not while it is built beside the serving copy, nor once retired.
@@ -184,7 +185,7 @@ class ServedModel:
         await self._batcher.start()
 
     async def warm_up(self, enabled: bool, *, executor: Executor | None = None) -> None:
-        """Run every batch-size bucket once (unless not `enabled`), then turn READY.
+        """Run every batch-size bucket once (unless not `enabled`), time the short ones, then turn READY.
 
         On the device's thread, or on `executor` (a new copy on the CPU warming up beside the one
         serving, so that the serving copy's batches do not wait behind it).
@@ -196,6 +197,18 @@ class ServedModel:
             finally:
                 self._warming = None
             log.info("model %s version %d warm at batch sizes %s", self.name, self.version, sizes)
+        if self.inline_forward_s > 0 and not self._retired:
+            rows = await asyncio.get_running_loop().run_in_executor(
+                executor or self._executor, self._runner.inline_rows, self.inline_forward_s
+            )
+            self._batcher.inline_rows = rows
+            log.info(
+                "model %s version %d: batches of up to %d rows run on the event loop's thread (inline_forward_us %g)",
+                self.name,
+                self.version,
+                rows,
+                self.inline_forward_s * 1e6,
+            )
         self.warmed_up()
 
     async def drain(self, timeout_s: float) -> bool:
@@ -339,9 +352,11 @@ class Registry:
             max_in_flight=2,
             monte_carlo=runner.start_monte_carlo,
         )
-        return ServedModel(
+        served = ServedModel(
             spec, model, runner, batcher, self.metrics, executor=executor, version=version, source=source
         )
+        served.inline_forward_s = s.inline_forward_us / 1e6
+        return served
 
     def executor(self, device: torch.device) -> ThreadPoolExecutor:
         """The one thread that runs `device`'s work, shared by every model on it."""

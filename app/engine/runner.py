@@ -20,7 +20,8 @@ codec rounds for a bfloat16 answer or keeps for a JSON one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -142,6 +143,25 @@ class ModelRunner:
                 torch.cuda.empty_cache()
                 raise
 
+    def inline_rows(self, budget_s: float) -> int:
+        """The most rows a batch may have to run on the event loop's thread instead of the model thread.
+
+        The largest bucket whose forward pass took at most `budget_s` here (the best of three, after
+        one untimed); 0 when not even one row did, or `budget_s` is 0. CPU only, and only on the
+        plain path: staged and batch-invariant batches share buffers with the model thread's work.
+        """
+        if budget_s <= 0 or self.device.type != "cpu" or self.staged or self.batch_invariant:
+            return 0
+        fit = 0
+        with torch.inference_mode():
+            for rows in self.bucketed.buckets:
+                parts = [torch.zeros((rows, self.d_model), dtype=self.dtype)]
+                self._forward_plain(parts)
+                if min(_seconds(self._forward_plain, parts) for _ in range(3)) > budget_s:
+                    break
+                fit = rows
+        return fit
+
     def _forward_plain(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         x = self._gather_on_host(parts)  # (N, d_model)
         dtype = self._answer_dtype(x.dtype)
@@ -243,6 +263,12 @@ class ModelRunner:
 def _shared_dtype(parts: Sequence[torch.Tensor]) -> torch.dtype | None:
     dtype = parts[0].dtype
     return dtype if all(p.dtype == dtype for p in parts) else None
+
+
+def _seconds(forward: Callable[[Sequence[torch.Tensor]], torch.Tensor], parts: Sequence[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    forward(parts)
+    return time.perf_counter() - started
 
 
 def device_executor(device: torch.device) -> ThreadPoolExecutor:
