@@ -188,7 +188,7 @@ class Settings(BaseSettings):
         "(a huge body parsed, a blocking bug): the process answers nothing while it is held.",
     )
     heartbeat_timeout_s: float = Field(
-        default=10.0,
+        default=5.0,
         gt=0.0,
         description="Workers: one whose event loop sends its supervisor no heartbeat for this long (stopped, hung, "
         "blocked) is killed and replaced, with a log line.",

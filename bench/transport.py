@@ -84,11 +84,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.transport", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="r 1 and 16, C 1 and 4, one round of 1 s: proves it runs")
+    p.add_argument("--quick", action="store_true", help="r 1 and 16, C 1 and 4, one round of 0.5 s: proves it runs")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256], help="rows per request")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="connections")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--seconds", type=float, default=2.0, help="measured seconds per cell, after a 1 s warm-up")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=2.0,
+        help="measured seconds per cell, after a warm-up of 1 s (or as long as the cell, if shorter)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="rounds; the table gives each cell's median")
     p.add_argument("--server-cpus", default="0", help="cores of the servers (taskset list)")
     p.add_argument("--client-cpus", default="1", help="cores of the load generator and py-spy")
@@ -103,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the cells (and the profile) here")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.concurrency, args.seconds, args.repeat = [1, 16], [1, 4], 1.0, 1
+        args.rows, args.concurrency, args.seconds, args.repeat = [1, 16], [1, 4], 0.5, 1
         args.profile_cells = "16x4"
     if args.generator == "auto":
         args.generator = "wrk" if shutil.which("wrk") else "ffn-loadtest"
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ffn-serve against echo: binary float32, d_model {D_MODEL}; models {', '.join(args.models)} "
         f"({', '.join(f'd_ff {MODELS[m]}' for m in args.models)}, GELU, float32); servers on cores "
         f"{args.server_cpus} (1 torch thread), {args.generator} on cores {args.client_cpus}; "
-        f"{args.seconds:g} s per cell after 1 s of warm-up, median of {args.repeat}; "
+        f"{args.seconds:g} s per cell after {min(1.0, args.seconds):g} s of warm-up, median of {args.repeat}; "
         f"1-min load average {load_average:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
     )
     print()

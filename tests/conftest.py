@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # imported when used, so that ffn_core's tests do not load th
     from app.settings import Settings
     from tests.in_process import InProcessApp
 
+# One torch thread in each test process and in each server a test starts (start_server passes the
+# environment on), unless the caller chose: scripts/test.sh runs two test files at once on a
+# 2-core machine, and a second thread per process only waits for a core. Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark `server` every test that uses, directly or through another fixture, a fixture named *server*.

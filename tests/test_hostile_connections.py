@@ -277,7 +277,8 @@ async def test_answers_nobody_reads_are_dropped_not_kept(server: ServerProcess) 
 
 
 async def test_a_websocket_upgrade_meets_the_key_check_and_is_never_upgraded(server: ServerProcess) -> None:
-    # Before: the upgrade passed the guard (no key check) and got Starlette's empty 403.
+    # Before: the upgrade passed the guard without a key check (the review saw Starlette's empty 403;
+    # ef22274's protocol answered it 400 'User callback error'): never the 401 every route without the key gets.
     reader, writer = await asyncio.open_connection(HOST, server.port)
     writer.write(
         b"GET /v2/models/demo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"

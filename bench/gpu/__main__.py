@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.d_model, args.d_ff, args.max_rows, args.budget = 64, 256, 4, 0.01
         args.modes, args.workers, args.rows = "float32,bfloat16", "1", "16"
-        args.concurrency, args.seconds = 4, 1.0
+        args.concurrency, args.seconds = 4, 0.5
     if args.generator == "auto":
         args.generator = "wrk" if shutil.which("wrk") else "ffn-loadtest"
     return args
@@ -188,7 +188,7 @@ def render(
         f"{env.get('service_dtype', '-')})",
         "",
         f"Server on cores {server_cores[0]}-{server_cores[-1]}, load generator ({env['load_generator']}) on cores "
-        f"{client_cores[0]}-{client_cores[-1]}; {args.seconds:g} s per cell after a 1 s warm-up; closed loop with "
+        f"{client_cores[0]}-{client_cores[-1]}; {args.seconds:g} s per cell after a {min(1.0, args.seconds):g} s warm-up; closed loop with "
         f"C connections.",
         "",
         report.service_table(service_cells) if service_cells else "(skipped)",

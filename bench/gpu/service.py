@@ -275,7 +275,7 @@ def measure_cell(
 ) -> ServiceCell:
     body, headers, nbytes = prepared_body(rows, d_model, folder)
     send = functools.partial(load, generator, process.url, body, headers, rows, d_model, concurrency)
-    send(1.0, client_cores)  # warm-up, not counted
+    send(min(1.0, seconds), client_cores)  # warm-up, not counted (as long as the cell, in a quick run)
     before_rows, before_batches = batch_counts(process.url) if server == "ffn" else (math.nan, math.nan)
     cpu_before = tree_cpu_seconds(process.pid)
     result = send(seconds, client_cores)
