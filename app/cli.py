@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
@@ -62,21 +63,12 @@ def serve(settings: Settings) -> int:
     if mismatch is not None:
         print(f"ffn-serve: {mismatch}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
-    # Imported here, once the settings are valid: torch, which the server imports, takes seconds.
-    import torch
-
+    # Imported here, once the settings are valid. torch, which the server imports, takes seconds
+    # and some 200 MiB: a supervisor of workers, which computes nothing, never imports it.
     from app.grpc.ports import reserve
-    from app.metrics import Metrics
-    from app.server import Listeners, serve_here
-    from app.supervisor import Supervisor
+    from app.listeners import Listeners
 
-    log.info(
-        "ffn-serve %s, torch %s, CUDA %s, %s",
-        __version__,
-        torch.__version__,
-        torch.version.cuda or "none",
-        _devices(settings),
-    )
+    log.info("ffn-serve %s, %s", __version__, _runtime(settings))
     export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
     if export is not None:
         log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
@@ -101,7 +93,12 @@ def serve(settings: Settings) -> int:
         # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
         settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
     if settings.workers > 1:
+        from app.supervisor import Supervisor
+
         return Supervisor(settings, listeners).run()
+    from app.metrics import Metrics
+    from app.server import serve_here
+
     try:
         return serve_here(settings, listeners, Metrics())
     finally:
@@ -130,20 +127,24 @@ def _bind_or_none(host: str, port: int) -> socket.socket | None:
         return None
 
 
-def _devices(settings: Settings) -> str:
-    """The devices served on; on the CPU, the torch threads each process will use (the setting, once applied)."""
+def _runtime(settings: Settings) -> str:
+    """torch's version, CUDA's and the devices served on; on the CPU, the torch threads each process will use.
+
+    With workers, from the supervisor, which does not import torch: torch's version as installed,
+    and the threads each worker will set; each worker names its models' devices as it loads them.
+    """
+    if settings.workers > 1:
+        from app.supervisor import threads_per_worker
+
+        threads = _threads(threads_per_worker(settings))
+        return f"torch {metadata.version('torch')}, {settings.workers} workers, {threads} each on the CPU"
     import torch
 
-    from app.supervisor import threads_per_worker
-
+    cuda = f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"
     if not torch.cuda.is_available():
-        if settings.workers > 1:
-            return f"CPU only ({_threads(threads_per_worker(settings))} per worker)"
-        return f"CPU only ({_threads(settings.torch_threads or torch.get_num_threads())})"
-    if settings.workers > 1:  # naming them would start CUDA in the supervisor, which computes nothing
-        return f"{torch.cuda.device_count()} GPU(s)"
+        return f"{cuda}, CPU only ({_threads(settings.torch_threads or torch.get_num_threads())})"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return "GPUs: " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
+    return f"{cuda}, GPUs: " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
 
 
 def _threads(count: int) -> str:

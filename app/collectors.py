@@ -15,7 +15,6 @@ import platform
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from prometheus_client import ProcessCollector
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -29,6 +28,8 @@ class BuildInfoCollector(Collector):
     """`ffn_build_info{version, torch, cuda, python} 1`: what is running, for dashboards and alerts."""
 
     def collect(self) -> Iterable[Metric]:
+        import torch  # loaded in every process that answers a scrape; imported here so that the supervisor need not
+
         info = GaugeMetricFamily(
             "ffn_build_info",
             "The running ffn-serve: its version and those of torch, CUDA and Python.",
@@ -92,6 +93,8 @@ class GpuMemoryCollector(Collector):
     """
 
     def collect(self) -> Iterable[Metric]:
+        import torch
+
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return []
         used = GaugeMetricFamily(

@@ -17,7 +17,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -28,6 +27,7 @@ from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.grpc.server import GrpcServer
+from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
@@ -35,35 +35,7 @@ from app.web.protocol import LimitedHttpToolsProtocol, uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
-# uvicorn waits this long for open connections once the batchers have drained.
-CONNECTION_CLOSE_GRACE_S = 3
 BACKLOG = 2048  # uvicorn's default
-
-
-@dataclass
-class Listeners:
-    """The bound sockets: the service's port, the metrics port when one is set, the gRPC port's hold.
-
-    `all()` are uvicorn's. `grpc` never listens: it holds the gRPC port for the grpc servers of
-    the serving processes, which bind it themselves (app/grpc/ports.py).
-    """
-
-    main: socket.socket
-    metrics: socket.socket | None = None
-    grpc: socket.socket | None = None
-
-    def all(self) -> list[socket.socket]:
-        return [self.main] if self.metrics is None else [self.main, self.metrics]
-
-    def close(self) -> None:
-        for sock in self.all():
-            sock.close()
-        if self.grpc is not None:
-            self.grpc.close()
-
-    def metrics_port(self) -> int | None:
-        """The metrics socket's port number (the one the system picked, when 0 was asked for)."""
-        return None if self.metrics is None else int(self.metrics.getsockname()[1])
 
 
 class DrainingServer(uvicorn.Server):
@@ -282,27 +254,3 @@ def _accept_waiting(sock: socket.socket) -> list[socket.socket]:
             return accepted
         connection.setblocking(False)
         accepted.append(connection)
-
-
-def log_start(settings: Settings, listeners: Listeners) -> None:
-    """Log the settings that differ from defaults, whether auth is on, and where it listens."""
-    changed = {
-        name: ("***" if name == "api_key" else value)
-        for name, value in settings.model_dump(exclude={"models"}).items()
-        if name in settings.model_fields_set
-        and value != Settings.model_fields[name].get_default(call_default_factory=True)
-    }
-    log.info("settings changed from defaults: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) or "none")
-    log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")
-    log.info("listening on %s", _address(listeners.main))
-    if listeners.grpc is not None:
-        log.info(
-            "gRPC (inference.GRPCInferenceService, grpc.health.v1, reflection) on %s", _address(listeners.grpc, "grpc")
-        )
-    if listeners.metrics is not None:
-        log.info("metrics on %s/metrics, without the API key", _address(listeners.metrics))
-
-
-def _address(sock: socket.socket, scheme: str = "http") -> str:
-    host, port = sock.getsockname()[:2]
-    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"

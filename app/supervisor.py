@@ -45,11 +45,12 @@ from prometheus_client import multiprocess
 
 from app.collectors import write_processes
 from app.control import HEARTBEAT, READY, Control
+from app.exits import EXIT_OK, EXIT_START_FAILED
+from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
 from app.logs import configure_logging
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.metrics_folder import metrics_folder
 from app.relay import Relay
-from app.server import CONNECTION_CLOSE_GRACE_S, EXIT_OK, EXIT_START_FAILED, Listeners, log_start, serve_here
 from app.settings import Settings
 
 log = logging.getLogger("ffn_serve.supervisor")
@@ -332,4 +333,6 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
     metrics = Metrics()
     if replacement:
         metrics.worker_restarts.inc()
+    from app.server import serve_here  # torch and the web stack: in the workers only, never the supervisor
+
     sys.exit(serve_here(settings, listeners, metrics, on_ready=control.send_ready, control=control))

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from app.server import Listeners
+from app.listeners import Listeners
 from app.settings import Settings
 from app.supervisor import Supervisor
 

@@ -127,6 +127,14 @@ async def test_both_workers_serve(workers: tuple[ServerProcess, int]) -> None:
     assert metric_value(page, "process_resident_memory_bytes", pid=str(server.pid), role="supervisor") > 0
     # torch threads: the cores this process (and so the server) may use, shared out between the workers.
     assert f"ready: 2 workers, {max(1, len(os.sched_getaffinity(0)) // 2)} torch threads each" in server.logs()
+    # torch is loaded where the models are, never in the supervisor, which only watches the workers.
+    assert not torch_loaded(server.pid), "the supervisor loaded torch"
+    assert all(torch_loaded(int(pid)) for pid in worker_pids(page))
+
+
+def torch_loaded(pid: int) -> bool:
+    """Whether the process has torch's shared library mapped (what `import torch` loads)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 async def test_metrics_count_every_request_on_every_scrape(workers: tuple[ServerProcess, int]) -> None:
