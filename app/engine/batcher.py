@@ -59,6 +59,7 @@ Launch = Callable[[Sequence[torch.Tensor]], Pending]
 StartMonteCarlo = Callable[[torch.Tensor, MonteCarloRequest], MonteCarloPasses]
 
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
+INLINE_YIELDS = 3  # turns of the loop after a pass on its thread, before the next batch is taken
 
 T = TypeVar("T")
 
@@ -298,7 +299,14 @@ class Batcher:
                 self._slots.release()
                 continue
             if self._launch is None:  # one batch at a time: run it here, with no task to schedule
+                inline = sum(entry.n for entry in batch) <= self.inline_rows
                 await self._in_slot(self._run(batch), batch)
+                if inline:
+                    # The pass held the loop: let it read what arrived meanwhile, and the requests
+                    # reach the queue, so that they join the next batch as they would have joined
+                    # it during a pass on the model thread (a read, a task, its submit).
+                    for _ in range(INLINE_YIELDS):
+                        await asyncio.sleep(0)
                 continue
             self._idle.clear()
             task = asyncio.create_task(self._in_slot(self._run(batch), batch), name=f"batch-{self.name}")
