@@ -185,9 +185,11 @@ async def test_stop_answers_every_pending_entry(executor):
         await batcher.submit(rows(1))
 
 
-async def test_forward_error_fails_only_that_batch(executor):
+@pytest.mark.parametrize("inline_rows", [0, 64], ids=["on the model thread", "on the loop's thread"])
+async def test_forward_error_fails_only_that_batch(executor, inline_rows):
     forward = RecordingForward()
     batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    batcher.inline_rows = inline_rows
     forward.fail_with = RuntimeError("boom")
     with pytest.raises(ModelError):
         await asyncio.wait_for(batcher.submit(rows(2)), 2)
@@ -399,16 +401,4 @@ async def test_batches_within_inline_rows_run_on_the_loops_thread_and_larger_one
         assert torch.equal(await asyncio.wait_for(batcher.submit(x), 5), x * 2 + 1)
     loop_thread = threading.current_thread().name
     assert [(n, name == loop_thread) for n, name in threads] == [(1, True), (4, True), (5, False), (3, True)]
-    await batcher.stop()
-
-
-async def test_an_inline_pass_that_fails_fails_its_batch_and_the_collector_lives_on(executor):
-    forward = RecordingForward()
-    batcher = await make(forward, executor, max_batch_rows=64)
-    batcher.inline_rows = 64
-    forward.fail_with = RuntimeError("boom")
-    with pytest.raises(ModelError):
-        await asyncio.wait_for(batcher.submit(rows(2)), 5)
-    forward.fail_with = None
-    await answers_right(batcher, rows(3))
     await batcher.stop()
