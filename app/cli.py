@@ -137,7 +137,7 @@ def _runtime(settings: Settings) -> str:
         from app.supervisor import threads_per_worker
 
         threads = _threads(threads_per_worker(settings))
-        return f"torch {metadata.version('torch')}, {settings.workers} workers, {threads} each on the CPU"
+        return f"torch {metadata.version('torch')}, {settings.workers} workers of {threads} each"
     import torch
 
     cuda = f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"
