@@ -111,6 +111,9 @@ async def request_on(connection: tuple[asyncio.StreamReader, asyncio.StreamWrite
 async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_hanging() -> None:
     env = {"FFN_WORKERS": "2", "FFN_WARMUP": "0", "FFN_HEARTBEAT_TIMEOUT_S": "3"}
     with start_server(env=env) as server:
+        # The port answers once one worker is ready; a worker still loading is not watched (a load
+        # may take long), so the one stopped must be past its start: wait for both.
+        await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
         workers = workers_of(server.pid)
         assert len(workers) == 2
         x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
