@@ -297,18 +297,6 @@ async def held_scenario(server: ServerProcess) -> Row:
     return Row("held", outcome, memory.growth / MiB)
 
 
-def workers_of(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.add(int(child))
-            except FileNotFoundError:
-                pass
-    return found
-
-
 async def stopped_worker_scenario(server: ServerProcess) -> Row:
     request = one_row_request()
     connections = [await asyncio.open_connection(HOST, server.port) for _ in range(8)]
@@ -325,7 +313,7 @@ async def stopped_worker_scenario(server: ServerProcess) -> Row:
             return "refused"
 
     assert set(await asyncio.gather(*(ask(c) for c in connections))) == {"answered"}
-    victim = min(workers_of(server.pid))
+    victim = min(server.worker_pids())
     loop = asyncio.get_running_loop()
     stopped = loop.time()
     os.kill(victim, signal.SIGSTOP)

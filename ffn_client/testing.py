@@ -95,6 +95,18 @@ class ServerProcess:
         """The process's resident memory now. With a command prefix, the prefix's process: use one that execs."""
         return read_rss(self.proc.pid)
 
+    def worker_pids(self) -> set[int]:
+        """A supervisor's worker processes (spawned: `spawn_main` in their command line; not its resource tracker)."""
+        found: set[int] = set()
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                try:
+                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        found.add(int(child))
+                except FileNotFoundError:  # exited meanwhile
+                    pass
+        return found
+
     def terminate(self) -> None:
         """Send SIGTERM (a drain) without waiting."""
         self.proc.send_signal(signal.SIGTERM)

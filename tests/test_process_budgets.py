@@ -79,19 +79,6 @@ async def test_readiness_is_503_with_the_reason_after_the_loop_was_held(start_ap
 # ----- a stopped worker is replaced ----------------------------------------------------------------------
 
 
-def workers_of(pid: int) -> set[int]:
-    """The supervisor's worker processes (spawned: `spawn_main` in their command line; not its resource tracker)."""
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.add(int(child))
-            except FileNotFoundError:  # exited meanwhile
-                pass
-    return found
-
-
 async def request_on(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], x: np.ndarray) -> int | None:
     """One request on an open connection: its status, or None if the connection was closed instead."""
     reader, writer = connection
@@ -114,7 +101,7 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
         # The port answers once one worker is ready; a worker still loading is not watched (a load
         # may take long), so the one stopped must be past its start: wait for both.
         await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
-        workers = workers_of(server.pid)
+        workers = server.worker_pids()
         assert len(workers) == 2
         x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
         # Keep-alive connections, each accepted by one worker or the other.
@@ -134,7 +121,7 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
                 "the restart",
             )
             await until(
-                lambda: len(workers_of(server.pid) - {victim}) == 2 and server.logs().count(") ready") >= 3,
+                lambda: len(server.worker_pids() - {victim}) == 2 and server.logs().count(") ready") >= 3,
                 "a replacement ready",
             )
             for _ in range(8):  # new connections, to either worker: all served
