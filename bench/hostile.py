@@ -298,6 +298,10 @@ async def held_scenario(server: ServerProcess) -> Row:
 
 
 async def stopped_worker_scenario(server: ServerProcess) -> Row:
+    # The port answers once one worker is ready; one still loading is not watched: stop a ready one.
+    async with asyncio.timeout(120):
+        while "ready: 2 workers" not in server.logs():
+            await asyncio.sleep(0.1)
     request = one_row_request()
     connections = [await asyncio.open_connection(HOST, server.port) for _ in range(8)]
 
