@@ -31,6 +31,7 @@ from bench.hostile_clients import (
 from ffn_client.http1 import Response, read_response
 from ffn_client.testing import HOST, ServerProcess, http_request, metric_value, raw_request, start_server
 from tests.reference import assert_close, demo_reference
+from tests.wire import demo_answers_right
 
 KEY = "connections-test-key-41c2"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -72,22 +73,11 @@ def json_error(r: Response, status: int, error_type: str) -> None:
     assert body["error_type"] == error_type and body["request_id"] == r.headers.get("x-request-id"), (body, r.headers)
 
 
-async def answers_right(server: ServerProcess) -> None:
-    """A valid request, answered as the float64 reference says."""
-    x = np.linspace(-1, 1, 3 * 512, dtype=np.float32).reshape(3, 512)
-    r = await raw_request(
-        server.port,
-        http_request("POST", V1, {**AUTH, "Content-Type": "application/json"}, orjson.dumps({"inputs": x.tolist()})),
-    )
-    assert r.status == 200, r.body[:300]
-    assert_close(np.asarray(r.json()["outputs"]), demo_reference(x))
-
-
 @pytest.fixture(autouse=True)
 async def still_serving(server: ServerProcess) -> AsyncIterator[None]:
     yield
     assert server.proc.poll() is None, f"server died; log:\n{server.logs()}"
-    await answers_right(server)
+    await demo_answers_right(server.port, AUTH)
 
 
 async def until_closed(reader: asyncio.StreamReader, limit: float = 30.0) -> bytes:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 
-import numpy as np
-import orjson
 import pytest
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_pipelined, flood_trailers, trickle_body
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
-from tests.reference import assert_close, demo_reference
+from tests.wire import demo_answers_right
 
 KEY = "floods-test-key-7d1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,22 +40,12 @@ def server() -> Iterator[ServerProcess]:
         yield srv
 
 
-async def answers_right(server: ServerProcess) -> None:
-    x = np.linspace(-1, 1, 3 * 512, dtype=np.float32).reshape(3, 512)
-    r = await raw_request(
-        server.port,
-        http_request("POST", V1, {**AUTH, "Content-Type": "application/json"}, orjson.dumps({"inputs": x.tolist()})),
-    )
-    assert r.status == 200, r.body[:300]
-    assert_close(np.asarray(r.json()["outputs"]), demo_reference(x))
-
-
 @pytest.fixture(autouse=True)
 async def still_serving(server: ServerProcess) -> AsyncIterator[None]:
-    await answers_right(server)  # the allocator's caches at this size are not growth
+    await demo_answers_right(server.port, AUTH)  # the allocator's caches at this size are not growth
     yield
     assert server.proc.poll() is None, f"server died; log:\n{server.logs()}"
-    await answers_right(server)
+    await demo_answers_right(server.port, AUTH)
 
 
 async def test_a_trailer_flood_keeps_memory_flat(server: ServerProcess) -> None:
@@ -83,7 +71,7 @@ async def test_tricklers_cannot_fill_the_connection_cap(server: ServerProcess) -
     async with PeakMemory(server) as memory:
         tricklers = [asyncio.ensure_future(trickle_body(server.port, 0.5, AUTH)) for _ in range(MAX_CONNECTIONS)]
         await asyncio.sleep(1.0)  # every trickler has sent its head and a few bytes
-        await answers_right(server)
+        await demo_answers_right(server.port, AUTH)
         statuses = await asyncio.wait_for(asyncio.gather(*tricklers), 120)
     # Half the cap may be receiving; the others are refused as they try, the rest time out on the rate.
     assert set(statuses) <= {408, 503, None}, statuses

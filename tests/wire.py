@@ -7,11 +7,13 @@ cannot hide in both a request and its check.
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+import orjson
 
-from tests.reference import bf16_round
+from ffn_client.testing import http_request, raw_request
+from tests.reference import assert_close, bf16_round, demo_reference
 
 BINARY = "application/octet-stream"
 
@@ -42,3 +44,13 @@ def from_bf16_bytes(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
     """float32 values of little-endian bfloat16 bytes (exact)."""
     bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
     return bits.view(np.float32).reshape(shape)
+
+
+async def demo_answers_right(port: int, headers: Mapping[str, str]) -> None:
+    """A valid JSON request of 3 rows to the demo model (with `headers`, the key), answered as the float64 reference says."""
+    x = np.linspace(-1, 1, 3 * 512, dtype=np.float32).reshape(3, 512)
+    body = orjson.dumps({"inputs": x.tolist()})
+    request = http_request("POST", "/v1/models/demo/transform", {**headers, "Content-Type": "application/json"}, body)
+    r = await raw_request(port, request)
+    assert r.status == 200, r.body[:300]
+    assert_close(np.asarray(r.json()["outputs"]), demo_reference(x))
