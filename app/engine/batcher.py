@@ -299,7 +299,7 @@ class Batcher:
                 self._slots.release()
                 continue
             if self._launch is None:  # one batch at a time: run it here, with no task to schedule
-                inline = sum(entry.n for entry in batch) <= self.inline_rows
+                inline = self._runs_inline(sum(entry.n for entry in batch))
                 await self._in_slot(self._run(batch), batch)
                 if inline:
                     # The pass held the loop: let it read what arrived meanwhile, and the requests
@@ -396,10 +396,14 @@ class Batcher:
         self._instruments.batch_rows.observe(rows)
         self._instruments.last_inference.set(time.time())
 
+    def _runs_inline(self, rows: int) -> bool:
+        """Whether a plain batch of `rows` rows runs on the event loop's thread (see _compute)."""
+        return self._launch is None and rows <= self.inline_rows
+
     async def _compute(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The forward pass on the device thread; launched there and waited for elsewhere when it can be."""
         loop = asyncio.get_running_loop()
-        if self._launch is None and sum(part.shape[0] for part in parts) <= self.inline_rows:
+        if self._runs_inline(sum(part.shape[0] for part in parts)):
             # A pass this short costs less here than the two hand-offs to and from the model
             # thread, each a wait for the GIL and for a core (docs/configuration.md: inline_forward_us).
             return self._forward(parts)
