@@ -3,9 +3,10 @@
 # a GPU machine that reaches nothing. Its image has torch, numpy, httpx, safetensors, uvloop,
 # prometheus-client, rich, matplotlib and pytest, but not the service's web stack; this fetches:
 #   .whl/py3/    pure-Python wheels: fastapi, starlette, pydantic, pydantic-settings, uvicorn, their
-#                small dependencies, pytest and pytest-asyncio (the versions of this checkout's .venv, which the
-#                test suite ran with);
-#   .whl/cpXY/   the compiled ones (pydantic-core, httptools, orjson) for each Python in PYVERS,
+#                small dependencies, fastapi-offline, the gRPC door's (tritonclient, grpcio-health-checking,
+#                grpcio-reflection), OpenTelemetry's, pytest and pytest-asyncio (the versions of this
+#                checkout's .venv, which the test suite ran with);
+#   .whl/cpXY/   the compiled ones (pydantic-core, httptools, orjson, grpcio, protobuf, python-rapidjson) for each Python in PYVERS,
 #                manylinux x86_64; run.sh installs the folder matching the GPU machine's python3;
 #   .tools/      wrk and its libluajit (Debian bookworm, glibc 2.36: runs on newer glibc too).
 # Both folders are git-ignored; pass them to the GPU machine along with the working tree.
@@ -17,8 +18,13 @@ PY=.venv/bin/python
 [ -x "$PY" ] || { echo "no .venv: run scripts/setup.sh --test first" >&2; exit 2; }
 
 PURE="fastapi starlette pydantic pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions
-      annotated-doc opentelemetry-api uvicorn h11 click pytest pluggy pytest-asyncio"
-COMPILED="pydantic-core httptools orjson"
+      annotated-doc opentelemetry-api uvicorn h11 click pytest pluggy pytest-asyncio fastapi-offline
+      grpcio-health-checking grpcio-reflection tritonclient googleapis-common-protos opentelemetry-sdk
+      opentelemetry-semantic-conventions opentelemetry-proto opentelemetry-exporter-otlp-proto-http
+      opentelemetry-exporter-otlp-proto-common"
+# grpcio and protobuf too, although the image has them: the generated code of tritonclient and of
+# the gRPC health service wants the versions the suite ran with.
+COMPILED="pydantic-core httptools orjson grpcio protobuf python-rapidjson"
 pinned() {  # "name==version" for each name, as installed in .venv
   "$PY" -c 'import sys, importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' "$@"
 }
