@@ -142,7 +142,7 @@ def _runtime(settings: Settings) -> str:
 
     cuda = f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}"
     if not torch.cuda.is_available():
-        return f"{cuda}, CPU only ({_threads(settings.torch_threads or torch.get_num_threads())})"
+        return f"{cuda}, CPU only ({_threads(settings.intra_op_threads() or torch.get_num_threads())})"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return f"{cuda}, GPUs: " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names))
 

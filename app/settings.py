@@ -200,7 +200,10 @@ class Settings(BaseSettings):
     )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
-        default=0, ge=0, description="torch intra-op threads per process; 0 = torch's default, or cores / workers."
+        default=0,
+        ge=0,
+        description="torch intra-op threads per process; 0 = torch's default, or cores / workers. "
+        "Batch-invariant mode runs one.",
     )
     gil_switch_interval_us: int = Field(
         default=50,
@@ -245,8 +248,8 @@ class Settings(BaseSettings):
     )
     batch_invariant: bool = Field(
         default=False,
-        description="Every forward pass at batch_invariant_rows rows, padded, so a row's answer is bit-identical "
-        "whatever it is batched with. Off: batched rows agree to float tolerance only.",
+        description="Every forward pass at batch_invariant_rows rows, padded, with one torch thread, so a row's "
+        "answer is bit-identical whatever it is batched with. Off: batched rows agree to float tolerance only.",
     )
     batch_invariant_rows: int = Field(
         default=64,
@@ -347,6 +350,15 @@ class Settings(BaseSettings):
     def served_models(self) -> list[ModelSpec]:
         """The configured models, or the built-in `demo` when none are."""
         return served_models(self.models)
+
+    def intra_op_threads(self) -> int:
+        """The torch threads each process sets: 0 leaves torch's default; batch-invariant mode runs one.
+
+        Several threads split a GEMM's rows between them, and on some CPUs the parts reduce in
+        different orders: on a 16-thread Xeon (torch 2.11) rows 8 to 15 of a 16-row pass came out
+        with other bits than row 0 had, so a row's answer depended on its place in the batch.
+        """
+        return 1 if self.batch_invariant else self.torch_threads
 
     def repository(self) -> Path | None:
         """The folder loads may read from: model_repository, else the config file's folder; None: neither is set."""

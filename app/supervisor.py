@@ -62,10 +62,8 @@ STOP_MARGIN_S = 10.0
 
 
 def threads_per_worker(settings: Settings) -> int:
-    """torch threads for each worker: the setting, or this process's cores shared out."""
-    if settings.torch_threads:
-        return settings.torch_threads
-    return max(1, len(os.sched_getaffinity(0)) // settings.workers)
+    """torch threads for each worker: the setting (one in batch-invariant mode), or this process's cores shared out."""
+    return settings.intra_op_threads() or max(1, len(os.sched_getaffinity(0)) // settings.workers)
 
 
 @dataclass(eq=False)

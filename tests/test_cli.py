@@ -164,8 +164,9 @@ def test_help_shows_readable_metavars_not_type_names() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the banner names the GPUs")
-def test_the_banner_says_the_torch_threads_the_setting_gives() -> None:
-    with start_server(env={"FFN_TORCH_THREADS": "1", "FFN_WARMUP": "false"}) as server:
+@pytest.mark.parametrize("env", [{"FFN_TORCH_THREADS": "1"}, {"FFN_TORCH_THREADS": "2", "FFN_BATCH_INVARIANT": "true"}])
+def test_the_banner_says_the_torch_threads_the_setting_gives(env) -> None:
+    with start_server(env={**env, "FFN_WARMUP": "false"}) as server:
         first = server.logs().splitlines()[0]
     assert first.endswith(", CPU only (1 torch thread)"), first
 

@@ -257,8 +257,11 @@ def test_inline_rows_times_real_passes_and_stays_off_where_buffers_are_shared(mo
 
 @pytest.mark.parametrize(("budget_us", "inline"), [(100_000, 8), (0, 0)])
 async def test_a_served_model_times_its_short_passes_before_it_turns_ready(start_app, budget_us, inline):
-    """The registry's setting reaches the batcher by the time the model is ready; answers are the same."""
-    served = await start_app(Settings(max_batch_rows=8, inline_forward_us=budget_us, warmup=False))
+    """The registry's setting reaches the batcher by the time the model is ready; answers are the same.
+
+    On the CPU, where inline passes exist (a GPU machine would serve on CUDA by default).
+    """
+    served = await start_app(Settings(device="cpu", max_batch_rows=8, inline_forward_us=budget_us, warmup=False))
     engine = served.app.state.service.engine
     assert engine.model("demo")._batcher.inline_rows == inline
     x = parts_of(7, [3])[0]

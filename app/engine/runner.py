@@ -90,6 +90,11 @@ class ModelRunner:
         self.batch_invariant = batch_invariant_rows is not None
         buckets = [batch_invariant_rows] if batch_invariant_rows is not None else bucket_sizes(max_batch_rows)
         self.chunk_rows = buckets[-1]  # a batch larger than the largest bucket runs as several chunks
+        if self.batch_invariant and self.device.type == "cpu" and torch.get_num_threads() > 1:
+            # The service sets one thread already (Settings.intra_op_threads says why); a runner
+            # built outside it, by a test or a benchmark, would otherwise answer by position.
+            log.warning("batch-invariant passes on the CPU run with one torch thread, not %d", torch.get_num_threads())
+            torch.set_num_threads(1)
         self.bucketed = BucketedForward(
             model,
             buckets,

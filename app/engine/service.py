@@ -135,8 +135,9 @@ class Engine:
 
     async def start(self) -> None:
         """Load if needed and start the batchers; warm-up runs in the background (live before ready)."""
-        if self.settings.torch_threads:
-            torch.set_num_threads(self.settings.torch_threads)
+        # Before the model thread exists: a thread takes torch's count at its first parallel operation.
+        if threads := self.settings.intra_op_threads():
+            torch.set_num_threads(threads)
         self._loop_watch.start()
         if not self._registry.models:
             await asyncio.to_thread(self._registry.load)
