@@ -9,7 +9,7 @@ import torch
 from app.engine.registry import Registry, build_runner
 from app.engine.runner import ModelRunner, resolve_device, set_tf32
 from app.metrics import Metrics
-from app.settings import Settings
+from app.settings import ModelSpec, Settings
 from ffn_core import FFNConfig, build_ffn, demo_ffn, fuse_gate
 from tests.reference import numpy_ffn, numpy_weights
 
@@ -261,7 +261,8 @@ async def test_a_served_model_times_its_short_passes_before_it_turns_ready(start
 
     On the CPU, where inline passes exist (a GPU machine would serve on CUDA by default).
     """
-    served = await start_app(Settings(device="cpu", max_batch_rows=8, inline_forward_us=budget_us, warmup=False))
+    on_cpu = [ModelSpec(name="demo", device="cpu")]
+    served = await start_app(Settings(models=on_cpu, max_batch_rows=8, inline_forward_us=budget_us, warmup=False))
     engine = served.app.state.service.engine
     assert engine.model("demo")._batcher.inline_rows == inline
     x = parts_of(7, [3])[0]
