@@ -95,6 +95,27 @@ def test_staged_and_plain_paths_agree_on_cuda():
     torch.testing.assert_close(staged(parts), plain(parts), rtol=1e-6, atol=1e-6)
 
 
+def test_staging_puts_back_the_stream_it_found_also_when_nested():
+    """stage() runs inside computing(): leaving the copy stream must go back to the compute stream.
+
+    A version that went back to the default stream there ran the graph unordered after the
+    copy of its rows, and a batch-invariant answer differed now and then.
+    """
+    runner = warm_runner(torch.float32)
+    staging = runner._staging
+    default = torch.cuda.current_stream()
+    assert default == torch.cuda.default_stream()
+    with staging.computing():
+        assert torch.cuda.current_stream() == staging.compute_stream
+        staging.stage([rows(1, 3)], 0, 3, torch.float32)
+        assert torch.cuda.current_stream() == staging.compute_stream
+        staging.consumed()
+    assert torch.cuda.current_stream() == default
+    for n in (1, 64, 700):  # staged in chunks of 64, the two slots in turn, against the float64 reference
+        x = rows(n, n)
+        assert relative_error(runner([x]), reference(runner.model, x)) <= BOUND[torch.float32], n
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_batch_invariant_mode_is_bit_identical_on_cuda(dtype):
     runner = warm_runner(dtype, max_batch_rows=1024, batch_invariant_rows=64)
