@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.transport", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="r 1 and 16, C 1 and 4, one round of 0.5 s: proves it runs")
+    p.add_argument("--quick", action="store_true", help="r 1 and 16, C 1 and 4, one round of 0.25 s: proves it runs")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256], help="rows per request")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="connections")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the cells (and the profile) here")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.concurrency, args.seconds, args.repeat = [1, 16], [1, 4], 0.5, 1
+        args.rows, args.concurrency, args.seconds, args.repeat = [1, 16], [1, 4], 0.25, 1
         args.profile_cells = "16x4"
     if args.generator == "auto":
         args.generator = "wrk" if shutil.which("wrk") else "ffn-loadtest"
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             configs[name].write_text(f'[[models]]\nname = "{service.MODEL}"\nweights = "{name}.safetensors"\n')
         configs.setdefault("near-free", next(iter(configs.values())))
         found = measure(servers, configs, args, folder)
-        cost = ModelCost(models, cores(args.server_cpus), seconds=0.3)
+        cost = ModelCost(models, cores(args.server_cpus), seconds=0.1 if args.quick else 0.3)
         cells = summarise(found, servers, cost)
         profiled = profile(servers, configs, args, folder) if args.profile else {}
     header = (

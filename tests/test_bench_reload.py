@@ -11,7 +11,7 @@ from bench import reload
 
 def test_a_short_run_prints_both_tables_with_no_failed_request_or_reload(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--d-model", "16", "--d-ff", "32", "--max-batch-rows", "16", "--concurrency", "4", "--rows", "4"]
-    assert reload.main(["--workers", "1", "--seconds", "3", "--interval", "1", "--repeats", "1", *small]) == 0
+    assert reload.main(["--workers", "1", "--seconds", "2", "--interval", "0.5", "--repeats", "1", *small]) == 0
     out = capsys.readouterr().out
     phases = re.findall(r"^\| 1, (no reloads|reloading: all) \| (\d+) \| (\d+) \|", out, re.MULTILINE)
     assert [(phase, int(failed)) for phase, _, failed in phases] == [("no reloads", 0), ("reloading: all", 0)]
