@@ -387,6 +387,28 @@ async def test_a_dead_collector_stops_accepting_fails_the_queue_and_says_why(exe
     await batcher.stop()
 
 
+async def test_after_inline_passes_the_loop_gets_more_turns_only_while_requests_come_together(executor):
+    """Lone requests: one turn after each inline pass (under a flood each turn is long); concurrent ones: three."""
+    batch_entries: list[int] = []
+
+    def forward(parts):
+        batch_entries.append(len(parts))
+        return torch.cat(list(parts)) * 2 + 1
+
+    batcher = await make(forward, executor, max_batch_rows=64)
+    batcher.inline_rows = 64
+    for n in (1, 2, 1):  # one client at a time
+        x = rows(n, start=float(n))
+        assert torch.equal(await asyncio.wait_for(batcher.submit(x), 5), x * 2 + 1)
+    assert batch_entries == [1, 1, 1] and not batcher._concurrent
+    # Several clients at once: they share a batch, and the batcher expects more of them.
+    xs = [rows(1, start=10.0 * i) for i in range(4)]
+    answers = await asyncio.wait_for(asyncio.gather(*(batcher.submit(x) for x in xs)), 5)
+    assert all(torch.equal(y, x * 2 + 1) for x, y in zip(xs, answers, strict=True))
+    assert batch_entries[3] > 1 and batcher._concurrent
+    await batcher.stop()
+
+
 async def test_batches_within_inline_rows_run_on_the_loops_thread_and_larger_ones_on_the_model_thread(executor):
     threads: list[tuple[int, str]] = []
 

@@ -59,7 +59,12 @@ Launch = Callable[[Sequence[torch.Tensor]], Pending]
 StartMonteCarlo = Callable[[torch.Tensor, MonteCarloRequest], MonteCarloPasses]
 
 OUT_OF_MEMORY = (MemoryError, torch.cuda.OutOfMemoryError)
-INLINE_YIELDS = 3  # turns of the loop after a pass on its thread, before the next batch is taken
+# Turns of the loop after a pass on its thread, before the next batch is taken: as many while
+# requests come concurrently (the last batch had several, or some arrived in the last turns),
+# one while they come alone, when the turns only delay the next one (each turn is long under a
+# flood of other connections' work).
+INLINE_YIELDS = 3
+INLINE_YIELDS_ALONE = 1
 
 T = TypeVar("T")
 
@@ -111,6 +116,7 @@ class Batcher:
         self._instruments.batch_ceiling.set(self._ceiling)
         self._queue = WorkQueue(on_work=self._instruments.queue_rows.set)
         self._plain_went_last = False  # whose turn it is when rows and a Monte Carlo request both wait
+        self._concurrent = True  # requests came together lately: the turns after an inline pass are worth it
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -265,6 +271,17 @@ class Batcher:
             except TimeoutError:
                 return
 
+    async def _turns_after_inline_pass(self, entries: int) -> None:
+        """The pass held the loop: let it read what arrived meanwhile and the requests reach the queue.
+
+        So they join the next batch as they would have joined it during a pass on the model
+        thread (a read, a task, its submit).
+        """
+        turns = INLINE_YIELDS if self._concurrent or entries > 1 else INLINE_YIELDS_ALONE
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        self._concurrent = entries > 1 or bool(self._queue)
+
     def _monte_carlo_turn(self) -> bool:
         """A Monte Carlo slice runs next if one waits and rows do not, or if the rows went last."""
         return self._queue.has_monte_carlo and (not self._queue.has_plain or self._plain_went_last)
@@ -302,11 +319,7 @@ class Batcher:
                 inline = self._runs_inline(sum(entry.n for entry in batch))
                 await self._in_slot(self._run(batch), batch)
                 if inline:
-                    # The pass held the loop: let it read what arrived meanwhile, and the requests
-                    # reach the queue, so that they join the next batch as they would have joined
-                    # it during a pass on the model thread (a read, a task, its submit).
-                    for _ in range(INLINE_YIELDS):
-                        await asyncio.sleep(0)
+                    await self._turns_after_inline_pass(len(batch))
                 continue
             self._idle.clear()
             task = asyncio.create_task(self._in_slot(self._run(batch), batch), name=f"batch-{self.name}")
