@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ffn-serve against echo: binary float32, d_model {D_MODEL}; models {', '.join(args.models)} "
         f"({', '.join(f'd_ff {MODELS[m]}' for m in args.models)}, GELU, float32); servers on cores "
         f"{args.server_cpus} (1 torch thread), {args.generator} on cores {args.client_cpus}; "
-        f"{args.seconds:g} s per cell after {min(1.0, args.seconds):g} s of warm-up, median of {args.repeat}; "
+        f"{args.seconds:g} s per cell after {service.warm_up_seconds(args.seconds):g} s of warm-up, median of {args.repeat}; "
         f"1-min load average {load_average:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
     )
     print()

@@ -188,7 +188,7 @@ def render(
         f"{env.get('service_dtype', '-')})",
         "",
         f"Server on cores {server_cores[0]}-{server_cores[-1]}, load generator ({env['load_generator']}) on cores "
-        f"{client_cores[0]}-{client_cores[-1]}; {args.seconds:g} s per cell after a {min(1.0, args.seconds):g} s warm-up; closed loop with "
+        f"{client_cores[0]}-{client_cores[-1]}; {args.seconds:g} s per cell after a {service.warm_up_seconds(args.seconds):g} s warm-up; closed loop with "
         f"C connections.",
         "",
         report.service_table(service_cells) if service_cells else "(skipped)",

@@ -261,6 +261,11 @@ def batch_counts(url: str) -> tuple[float, float]:
     )
 
 
+def warm_up_seconds(seconds: float) -> float:
+    """The untimed load before each cell's `seconds`: 1 s, or as long as the cell in a quick run."""
+    return min(1.0, seconds)
+
+
 def measure_cell(
     server: str,
     process: ServerProcess,
@@ -275,7 +280,7 @@ def measure_cell(
 ) -> ServiceCell:
     body, headers, nbytes = prepared_body(rows, d_model, folder)
     send = functools.partial(load, generator, process.url, body, headers, rows, d_model, concurrency)
-    send(min(1.0, seconds), client_cores)  # warm-up, not counted (as long as the cell, in a quick run)
+    send(warm_up_seconds(seconds), client_cores)  # not counted
     before_rows, before_batches = batch_counts(process.url) if server == "ffn" else (math.nan, math.nan)
     cpu_before = tree_cpu_seconds(process.pid)
     result = send(seconds, client_cores)
