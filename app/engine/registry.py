@@ -53,9 +53,11 @@ class ServedModel:
         executor: Executor | None = None,
         version: int = 1,
         source: WeightsFile | None = None,
+        inline_forward_s: float = 0.0,
     ) -> None:
         """`executor`: the device's thread, which warm-up runs on. `source`: the weights file's identity
-        when it was read (None: the built-in demo weights)."""
+        when it was read (None: the built-in demo weights). `inline_forward_s`: warm-up times the
+        short batches against it (Batcher.inline_rows; 0: none runs on the event loop's thread)."""
         self.spec = spec
         self.version = version
         self.source = source
@@ -63,7 +65,7 @@ class ServedModel:
         self._runner = runner
         self._batcher = batcher
         self._executor = executor
-        self.inline_forward_s = 0.0  # see warm_up and Batcher.inline_rows; set by the registry
+        self.inline_forward_s = inline_forward_s
         self._state_gauge = metrics.model_state
         # ffn_model_state follows a copy while it is the registry's entry for its name (enter_service),
         # not while it is built beside the serving copy, nor once retired.
@@ -352,11 +354,17 @@ class Registry:
             max_in_flight=2,
             monte_carlo=runner.start_monte_carlo,
         )
-        served = ServedModel(
-            spec, model, runner, batcher, self.metrics, executor=executor, version=version, source=source
+        return ServedModel(
+            spec,
+            model,
+            runner,
+            batcher,
+            self.metrics,
+            executor=executor,
+            version=version,
+            source=source,
+            inline_forward_s=s.inline_forward_us / 1e6,
         )
-        served.inline_forward_s = s.inline_forward_us / 1e6
-        return served
 
     def executor(self, device: torch.device) -> ThreadPoolExecutor:
         """The one thread that runs `device`'s work, shared by every model on it."""
