@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -10,10 +11,10 @@ import httpx
 import pytest
 
 from bench.gpu import __main__ as bench_gpu
-from bench.gpu import echo, report, service
+from bench.gpu import echo, repeats, report, service
 from bench.gpu.inprocess import Cell, flops_per_row
 from bench.gpu.service import ServiceCell
-from ffn_core import FFNConfig, build_ffn
+from ffn_core import FFNConfig, build_ffn, save_ffn
 
 
 @pytest.mark.server
@@ -154,3 +155,63 @@ def test_wrk_drives_the_echo_server(tmp_path):
 )
 def test_split_cores_gives_the_load_generator_other_cores(available, count, server, client):
     assert service.split_cores(count, available) == (server, client)
+
+
+def _write_run(folder, cells):
+    folder.mkdir()
+    (folder / "service.json").write_text(json.dumps([dataclasses.asdict(c) for c in cells]))
+
+
+def test_repeats_takes_each_cells_median_over_the_runs_that_have_it(tmp_path, capsys):
+    # Three runs; the third was stopped before its 8-worker cell, so that cell has two draws.
+    rows_1w = [100_000, 120_000, 90_000]
+    rows_8w = [600_000, 700_000]
+    p50s = [0.9, 1.2, 0.8]
+    for index in range(3):
+        cells = [_service("ffn", 1, 16, rows_1w[index], p50=p50s[index])]
+        if index < 2:
+            cells.append(_service("ffn", 8, 16, rows_8w[index]))
+        _write_run(tmp_path / f"r{index}", cells)
+    out = tmp_path / "medians.json"
+    assert repeats.main([str(tmp_path / f"r{i}") for i in range(3)] + ["--json", str(out)]) == 0
+
+    medians = {(c["workers"], c["rows"]): c for c in json.loads(out.read_text())}
+    assert medians[1, 16]["rows_per_s"] == 100_000  # the middle of 90,000, 100,000 and 120,000
+    assert medians[1, 16]["p50_ms"] == pytest.approx(0.9)
+    assert medians[8, 16]["rows_per_s"] == 650_000  # the mean of the two draws it has
+    text = capsys.readouterr().out
+    assert "| ffn | 1 | 16 | 64 | 3 | 100,000 (90,000–120,000) | 0.900 (0.800–1.200) |" in text
+    assert "| ffn | 8 | 16 | 64 | 2 | 650,000 (600,000–700,000) |" in text
+    assert "6.50× (650,000 vs 100,000 rows/s) | met |" in text
+
+
+def test_repeats_says_which_folder_has_no_service_results(tmp_path, capsys):
+    (tmp_path / "skipped").mkdir()
+    assert repeats.main([str(tmp_path / "skipped")]) == 2
+    assert "skipped/service.json: no service.json" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_a_run_leaves_its_service_cells_after_each_one(tmp_path):
+    # The GPU machine's calls have hard time limits: what was measured must be on disk before the end.
+    saved: list[int] = []
+    path = tmp_path / "service.json"
+    base = build_ffn(FFNConfig(16, 32, "gelu")).requires_grad_(False)
+    weights = tmp_path / "ffn.safetensors"
+    save_ffn(base, weights)
+    cells = service.measure(
+        weights,
+        "float32",
+        16,
+        [1],
+        [4],
+        2,
+        0.2,
+        None,
+        "ffn-loadtest",
+        progress=lambda line: None,
+        measured=lambda so_far: (bench_gpu.save_cells(so_far, path), saved.append(len(json.loads(path.read_text())))),
+    )
+    assert saved == [1, 2, 3, 4]  # ffn r=1 C=1, ffn r=4, echo r=1 C=1, echo r=4: one write after each
+    assert [c["server"] for c in json.loads(path.read_text())] == [c.server for c in cells]
+    assert not path.with_suffix(".json.part").exists()

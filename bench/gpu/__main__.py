@@ -89,6 +89,13 @@ def environment(device: torch.device, generator: str) -> dict:
     }
 
 
+def save_cells(cells: list, path: Path) -> None:
+    """Write measured cells (dataclasses) as JSON, replacing the file whole so a reader never sees half of it."""
+    partial = path.with_suffix(".json.part")
+    partial.write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
+    partial.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = (
@@ -114,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = inprocess.measure(
             base, args.modes.split(","), rows_list, device, args.budget, progress=lambda line: print(line, flush=True)
         )
-        (args.out / "inprocess.json").write_text(json.dumps([dataclasses.asdict(c) for c in cells], indent=1))
+        save_cells(cells, args.out / "inprocess.json")
     drift: list[inprocess.Invariance] = []
     if not args.skip_inprocess:
         for compute in (torch.float32, torch.bfloat16):
             drift += inprocess.invariance(base, device, compute)
-        (args.out / "invariance.json").write_text(json.dumps([dataclasses.asdict(d) for d in drift], indent=1))
+        save_cells(drift, args.out / "invariance.json")
     if args.profile:
         text = inprocess.profile_forward(base, "bfloat16", min(8192, args.max_rows), device)
         (args.out / "profile.txt").write_text(text)
@@ -141,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.cores,
                 args.generator,
                 progress=lambda line: print(line, flush=True),
+                measured=lambda so_far: save_cells(so_far, args.out / "service.json"),
             )
         env["service_dtype"] = dtype
-        (args.out / "service.json").write_text(json.dumps([dataclasses.asdict(c) for c in service_cells], indent=1))
 
     peak = args.peak_tflops or report.bf16_peak_tflops(env["device"])
     found = report.targets(cells, service_cells, env["device"], peak, args.concurrency)

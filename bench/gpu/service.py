@@ -317,8 +317,13 @@ def measure(
     cores: int | None,
     generator: str,
     progress: Callable[[str], None] = print,
+    measured: Callable[[list[ServiceCell]], None] | None = None,
 ) -> list[ServiceCell]:
-    """Every cell: each worker count, ffn then echo, each rows; plus r=1 with one client at one worker."""
+    """Every cell: each worker count, ffn then echo, each rows; plus r=1 with one client at one worker.
+
+    `measured` is called with the cells so far after each one, so that a run stopped at a time
+    limit (the GPU machine's are short) still leaves what it measured.
+    """
     server_cores, client_cores = split_cores(cores)
     cells: list[ServiceCell] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -336,6 +341,8 @@ def measure(
                             server, process, workers, rows, c, seconds, d_model, folder, client_cores, generator
                         )
                         cells.append(cell)
+                        if measured is not None:
+                            measured(cells)
                         progress(
                             f"service {server:>4} workers={workers} r={rows:<4} C={c:<4} "
                             f"{cell.requests_per_s:>10,.0f} req/s {cell.rows_per_s:>12,.0f} rows/s "
