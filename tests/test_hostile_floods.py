@@ -65,6 +65,19 @@ async def test_a_pipelined_flood_keeps_memory_flat_and_probes_answered(server: S
     assert memory.growth < FLAT, f"RSS grew {memory.growth / MiB:.0f} MiB while 2 x 16 MiB of GETs were pipelined"
 
 
+async def test_a_pipelined_flood_on_many_connections_keeps_memory_flat_and_good_requests_answered_right(
+    server: ServerProcess,
+) -> None:
+    # The same on most of the connection cap at once: each connection holds at most one read
+    # unparsed, and their requests start one a turn of the loop, so the good ones still get theirs.
+    async with PeakMemory(server) as memory:
+        flood = asyncio.gather(*(flood_pipelined(server.port, 2 * MiB) for _ in range(MAX_CONNECTIONS - 4)))
+        await asyncio.sleep(0.5)  # every flooding connection is open and pipelining
+        await demo_answers_right(server.port, AUTH)
+        await asyncio.wait_for(flood, 300)
+    assert memory.growth < FLAT, f"RSS grew {memory.growth / MiB:.0f} MiB while 12 connections pipelined GETs"
+
+
 async def test_tricklers_cannot_fill_the_connection_cap(server: ServerProcess) -> None:
     # Before: bodies sent a byte just inside the read timeout were never timed out; as many as the
     # cap held it, and every other client got 503 for as long as they kept trickling.

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import random
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from app import cli
 from app.settings import Settings
 from app.web import uvicorn_members
 from app.web.connections import ConnectionBudget
+from app.web.pipelining import PipelineTurns
 from app.web.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
 from ffn_client.http1 import Response, build_request, read_response
 
@@ -102,7 +104,9 @@ class EchoApp:
 def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
     """The protocol with `limits`, and a connection cap of its own, as uvicorn_options makes it."""
     budget: ConnectionBudget[LimitedHttpToolsProtocol] = ConnectionBudget(limits.max_connections)
-    return type("TestProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "budget": budget})
+    return type(
+        "TestProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "budget": budget, "turns": PipelineTurns()}
+    )
 
 
 def uvicorn_config(app: EchoApp) -> Config:
@@ -641,6 +645,50 @@ async def test_a_pipelined_flood_is_parsed_a_few_requests_at_a_time_and_all_answ
             assert (await answer(reader)).json() == {"path": f"/{i}", "body_bytes": 0}
         assert [seen.path for seen in app.seen] == [f"/{i}" for i in range(500)]
         writer.close()
+
+
+@dataclass
+class TickingApp(EchoApp):
+    """EchoApp that notes, for each request it starts, which turn of the event loop it started in."""
+
+    ticks: int = 0
+    starts: list[tuple[int, str]] = field(default_factory=list)  # (loop turn, path)
+
+    def tick(self) -> None:
+        # call_soon from a callback runs in the loop's next iteration: one tick per iteration.
+        self.ticks += 1
+        asyncio.get_running_loop().call_soon(self.tick)
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], send: Any
+    ) -> None:
+        self.starts.append((self.ticks, scope["path"]))
+        await super().__call__(scope, receive, send)
+
+
+async def test_pipelined_requests_of_many_connections_start_one_a_loop_turn_in_turn() -> None:
+    # Issue 20, class 2 on many connections: each answer used to start the next pipelined request
+    # at once, so 32 pipelining connections added 32 requests to every turn of the loop and the
+    # good requests beside them waited 80 times their quiet p99 (bench.hostile pipelined-many).
+    app = TickingApp()
+    app.reading.clear()  # each connection's first request waits: everything behind it is pipelined
+    connections, depth = 8, 10
+    async with serving(LIMITS, app) as served:
+        clients = [await served.connect(b"".join(get(f"/c{c}/{i}") for i in range(depth))) for c in range(connections)]
+        await until(lambda: app.started == connections, "every connection's first request started")
+        app.tick()
+        app.reading.set()
+        for c, (reader, _) in enumerate(clients):
+            for i in range(depth):
+                assert (await answer(reader)).json() == {"path": f"/c{c}/{i}", "body_bytes": 0}
+        for _, writer in clients:
+            writer.close()
+    pipelined = [(tick, path) for tick, path in app.starts if not path.endswith("/0")]
+    assert len(pipelined) == connections * (depth - 1)
+    per_turn = Counter(tick for tick, _ in pipelined)
+    assert max(per_turn.values()) == 1, per_turn  # one a turn of the loop, across all the connections
+    first_round = {path.split("/")[1] for _, path in pipelined[:connections]}
+    assert first_round == {f"c{c}" for c in range(connections)}  # in turn: every connection before any again
 
 
 async def test_a_drain_answers_the_pipelined_requests_already_parsed_the_last_with_connection_close() -> None:

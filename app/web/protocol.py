@@ -11,7 +11,10 @@ is parsed and when. Each connection:
   431. A head is never parsed beyond its budget. Trailers are counted, then dropped (RFC 9110
   §6.5.1 lets a recipient discard them), never added to the request's headers;
 - has at most MAX_UNANSWERED requests parsed and not yet answered (pipelined): past that, what it
-  sent stays unparsed, and reading stays paused, until answers have gone out;
+  sent stays unparsed, and reading stays paused, until answers have gone out; and once an answer
+  has gone out, the next pipelined request starts (and what waited is parsed) on the connection's
+  turn, one connection a turn of the event loop across the process (app/web/pipelining.py), so
+  that pipelining connections, however many, cannot fill every turn of the loop;
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
 - must not pause for `read_timeout_s` inside a body, and must send the body within
@@ -73,6 +76,7 @@ from app.web.errors import (
     kind_of,
 )
 from app.web.http import ON_DISCONNECT
+from app.web.pipelining import PipelineTurns
 from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
@@ -117,7 +121,11 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn.Config arguments that put this protocol, with the settings' limits, under the app."""
     limits = ConnectionLimits.from_settings(settings)
     budget: ConnectionBudget[LimitedHttpToolsProtocol] = ConnectionBudget(limits.max_connections)
-    protocol = type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits, "budget": budget})
+    protocol = type(
+        "LimitedHttpToolsProtocol",
+        (LimitedHttpToolsProtocol,),
+        {"limits": limits, "budget": budget, "turns": PipelineTurns()},
+    )
     return {"http": protocol, "ws": "none"}
 
 
@@ -168,6 +176,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]
     budget: ClassVar[ConnectionBudget[LimitedHttpToolsProtocol]]
+    turns: ClassVar[PipelineTurns]  # the process's pipelined requests, one started a turn of the loop
     closing: ClassVar[bool] = False  # the server drains: every connection closes after its answer
     _last_cap_warning: ClassVar[float] = 0.0
     flow: HeldFlowControl
@@ -183,7 +192,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._idle_since = 0.0  # when the connection opened or last finished an answer
         self._quiet_timer: asyncio.TimerHandle | None = None
-        self._unparsed: bytes | bytearray = b""  # read but not fed: held while MAX_UNANSWERED are unanswered
+        # Read but not fed, from _unparsed_at on: held while MAX_UNANSWERED are unanswered. An
+        # offset, not a slice, so that feeding a few requests of a large read copies nothing.
+        self._unparsed: bytes | bytearray = b""
+        self._unparsed_at = 0
         self._tail = b""  # the last bytes fed, when a head's end may have begun in them
         self._unanswered = 0  # requests whose head was parsed and whose answer has not gone out
         self._head_begun = False
@@ -201,6 +213,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent_at_check = 0
         self._discarding = False  # an error was answered, or an upgrade asked for: input is dropped
+        self._completion_deferred = False  # uvicorn's end of an answer waits for this connection's turn
         self._discarded = 0
 
     # ----- connection ------------------------------------------------------------------------
@@ -221,7 +234,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
-        self._unparsed = b""
+        self.turns.withdraw(self)
+        self._drop_unparsed()
         self.budget.closed(self)
         cycle = self.cycle
         super().connection_lost(exc)
@@ -240,7 +254,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._in_body:
             self._last_progress = time.monotonic()
-        self._unparsed = self._unparsed + data if self._unparsed else data
+        if self._holding():
+            self._unparsed, self._unparsed_at = self._unparsed[self._unparsed_at :] + data, 0
+        else:
+            self._unparsed, self._unparsed_at = data, 0
         self._feed()
         self._account()
 
@@ -252,12 +269,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _feed(self) -> None:
         """Feed what was read, slice by slice, as far as the budgets allow; keep the rest, reading paused."""
         data = self._unparsed
-        fed = self._feed_slices(data)
+        fed = self._feed_slices(data, self._unparsed_at)
         if self._discarding or self.transport.is_closing():
-            self._unparsed = b""
+            self._drop_unparsed()
             return
-        self._unparsed = data[fed:] if fed < len(data) else b""
-        if self._unparsed:
+        if fed < len(data):
+            self._unparsed_at = fed
+        else:
+            self._drop_unparsed()
+        if self._holding():
             self.flow.held = True
             self.flow.pause_reading()
         elif self.flow.held:
@@ -266,8 +286,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_body and self._body_timer is None:
             self._body_timer = self.loop.call_later(self.limits.read_timeout_s, self._check_body)
 
-    def _feed_slices(self, data: bytes | bytearray) -> int:
-        """Feed `data` in slices that each end where a message may end; how many bytes were fed.
+    def _holding(self) -> bool:
+        """Whether bytes read are held unparsed."""
+        return self._unparsed_at < len(self._unparsed)
+
+    def _drop_unparsed(self) -> None:
+        self._unparsed, self._unparsed_at = b"", 0
+
+    def _feed_slices(self, data: bytes | bytearray, start: int = 0) -> int:
+        """Feed `data` from `start` in slices that each end where a message may end; the offset fed up to.
 
         A message ends only at the end of a head (CRLF CRLF), at the end of a Content-Length body,
         or at the end of a chunked body (CRLF CRLF again): cut there, a slice holds at most one
@@ -275,7 +302,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         pass MAX_UNANSWERED unanswered requests is never fed.
         """
         view = memoryview(data)
-        offset = 0
+        offset = start
         try:
             while offset < len(data):
                 end, at_head_end = self._slice_end(data, offset)
@@ -363,13 +390,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                     f"{self.budget.receiving} connections still sending their requests: refusing more with 503"
                 )
                 self._refuse(TooManyConnections("too many connections are still sending their requests; retry shortly"))
-        elif self._unanswered or self._unparsed:
+        elif self._unanswered or self._holding():
             self.budget.busy(self)
         else:
             self.budget.idle(self)
 
+    def take_turn(self) -> None:
+        """This connection's turn (app/web/pipelining.py): start its next pipelined request, parse what waited."""
+        if self.transport.is_closing():
+            return
+        if self._completion_deferred:
+            self._completion_deferred = False
+            super().on_response_complete()  # pops the next pipelined request and starts its task
+            if self.transport.is_closing():
+                return
+        self._feed_held()
+
     def _feed_held(self) -> None:
-        if self._unparsed and self.parser is not None and not self._discarding and not self.transport.is_closing():
+        if self._holding() and self.parser is not None and not self._discarding and not self.transport.is_closing():
             self._feed()
             self._account()
 
@@ -429,13 +467,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._unanswered -= 1
         self._completed = False
-        idle = not self.pipeline  # otherwise a pipelined request, its head complete, starts now
+        if self.pipeline and not self.transport.is_closing():
+            # A pipelined request, parsed, waits: it starts on this connection's turn, where
+            # uvicorn's own end of this answer (which starts it) runs.
+            self._completion_deferred = True
+            self.turns.ask(self, self.loop)
+            return
         super().on_response_complete()
         if self.transport.is_closing():
             return
-        if self._unparsed:
-            self.loop.call_soon(self._feed_held)  # room for another request: parse what waited
-        elif idle:
+        if self._holding():
+            self.turns.ask(self, self.loop)  # room for another request: what waited is parsed on its turn
+        else:
             self._idle_since = self.loop.time()
             self._arm_head_timer()
             if not (self._unanswered or self._overhead or self._in_body):
@@ -464,7 +507,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # else a request's head is arriving: its answer will say Connection: close
 
     def _receiving_request(self) -> bool:
-        return self._head_begun or bool(self._overhead) or self._in_body or bool(self._unparsed)
+        return self._head_begun or bool(self._overhead) or self._in_body or self._holding()
 
     def _close_when_quiet(self) -> None:
         if self._quiet_timer is None:
@@ -575,7 +618,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         With an earlier request's answer pending (a pipelined head went wrong), only close.
         """
         self._cancel_timers()
-        self._unparsed = b""
+        self._drop_unparsed()
         self.budget.busy(self)
         if self.transport.is_closing():
             return
