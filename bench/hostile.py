@@ -17,6 +17,9 @@ per 1-row request; p50 and p99 against the same stream while quiet, measured fir
 
 - trailers (class 1): chunked requests whose trailer section never ends, 4 at a time, repeated;
 - pipelined (class 2): tiny GETs pipelined without reading an answer, 2 connections at a time;
+- pipelined-many (class 2): the same on 32 connections at a time;
+- pipelining-client (class 2's price): a well-behaved client pipelining 64 GETs ahead of the
+  answers it reads, alone and then beside the good requests: its requests/s, in the note;
 - trickle (class 5): 64 connections (the cap, FFN_MAX_CONNECTIONS=64) send a body one byte every
   1.5 s, inside a 2 s read timeout, and one refused 503 tries again 0.2 s later; the good
   requests' failures are the 503s;
@@ -41,6 +44,7 @@ shows in its RSS.
 
     python3 -m bench.hostile                                  # every scenario, about 10 minutes
     python3 -m bench.hostile --server-dir /tmp/before --only trailers pipelined
+    python3 -m bench.hostile --only pipelined --repeat 5 --set FFN_INLINE_FORWARD_US=0   # medians of 5, a setting changed
 
 RSS growth is peak minus the reading before the scenario. Timings are noisy on a shared machine;
 RSS is not.
@@ -53,6 +57,7 @@ import asyncio
 import os
 import re
 import signal
+import statistics
 import sys
 import tempfile
 from collections import Counter
@@ -77,6 +82,7 @@ from bench.hostile_clients import (
     idle_connection,
     numbers_body,
     one_row_request,
+    pipelining_client,
     probe_while,
     quiet_samples,
     slow_upload,
@@ -90,6 +96,8 @@ from ffn_client.testing import HOST, ServerProcess, http_request, raw_request, s
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET_S = 4.0  # the good requests alone, before each flood
 FLOOD_S = 12.0  # how long each repeated flood runs
+PIPELINING_MANY = 32  # the pipelined-many scenario's connections at a time
+PIPELINED_REQUESTS = 20_000  # the pipelining-client scenario's requests, alone and then beside good ones
 REFUSED_TRICKLER_WAIT_S = 0.2  # a trickler refused 503 tries again after this (the reconnect scenario: at once)
 
 
@@ -194,13 +202,25 @@ async def trailers_scenario(server: ServerProcess) -> Row:
     return row
 
 
-async def pipelined_scenario(server: ServerProcess) -> Row:
+async def pipelined_scenario(server: ServerProcess, connections: int = 2) -> Row:
     async def flood() -> str:
-        runs = await flood_for(FLOOD_S, 2, lambda: flood_pipelined(server.port, 64 * MiB))
-        return f"{runs} connections pipelining up to 64 MiB of GETs"
+        runs = await flood_for(FLOOD_S, connections, lambda: flood_pipelined(server.port, 64 * MiB))
+        return f"{runs} connections pipelining up to 64 MiB of GETs, {connections} at a time"
+
+    return await beside_good_traffic(server, flood)
+
+
+async def pipelining_client_scenario(server: ServerProcess) -> Row:
+    """What pipelined requests taking turns costs a client that pipelines and reads every answer."""
+    alone = await pipelining_client(server.port, PIPELINED_REQUESTS)
+    rates: list[float] = []
+
+    async def flood() -> str:
+        rates.append(await pipelining_client(server.port, PIPELINED_REQUESTS))
+        return f"{PIPELINED_REQUESTS:,} GETs pipelined 64 ahead, all answered"
 
     row = await beside_good_traffic(server, flood)
-    row.scenario = "pipelined"
+    row.note = f"the pipelining client: {alone:,.0f} req/s alone, {rates[0]:,.0f} req/s beside the good requests"
     return row
 
 
@@ -351,6 +371,8 @@ SCENARIOS = [
     "unread",
     "trailers",
     "pipelined",
+    "pipelined-many",
+    "pipelining-client",
     "trickle",
     "reconnect",
     "idle",
@@ -383,6 +405,8 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
         "unread": lambda: unread_scenario(server, send_timeout),
         "trailers": lambda: trailers_scenario(server),
         "pipelined": lambda: pipelined_scenario(server),
+        "pipelined-many": lambda: pipelined_scenario(server, PIPELINING_MANY),
+        "pipelining-client": lambda: pipelining_client_scenario(server),
         "trickle": lambda: trickle_scenario(server, REFUSED_TRICKLER_WAIT_S),
         "reconnect": lambda: trickle_scenario(server, 0.0),
         "idle": lambda: idle_scenario(server),
@@ -395,29 +419,62 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
     return await scenarios[scenario]()
 
 
+def server_overrides(pairs: list[str]) -> dict[str, str]:
+    """--set FFN_X=1 ... as a dict; a pair without '=' or a name outside FFN_ is refused."""
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name.startswith("FFN_"):
+            raise SystemExit(f"--set {pair!r}: give FFN_NAME=value")
+        env[name] = value
+    return env
+
+
+def ratio_summary(rows: list[Row]) -> str:
+    """Per scenario with good traffic: the flooded p99 over the quiet one, each run's and their median."""
+    by: dict[str, list[float]] = {}
+    for row in rows:
+        if row.quiet is not None and row.flooded is not None:
+            by.setdefault(row.scenario, []).append(row.flooded.percentile(99) / row.quiet.percentile(99))
+    lines = ["| scenario | runs | flooded p99 / quiet p99, median | each run |", "|---|---:|---:|---|"]
+    for scenario, ratios in by.items():
+        each = ", ".join(f"{r:.1f}x" for r in ratios)
+        lines.append(f"| {scenario} | {len(ratios)} | {statistics.median(ratios):.2f}x | {each} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-dir", type=Path, default=REPO_ROOT, help="checkout whose app/ is served")
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS)
     parser.add_argument("--send-timeout", type=float, default=2.0, help="FFN_SEND_TIMEOUT_S of the server")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FFN_NAME=VALUE", help="a server setting for every scenario"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="run the scenarios this many times, in turn")
     args = parser.parse_args(argv)
+    overrides = server_overrides(args.set)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "ffn.toml"
         config.write_text('[[models]]\nname = "demo"\ndropout = 0.1\n')  # the built-in demo, with a dropout rate
-        for scenario in args.only:
-            with start_server(
-                env=server_env(scenario, args.send_timeout),
-                config=config if scenario == "mc-flood" else None,
-                cwd=args.server_dir,
-            ) as server:
-                row = asyncio.run(run(scenario, server, args.send_timeout))
-                row.scenario = scenario
-                rows.append(row)
-                print("| " + " | ".join(row.cells()) + " |", flush=True)
+        for _ in range(args.repeat):
+            for scenario in args.only:
+                with start_server(
+                    env=server_env(scenario, args.send_timeout) | overrides,
+                    config=config if scenario == "mc-flood" else None,
+                    cwd=args.server_dir,
+                ) as server:
+                    row = asyncio.run(run(scenario, server, args.send_timeout))
+                    row.scenario = scenario
+                    rows.append(row)
+                    print("| " + " | ".join(row.cells()) + " |", flush=True)
     print()
-    print(f"server: {args.server_dir}")
+    print(f"server: {args.server_dir}" + "".join(f" {k}={v}" for k, v in overrides.items()))
     print(table(rows))
+    if args.repeat > 1:
+        print()
+        print(ratio_summary(rows))
     return 0
 
 

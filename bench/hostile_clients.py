@@ -103,6 +103,28 @@ async def flood_pipelined(port: int, total: int, stall_s: float = 3.0) -> None:
         writer.close()
 
 
+async def pipelining_client(port: int, requests: int, window: int = 64) -> float:
+    """A well-behaved pipelining client: `requests` GETs, `window` sent ahead of the answers read; req/s."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    probe = http_request("GET", "/v2/health/live", close=False)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        sent = answered = 0
+        while answered < requests:
+            ahead = min(window - (sent - answered), requests - sent)
+            if ahead > 0:
+                writer.write(probe * ahead)
+                sent += ahead
+            status = (await read_response(reader)).status
+            if status != 200:
+                raise RuntimeError(f"pipelined request {answered} answered {status}")
+            answered += 1
+        return requests / (loop.time() - started)
+    finally:
+        writer.close()
+
+
 async def trickle_body(
     port: int, interval: float, headers: dict[str, str] | None = None, limit: float = 60.0
 ) -> int | None:
