@@ -492,6 +492,7 @@ async def test_at_the_cap_with_no_idle_connection_a_new_one_gets_503_then_is_ser
         reader, writer = await served.connect(request("GET", "/again"))
         assert (await answer(reader)).json() == {"path": "/again", "body_bytes": 0}
         writer.close()
+    assert app.started == 3 and [seen.path for seen in app.seen] == ["/busy0", "/busy1", "/again"]
 
 
 async def test_connections_still_sending_their_request_hold_half_the_cap_at_most() -> None:
@@ -503,6 +504,22 @@ async def test_connections_still_sending_their_request_hold_half_the_cap_at_most
         # A request that arrives whole is served beside them.
         good_reader, good_writer = await served.connect(request("GET", "/good"))
         assert (await answer(good_reader)).json() == {"path": "/good", "body_bytes": 0}
+        for _, other in [*tricklers, (reader, writer), (good_reader, good_writer)]:
+            other.close()
+
+
+async def test_a_request_refused_while_its_body_is_coming_never_enters_the_app() -> None:
+    # The refusal is the protocol's answer alone: before, the request's task still ran the app's
+    # whole stack (for a client that reconnects the moment it is refused, most of the server's time).
+    app = EchoApp()
+    async with serving(limits_with(max_connections=8), app) as served:
+        tricklers = [await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
+        await until(lambda: served.budget.receiving == 4, "half the cap receiving")
+        reader, writer = await served.connect(request("POST", "/refused", b"0123456789", Content_Length="1000"))
+        assert "still sending" in json_error(await answer(reader), 503, "too_many_connections")["error"]
+        good_reader, good_writer = await served.connect(request("GET", "/good"))
+        assert (await answer(good_reader)).json() == {"path": "/good", "body_bytes": 0}
+        assert app.started == 1 and [seen.path for seen in app.seen] == ["/good"]
         for _, other in [*tricklers, (reader, writer), (good_reader, good_writer)]:
             other.close()
 

@@ -39,9 +39,12 @@ An upgrade request (WebSocket, h2c) is answered as a plain HTTP request and the 
 after it: the service speaks HTTP/1.1 only (uvicorn runs with ws="none"). Parser-level refusals
 (malformed request line, bad header bytes, broken chunked framing) get the service's JSON error
 body instead of uvicorn's text/plain, with a request id of their own (body and X-Request-Id), as
-every answer has. After an error answer the connection lingers briefly, reading and discarding
-up to LINGER_BYTES, so that a client still sending reads the answer instead of a reset; past
-those, reading stops (a flood costs the server nothing more).
+every answer has. A request the protocol refuses in the read that parsed its head (a 503 at the
+cap, a body over a budget) never enters the app: a refusal costs the protocol's answer alone,
+which matters when a client reconnects the moment it is refused. After an error answer the
+connection lingers briefly, reading and discarding up to LINGER_BYTES, so that a client still
+sending reads the answer instead of a reset; past those, reading stops (a flood costs the server
+nothing more).
 
 It relies on private members of uvicorn's protocol; app/web/uvicorn_members.py lists them, and
 ffn-serve checks them before serving.
@@ -57,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import httptools
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -72,12 +75,10 @@ from app.web.errors import (
     RequestTimeout,
     TooManyConnections,
     error_body,
-    error_response,
     kind_of,
 )
 from app.web.http import ON_DISCONNECT
 from app.web.pipelining import PipelineTurns
-from app.web.request_ids import RequestIds
 
 log = logging.getLogger("ffn_serve")
 
@@ -129,13 +130,17 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"http": protocol, "ws": "none"}
 
 
-async def _refuse_connection(scope: Scope, receive: Receive, send: Send) -> None:
-    await error_response(TooManyConnections("the server holds its maximum of open connections; retry shortly"))(
-        scope, receive, send
-    )
+REFUSED = "ffn.refused"  # set in a request's scope when the protocol answered it itself
 
 
-_too_many_connections = RequestIds(_refuse_connection)  # the app of a connection past the cap
+def _unless_refused(app: ASGIApp) -> ASGIApp:
+    """`app`, skipped for a request the protocol refused before its task began (see _refuse)."""
+
+    async def unless_refused(scope: Scope, receive: Receive, send: Send) -> None:
+        if not scope.get(REFUSED):
+            await app(scope, receive, send)
+
+    return unless_refused
 
 
 class HeldFlowControl(FlowControl):
@@ -214,6 +219,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unsent_at_check = 0
         self._discarding = False  # an error was answered, or an upgrade asked for: input is dropped
         self._completion_deferred = False  # uvicorn's end of an answer waits for this connection's turn
+        self._admitted = True  # within the connection cap (connection_made)
         self._discarded = 0
 
     # ----- connection ------------------------------------------------------------------------
@@ -221,11 +227,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = HeldFlowControl(transport)
-        admitted, idle = self.budget.opened(self)
+        self.app = _unless_refused(self.app)
+        self._admitted, idle = self.budget.opened(self)
         if idle is not None:
             idle.transport.close()  # room for this one: idle, it loses nothing a retry cannot give back
-        if not admitted:
-            self.app = _too_many_connections  # answered once its head arrives, then closed
+        if not self._admitted:  # answered 503 once its head arrives (_account), then closed
             self._warn_cap(f"{self.budget.open} connections open, none idle: refusing new ones with 503")
         self._idle_since = self.loop.time()
         self._arm_head_timer()
@@ -383,6 +389,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _account(self) -> None:
         """After a read: is this connection still sending a request, waiting for answers, or idle?"""
         if self.transport.is_closing() or self._discarding:
+            return
+        if not self._admitted:
+            if self._unanswered:  # its head is in: the answer can go now, and nothing more is read
+                self._refuse(TooManyConnections("the server holds its maximum of open connections; retry shortly"))
             return
         if self._overhead or self._in_body:
             if not self.budget.still_receiving(self):
@@ -632,6 +642,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
+            # A task not yet begun (the head was parsed in this very read) never enters the app:
+            # a refusal costs the protocol's answer, not the app's whole stack.
+            cast(dict[str, Any], cycle.scope)[REFUSED] = True
         if cycle is not None and isinstance(cycle.transport, OneWriteAnswers):
             cycle.transport.flush()  # an earlier answer's last write, held for this turn, goes first
         kind = kind_of(error)
