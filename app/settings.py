@@ -193,6 +193,12 @@ class Settings(BaseSettings):
         description="Workers: one whose event loop sends its supervisor no heartbeat for this long (stopped, hung, "
         "blocked) is killed and replaced, with a log line.",
     )
+    worker_start_timeout_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        description="Workers: one not ready this long after it was started (loading, warming up, or hung doing so) "
+        "is killed, with a log line: replaced once the service has been ready, else the start fails.",
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="If set, every route but the probes (health, model readiness) needs Bearer auth; "

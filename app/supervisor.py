@@ -10,6 +10,10 @@ a connection is only ever accepted by a warm worker.
 - A ready worker's event loop beats every half second (app/engine/loop_watch.py); one silent for
   `heartbeat_timeout_s` (stopped, hung, its loop blocked) is killed with SIGKILL, with a log line,
   and started again like any dead worker: its clients see their connections close, not a hang.
+- A starting worker beats from a thread of its own while it loads and warms up; one silent for
+  STARTING_SILENCE_S (stopped), or not ready within `worker_start_timeout_s` (hung loading), is
+  killed the same way. Its beats say only that it runs, not that it progresses: loading holds
+  the interpreter for a second or more at times, hence the longer silence allowed, and the deadline.
 - A worker that exits before the service was first ready stops the start: the others are
   stopped and the parent exits with that worker's code (no restart loop on a bad model).
 - SIGTERM or SIGINT is passed to every worker, which drains what it accepted; the parent exits
@@ -34,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -59,6 +64,10 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backoff
 # After the drain timeout and uvicorn's grace, a worker still running is killed.
 STOP_MARGIN_S = 10.0
+STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
+# A starting worker silent this long is stopped: its beat thread waits for the interpreter, which
+# an import or a model's load can hold for a second or two, never for this long.
+STARTING_SILENCE_S = 30.0
 
 
 def threads_per_worker(settings: Settings) -> int:
@@ -75,7 +84,9 @@ class Slot:
     conn: Connection | None = None
     ready: bool = False
     ready_at: float = 0.0
-    beat_at: float | None = None  # its last heartbeat; None: not watched (starting, or already killed)
+    started_at: float = 0.0
+    beat_at: float | None = None  # its last heartbeat; None: none yet since its start, or killed
+    killed: bool = False  # killed as silent or late; its exit is on the way
     failures: int = 0
     restart_at: float | None = None
 
@@ -170,7 +181,7 @@ class Supervisor:
     def _timeout(self) -> float | None:
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
         if self._stop_deadline is None:
-            due += [s.beat_at + self.settings.heartbeat_timeout_s for s in self._slots if s.beat_at is not None]
+            due += [when for slot in self._slots if (when := self._silent_or_late_at(slot)) is not None]
         if (deadline := self._relay.next_deadline()) is not None:
             due.append(deadline)
         if self._stop_deadline is not None:
@@ -193,6 +204,7 @@ class Supervisor:
         process.start()
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
         slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
+        slot.started_at, slot.killed = time.monotonic(), False
         log.info("worker %d started (pid %d)", slot.index, process.pid)
         self._record_processes()
         self._relay.started(slot)
@@ -206,7 +218,7 @@ class Supervisor:
             slot.conn = None
             return
         if message[0] == HEARTBEAT:
-            if slot.ready:
+            if not slot.killed:
                 slot.beat_at = time.monotonic()
         elif message[0] == READY:
             self._ready(slot)
@@ -224,21 +236,37 @@ class Supervisor:
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
+    def _silent_or_late_at(self, slot: Slot) -> float | None:
+        """When `slot`'s worker is to be killed if nothing changes: its beats stop, or it is not ready in time."""
+        if slot.process is None or slot.killed:
+            return None
+        if slot.ready:
+            return None if slot.beat_at is None else slot.beat_at + self.settings.heartbeat_timeout_s
+        late = slot.started_at + self.settings.worker_start_timeout_s
+        return late if slot.beat_at is None else min(late, slot.beat_at + STARTING_SILENCE_S)
+
     def _kill_the_silent(self, now: float) -> None:
-        """SIGKILL every ready worker whose event loop has not beaten for heartbeat_timeout_s."""
+        """SIGKILL every worker whose heartbeats stopped, or that is not ready within worker_start_timeout_s."""
         if self._stop_deadline is not None:
             return  # stopping: the drain has its own deadline, and a draining loop may stop beating
         for slot in self._slots:
-            if slot.beat_at is None or slot.process is None or now - slot.beat_at < self.settings.heartbeat_timeout_s:
+            when = self._silent_or_late_at(slot)
+            if when is None or now < when or slot.process is None:
                 continue
-            log.error(
-                "worker %d (pid %s) sent no heartbeat for %.1f s (heartbeat_timeout_s): its event loop is stopped, "
-                "hung or blocked; killing it",
-                slot.index,
-                slot.pid,
-                now - slot.beat_at,
-            )
-            slot.beat_at = None
+            if slot.ready:
+                why = (
+                    f"sent no heartbeat for {now - (slot.beat_at or now):.1f} s (heartbeat_timeout_s): "
+                    "its event loop is stopped, hung or blocked"
+                )
+            elif slot.beat_at is not None and now - slot.beat_at >= STARTING_SILENCE_S:
+                why = f"sent no heartbeat for {now - slot.beat_at:.1f} s while starting: it is stopped"
+            else:
+                why = (
+                    f"was not ready {now - slot.started_at:.1f} s after its start "
+                    f"(worker_start_timeout_s {self.settings.worker_start_timeout_s:g}): it is hung loading or warming up"
+                )
+            log.error("worker %d (pid %s) %s; killing it", slot.index, slot.pid, why)
+            slot.killed = True
             slot.process.kill()
 
     # ----- workers leaving ------------------------------------------------------------------
@@ -331,6 +359,19 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
     metrics = Metrics()
     if replacement:
         metrics.worker_restarts.inc()
+    started = threading.Event()
+    threading.Thread(target=_beat_until, args=(control, started), name="starting-heartbeat", daemon=True).start()
+
+    def ready() -> None:
+        started.set()  # from now on the event loop beats (app/engine/loop_watch.py)
+        control.send_ready()
+
     from app.server import serve_here  # torch and the web stack: in the workers only, never the supervisor
 
-    sys.exit(serve_here(settings, listeners, metrics, on_ready=control.send_ready, control=control))
+    sys.exit(serve_here(settings, listeners, metrics, on_ready=ready, control=control))
+
+
+def _beat_until(control: Control, started: threading.Event) -> None:
+    """A starting worker's heartbeats, every STARTING_BEAT_S until it is ready."""
+    while not started.wait(STARTING_BEAT_S):
+        control.heartbeat()

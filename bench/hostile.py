@@ -318,7 +318,7 @@ async def held_scenario(server: ServerProcess) -> Row:
 
 
 async def stopped_worker_scenario(server: ServerProcess) -> Row:
-    # The port answers once one worker is ready; one still loading is not watched: stop a ready one.
+    # The port answers once one worker is ready; one still loading has a longer bound: stop a ready one.
     async with asyncio.timeout(120):
         while "ready: 2 workers" not in server.logs():
             await asyncio.sleep(0.1)

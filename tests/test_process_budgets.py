@@ -98,8 +98,8 @@ async def request_on(connection: tuple[asyncio.StreamReader, asyncio.StreamWrite
 async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_hanging() -> None:
     env = {"FFN_WORKERS": "2", "FFN_WARMUP": "0", "FFN_HEARTBEAT_TIMEOUT_S": "3"}
     with start_server(env=env) as server:
-        # The port answers once one worker is ready; a worker still loading is not watched (a load
-        # may take long), so the one stopped must be past its start: wait for both.
+        # The port answers once one worker is ready; one still loading is held to its start deadline
+        # and a 30 s silence, not the heartbeat timeout: the one stopped must be past its start.
         await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
         workers = server.worker_pids()
         assert len(workers) == 2
@@ -135,6 +135,37 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
                 pass
             for _, writer in connections:
                 writer.close()
+
+
+async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_replaced() -> None:
+    # Before: a worker was watched only once ready; one stopped (or hung) while loading was never
+    # replaced, and with it gone its slot served nobody for good.
+    env = {"FFN_WORKERS": "2", "FFN_WARMUP": "0", "FFN_WORKER_START_TIMEOUT_S": "20"}
+    with start_server(env=env) as server:
+        await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
+        first = server.worker_pids()
+        os.kill(min(first), signal.SIGKILL)  # a crash: the supervisor starts another...
+        await until(lambda: len(server.worker_pids() - first) == 1, "a replacement started")
+        (late,) = server.worker_pids() - first
+        os.kill(late, signal.SIGSTOP)  # ... which stops before it is ready
+        try:
+            await until(
+                lambda: (
+                    f"(pid {late}) was not ready" in server.logs() or f"(pid {late}) sent no heartbeat" in server.logs()
+                ),
+                "the late worker's kill",
+            )
+            await until(lambda: f"(pid {late}) was killed by SIGKILL; starting another" in server.logs(), "its restart")
+            await until(lambda: len(server.worker_pids() - first - {late}) == 1, "another replacement started")
+            await until(lambda: server.logs().count(") ready") >= 3, "the third worker ready")  # the first two, then it
+            x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+            for _ in range(8):  # new connections, to either worker: all served right
+                assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
+        finally:
+            try:
+                os.kill(late, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 # ----- SIGHUP: never an exit without cleanup -------------------------------------------------------
