@@ -95,6 +95,14 @@ async def request_on(connection: tuple[asyncio.StreamReader, asyncio.StreamWrite
     return r.status
 
 
+def resume(pid: int) -> None:
+    """SIGCONT to a worker the test stopped, unless it is gone (killed, as the test expects)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
 async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_hanging() -> None:
     env = {"FFN_WORKERS": "2", "FFN_WARMUP": "0", "FFN_HEARTBEAT_TIMEOUT_S": "3"}
     with start_server(env=env) as server:
@@ -129,10 +137,7 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
                 assert r.status == 200
                 assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
         finally:
-            try:
-                os.kill(victim, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            resume(victim)
             for _, writer in connections:
                 writer.close()
 
@@ -162,10 +167,7 @@ async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_re
             for _ in range(8):  # new connections, to either worker: all served right
                 assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
         finally:
-            try:
-                os.kill(late, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            resume(late)
 
 
 # ----- SIGHUP: never an exit without cleanup -------------------------------------------------------
