@@ -278,3 +278,29 @@ async def test_a_websocket_upgrade_meets_the_key_check_and_is_never_upgraded(ser
     json_error(r, 401, "unauthorized")
     assert await until_closed(reader) == b""  # no other protocol is spoken on it
     writer.close()
+
+
+async def test_pipelined_model_requests_are_each_answered_right_in_order(server: ServerProcess) -> None:
+    # Pipelined requests start on their connection's turn (app/web/pipelining.py), past the
+    # MAX_UNANSWERED parsed at a time: 60 of them, of 1 to 5 rows, through the whole model path.
+    xs = [np.random.default_rng(i).standard_normal((1 + i % 5, 512)).astype("<f4") for i in range(60)]
+    reader, writer = await asyncio.open_connection(HOST, server.port)
+    try:
+        writer.write(
+            b"".join(
+                http_request(
+                    "POST",
+                    V1,
+                    {**AUTH, "Content-Type": "application/octet-stream", "X-Shape": f"{x.shape[0]},512"},
+                    x.tobytes(),
+                    close=False,
+                )
+                for x in xs
+            )
+        )
+        for x in xs:
+            r = await asyncio.wait_for(read_response(reader), SETTLE_BOUND_S)
+            assert r.status == 200, r.body[:300]
+            assert_close(np.array(r.json()["outputs"], dtype=np.float32), demo_reference(x), rtol=1e-4)
+    finally:
+        writer.close()
