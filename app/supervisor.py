@@ -181,7 +181,7 @@ class Supervisor:
     def _timeout(self) -> float | None:
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
         if self._stop_deadline is None:
-            due += [when for slot in self._slots if (when := self._silent_or_late_at(slot)) is not None]
+            due += [watch[0] for slot in self._slots if (watch := self._deadline(slot)) is not None]
         if (deadline := self._relay.next_deadline()) is not None:
             due.append(deadline)
         if self._stop_deadline is not None:
@@ -236,35 +236,32 @@ class Supervisor:
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
-    def _silent_or_late_at(self, slot: Slot) -> float | None:
-        """When `slot`'s worker is to be killed if nothing changes: its beats stop, or it is not ready in time."""
+    def _deadline(self, slot: Slot) -> tuple[float, str] | None:
+        """When `slot`'s worker is to be killed if nothing changes, and what it will then have failed:
+        "silent" (a ready worker's beats), "silent starting" (a starting one's), or "late" (not ready in time)."""
         if slot.process is None or slot.killed:
             return None
         if slot.ready:
-            return None if slot.beat_at is None else slot.beat_at + self.settings.heartbeat_timeout_s
-        late = slot.started_at + self.settings.worker_start_timeout_s
-        return late if slot.beat_at is None else min(late, slot.beat_at + STARTING_SILENCE_S)
+            return None if slot.beat_at is None else (slot.beat_at + self.settings.heartbeat_timeout_s, "silent")
+        late = (slot.started_at + self.settings.worker_start_timeout_s, "late")
+        return late if slot.beat_at is None else min(late, (slot.beat_at + STARTING_SILENCE_S, "silent starting"))
 
     def _kill_the_silent(self, now: float) -> None:
         """SIGKILL every worker whose heartbeats stopped, or that is not ready within worker_start_timeout_s."""
         if self._stop_deadline is not None:
             return  # stopping: the drain has its own deadline, and a draining loop may stop beating
         for slot in self._slots:
-            when = self._silent_or_late_at(slot)
-            if when is None or now < when or slot.process is None:
+            deadline = self._deadline(slot)
+            if deadline is None or now < deadline[0] or slot.process is None:
                 continue
-            if slot.ready:
-                why = (
-                    f"sent no heartbeat for {now - (slot.beat_at or now):.1f} s (heartbeat_timeout_s): "
-                    "its event loop is stopped, hung or blocked"
-                )
-            elif slot.beat_at is not None and now - slot.beat_at >= STARTING_SILENCE_S:
-                why = f"sent no heartbeat for {now - slot.beat_at:.1f} s while starting: it is stopped"
-            else:
-                why = (
-                    f"was not ready {now - slot.started_at:.1f} s after its start "
-                    f"(worker_start_timeout_s {self.settings.worker_start_timeout_s:g}): it is hung loading or warming up"
-                )
+            silent_for = now - (slot.beat_at or now)
+            why = {
+                "silent": f"sent no heartbeat for {silent_for:.1f} s (heartbeat_timeout_s): "
+                "its event loop is stopped, hung or blocked",
+                "silent starting": f"sent no heartbeat for {silent_for:.1f} s while starting: it is stopped",
+                "late": f"was not ready {now - slot.started_at:.1f} s after its start "
+                f"(worker_start_timeout_s {self.settings.worker_start_timeout_s:g}): it is hung loading or warming up",
+            }[deadline[1]]
             log.error("worker %d (pid %s) %s; killing it", slot.index, slot.pid, why)
             slot.killed = True
             slot.process.kill()
