@@ -86,7 +86,7 @@ def medians_table(by: dict[CellKey, list[ServiceCell]]) -> str:
     ]
     for key in sorted(by, key=lambda k: (k[1], k[2], k[3], k[0])):
         draws = by[key]
-        batch = _median([d.mean_batch_rows for d in draws])
+        batch = median_cell(draws).mean_batch_rows
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(draws)} | "
             f"{_span([d.rows_per_s for d in draws], ',.0f')} | {_span([d.p50_ms for d in draws], '.3f')} | "
