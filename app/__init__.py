@@ -1,8 +1,9 @@
-"""ffn-serve: the HTTP service around ffn_core.
+"""ffn-serve: the HTTP and gRPC service around ffn_core.
 
-Layers, one direction: `app.engine` (batcher, runner, registry; no web imports) and
-`app.web` (the edge: HTTP, protocols, the error table) both build on `app.settings` and
-`app.metrics`; `app.main` wires them into one FastAPI app and `app.cli` runs it.
+Layers, one direction: `app.engine` (models, batchers, lifecycle; no web imports) under
+`app.protocol` (what a request means, whichever door: admission, errors, tensors, V2 semantics),
+under the two doors, `app.http` and `app.grpc`, which know nothing of each other. `app.main` wires
+them into one service and `app.cli` runs it.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -7,7 +7,7 @@ that many worker processes on the sockets bound here.
 
 Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
 server failed while starting; 2 invalid settings or command line, or an installed uvicorn that
-lacks what app/web/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
+lacks what app/http/transport/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
 allowed).
 """
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     # Before torch, the models or a port: a uvicorn outside the pinned range fails here, in one line.
-    from app.web import uvicorn_members
+    from app.http.transport import uvicorn_members
 
     mismatch = uvicorn_members.mismatch()
     if mismatch is not None:

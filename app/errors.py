@@ -1,6 +1,6 @@
 """ServiceError: the base of every error the service answers with a message of its own.
 
-Below both layers: the engine's kinds (app.engine.errors) and the edge's (app.web.errors)
+Below both layers: the engine's kinds (app.engine.errors) and the protocol's (app.protocol.errors)
 derive from it; only the edge knows statuses.
 """
 

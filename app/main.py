@@ -10,24 +10,24 @@ from app import __version__
 from app.control import Control
 from app.engine.registry import Registry
 from app.engine.service import Engine, ServedModel
+from app.http import ops
+from app.http.docs_assets import serve_docs_offline
+from app.http.endpoints import ServiceApp, register
+from app.http.errors import install_error_handlers
+from app.http.guard import GuardMiddleware, JsonCORSMiddleware
+from app.http.native import routes as native
+from app.http.openapi import document_validation_errors_as_400
+from app.http.request_ids import RequestIds
+from app.http.request_timer import RequestTimer, route_templates
+from app.http.v2 import routes as v2
 from app.metrics import Metrics
+from app.protocol.admission import HeldBytes
+from app.protocol.shared_memory import SharedMemoryRegions
+from app.protocol.state import ServiceState
+from app.protocol.v2 import log_settings, system_shared_memory, trace_extension
 from app.settings import Settings
 from app.tracing import TraceSettings, start_tracing
 from app.tracing.config import traces_export
-from app.web import ops
-from app.web.docs_assets import serve_docs_offline
-from app.web.endpoints import ServiceApp, register
-from app.web.errors import install_error_handlers
-from app.web.guard import GuardMiddleware, JsonCORSMiddleware
-from app.web.held import HeldBytes
-from app.web.native import routes as native
-from app.web.openapi import document_validation_errors_as_400
-from app.web.request_ids import RequestIds
-from app.web.request_timer import RequestTimer, route_templates
-from app.web.shared_memory import SharedMemoryRegions
-from app.web.state import ServiceState
-from app.web.v2 import log_settings, system_shared_memory, trace_extension
-from app.web.v2 import routes as v2
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
 
@@ -130,6 +130,6 @@ def create_app(
         RequestTimer, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot)
     )
     # Outermost, in front of FastAPI's stack and Starlette's error middleware in it: every answer,
-    # an unexpected 500's included, carries the request's id (app/web/request_ids.py).
+    # an unexpected 500's included, carries the request's id (app/http/request_ids.py).
     app.add_edge_middleware(RequestIds)
     return app

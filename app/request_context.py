@@ -1,6 +1,6 @@
 """The request the current task serves: its request id, its V2 `id`, and its trace when it is traced.
 
-Every HTTP request gets a RequestContext from the outermost middleware (app/web/request_ids.py),
+Every HTTP request gets a RequestContext from the outermost middleware (app/http/request_ids.py),
 held in a context variable: uvicorn runs each request in a task of its own, so whatever runs
 for that request (a handler, the error table, the access log, the batcher's submit) reads the
 same one without it being passed along. The error body and the log lines read the ids here;

@@ -27,11 +27,11 @@ from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.grpc.server import GrpcServer
+from app.http.transport.protocol import LimitedHttpToolsProtocol, uvicorn_options
 from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
-from app.web.protocol import LimitedHttpToolsProtocol, uvicorn_options
 
 log = logging.getLogger("ffn_serve")
 
@@ -43,7 +43,7 @@ class DrainingServer(uvicorn.Server):
 
     While draining the socket stays open: readiness answers 503 (so load balancers and
     Kubernetes take the pod out), new work gets 503, and every accepted request is answered,
-    each answer with `Connection: close` (app/web/protocol.py): a kept-alive connection would
+    each answer with `Connection: close` (app/http/transport/protocol.py): a kept-alive connection would
     be closed under the next request its client writes when the process exits.
     A second signal exits at once. SIGHUP reads the config file again (`capture_signals`).
     `on_started` is called once the sockets accept connections.

@@ -3,7 +3,7 @@
     python -m bench.protocol_echo --host 127.0.0.1 --port 8002
 
 bench/gpu/echo.py's app (each body answered with itself), served by uvicorn with uvloop as the
-plain echo is, but through app/web/protocol.py's LimitedHttpToolsProtocol with the default
+plain echo is, but through app/http/transport/protocol.py's LimitedHttpToolsProtocol with the default
 settings' limits (the head counted and timed, the body timeout, the send timeout, the connection
 cap): the service's transport without the service. bench.transport sets it beside the plain
 echo, so that the protocol's cost and the service's own cost show apart in one table.
@@ -16,8 +16,8 @@ import sys
 
 import uvicorn
 
+from app.http.transport.protocol import uvicorn_options
 from app.settings import Settings
-from app.web.protocol import uvicorn_options
 from bench.gpu.echo import app
 
 

@@ -128,16 +128,16 @@ STAGES: list[Rule] = [
         "edge: guard, fast path, handler",
         frozenset(),
         (
-            "app/web/guard.py",
-            "app/web/endpoints.py",
-            "app/web/native/routes.py",
-            "app/web/v2/routes.py",
+            "app/http/guard.py",
+            "app/http/endpoints.py",
+            "app/http/native/routes.py",
+            "app/http/v2/routes.py",
             "starlette/",
             "fastapi/",
             "bench/gpu/echo.py",
         ),
     ),
-    ("HTTP protocol (uvicorn)", frozenset(), ("uvicorn/", "app/web/protocol.py", "httptools")),
+    ("HTTP protocol (uvicorn)", frozenset(), ("uvicorn/", "app/http/transport/protocol.py", "httptools")),
     ("event loop", frozenset({"Runner.run"}), ("asyncio/", "uvloop", "runners.py", "selectors.py")),
 ]
 ORDER = [stage for stage, _, _ in STAGES] + ["other"]

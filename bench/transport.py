@@ -9,7 +9,7 @@ In front of a GPU the FFN costs microseconds, so what limits the service there i
 around the model. That is measured here on the CPU: ffn-serve with a near-free model (d_model
 768, d_ff 8) and with the real one (768/3072, GELU, float32), beside `bench/gpu/echo.py` (each
 body answered with itself) on the same stack (uvicorn, uvloop, httptools), plain and under
-ffn-serve's own protocol (app/web/protocol.py: its budgets and timers, the hardening's cost
+ffn-serve's own protocol (app/http/transport/protocol.py: its budgets and timers, the hardening's cost
 alone). Each server runs on the server core with one torch thread, the load generator (wrk,
 or ffn-loadtest where wrk is missing) on the client core; binary float32 requests of r rows
 over C connections, closed loop. Every cell runs `--repeat` times, the servers in turn within

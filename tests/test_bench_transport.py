@@ -66,13 +66,13 @@ def test_the_prediction_takes_the_models_own_share_out():
 
 def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
     loop = "Runner.run (asyncio/runners.py:118);RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:409)"
-    handler = f"{loop};FastPath._handle (app/web/endpoints.py:99);transform (app/web/native/routes.py:40)"
+    handler = f"{loop};FastPath._handle (app/http/endpoints.py:99);transform (app/http/native/routes.py:40)"
     raw = "\n".join(
         [
-            f"thread (1): MainThread;{handler};_decode (app/web/native/routes.py:70);view_rows (app/web/tensors.py:72);"
-            "check_finite (app/web/tensors.py:55);all_finite (app/web/tensors.py:47) 5",
-            f"thread (1): MainThread;{handler};encode (app/web/native/codec.py:240);to_wire_dtype (app/web/tensors.py:165);"
-            "check_finite_output (app/web/tensors.py:60);all_finite (app/web/tensors.py:47) 3",
+            f"thread (1): MainThread;{handler};_decode (app/http/native/routes.py:70);view_rows (app/protocol/tensors.py:72);"
+            "check_finite (app/protocol/tensors.py:55);all_finite (app/protocol/tensors.py:47) 5",
+            f"thread (1): MainThread;{handler};encode (app/protocol/native.py:240);to_wire_dtype (app/protocol/tensors.py:165);"
+            "check_finite_output (app/protocol/tensors.py:60);all_finite (app/protocol/tensors.py:47) 3",
             f"thread (1): MainThread;{loop};Batcher._collect (app/engine/batcher.py:290);Batcher._run (app/engine/batcher.py:370);"
             "ModelRunner.launch (app/engine/runner.py:130);FeedForward.forward (ffn_core/model.py:41);"
             "Linear.forward (torch/nn/modules/linear.py:134) 7",
@@ -81,7 +81,7 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
             "thread (2): ffn-cpu_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81) 4",
             f"thread (1): MainThread;{handler};Response.__call__ (starlette/responses.py:169);"
             "RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:524) 6",
-            f"thread (1): MainThread;{handler};ServiceState.count (app/web/state.py:34);"
+            f"thread (1): MainThread;{handler};ServiceState.count (app/protocol/state.py:34);"
             "Counter.inc (prometheus_client/metrics.py:300) 1",
             f"thread (1): MainThread;{handler} 2",
             "thread (1): MainThread;Runner.run (asyncio/runners.py:118) 9",

@@ -34,9 +34,9 @@ import yaml
 from fastapi import FastAPI
 
 from app.cli import bind
+from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
 from app.settings import Settings, read_config_file
-from app.web.protocol import uvicorn_options
 from ffn_client.testing import HOST, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

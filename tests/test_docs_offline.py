@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import httpx
 import pytest
 
-from app.web.docs_assets import ASSETS_DIR
+from app.http.docs_assets import ASSETS_DIR
 
 
 class References(HTMLParser):

@@ -15,9 +15,9 @@ import orjson
 import pytest
 from starlette.middleware.errors import ServerErrorMiddleware
 
+from app.http.endpoints import FastPath
 from app.main import ENDPOINTS, create_app
 from app.settings import Settings
-from app.web.endpoints import FastPath
 
 D = 512
 x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""app/web/tensors.py: all_finite, the check every input and every answer passes, against numpy's element-wise isfinite."""
+"""app/protocol/tensors.py: all_finite, the check every input and every answer passes, against numpy's element-wise isfinite."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.web.tensors import all_finite
+from app.protocol.tensors import all_finite
 
 SPECIALS = [np.nan, np.inf, -np.inf]
 

@@ -18,12 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.errors import ServiceError
-from app.web import fields
-from app.web.errors import kind_of
-from app.web.http import deadline_from
-from app.web.native import codec as native
-from app.web.tensors import check_finite_output
-from app.web.v2 import codec as v2
+from app.protocol import fields, native
+from app.protocol.admission import deadline_from
+from app.protocol.errors import kind_of
+from app.protocol.tensors import check_finite_output
+from app.protocol.v2 import codec as v2
 
 D = 4  # a small d_model, so that generated tensors are often valid
 MAX_ROWS = 64

@@ -1,4 +1,4 @@
-"""app/web/http.py's request plumbing on its own: body reads and client hang-ups, with hand-made ASGI messages."""
+"""app/http/body.py's request plumbing on its own: body reads and client hang-ups, with hand-made ASGI messages."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from starlette.requests import Request
 
-from app.web.errors import ClientDisconnected, PayloadTooLarge
-from app.web.http import ON_DISCONNECT, read_body, unless_disconnected
-from app.web.native.codec import decode_raw
+from app.http.body import ON_DISCONNECT, read_body, unless_disconnected
+from app.protocol.errors import ClientDisconnected, PayloadTooLarge
+from app.protocol.native import decode_raw
 
 
 def request_of(pieces: list[bytes], *, headers: list[tuple[bytes, bytes]] | None = None) -> Request:

@@ -22,15 +22,19 @@ import pytest
 
 from app import __version__
 from app.engine import errors as engine_errors
+from app.protocol import errors as protocol_errors
 from app.settings import ModelSpec
-from app.web import errors as web_errors
 from ffn_core import ACTIVATIONS, FORMATS
 from ffn_core.dtypes import DTYPE_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMODULES = sorted(f"ffn_core.{path.stem}" for path in (ROOT / "ffn_core").glob("*.py") if path.stem != "__init__")
-SERVICE = ("app", "fastapi", "starlette", "uvicorn")  # top-level packages ffn_core must not import
+SERVICE = ("app", "fastapi", "starlette", "uvicorn", "grpc")  # top-level packages ffn_core must not import
 ENGINE = sorted(f"app.engine.{path.stem}" for path in (ROOT / "app" / "engine").glob("*.py") if path.stem != "__init__")
+PROTOCOL = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for path in (ROOT / "app" / "protocol").rglob("*.py")
+)
 
 
 def _service_modules_after(*imports: str) -> list[list[str]]:
@@ -46,7 +50,8 @@ def _service_modules_after(*imports: str) -> list[list[str]]:
 
 
 def _web_modules(modules: list[str]) -> list[str]:
-    return [m for m in modules if m.split(".")[0] in ("fastapi", "starlette", "uvicorn") or m.startswith("app.web")]
+    doors = ("app.http", "app.grpc", "app.protocol")
+    return [m for m in modules if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "grpc") or m.startswith(doors)]
 
 
 def test_the_import_contracts_hold() -> None:
@@ -73,6 +78,31 @@ def test_what_ffn_core_and_the_engine_load_at_run_time() -> None:
     assert {"fastapi", "starlette"} <= set(after[-1])
 
 
+def test_the_protocol_core_loads_no_web_or_grpc_stack_at_run_time() -> None:
+    # What each door's stack pulls in shows only at run time: every module of app.protocol, imported
+    # in turn, leaves starlette, fastapi, uvicorn, grpc and both doors unloaded; then FastAPI, which
+    # the same look must find (so the empty lists are a finding).
+    after = _service_modules_after(*PROTOCOL, "fastapi")
+    doors = ("app.http", "app.grpc")
+    stacks = [[m for m in modules if m.split(".")[0] != "app" or m.startswith(doors)] for modules in after]
+    assert stacks[:-1] == [[]] * len(PROTOCOL)
+    assert {"fastapi", "starlette"} <= set(stacks[-1])
+
+
+def test_only_the_http_transport_touches_uvicorns_internals() -> None:
+    # uvicorn.protocols is uvicorn's inside, not its API: one folder to port per uvicorn release.
+    # (import-linter sees external packages whole, so this contract is read from the sources.)
+    importers = set()
+    for path in (ROOT / "app").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name.startswith("uvicorn.protocols") for name in names):
+                importers.add(path.relative_to(ROOT).parent.as_posix())
+    assert importers == {"app/http/transport"}
+
+
 def test_ffn_core_modules_import_each_other_in_one_direction():
     graph: dict[str, set[str]] = {}
     for path in (ROOT / "ffn_core").glob("*.py"):
@@ -97,9 +127,9 @@ def test_every_service_error_has_one_row_in_the_table() -> None:
             if issubclass(cls, base) and cls is not base and cls.__module__ == module.__name__
         }  # type: ignore[attr-defined]
 
-    for cls in classes(engine_errors, engine_errors.EngineError) | classes(web_errors, web_errors.EdgeError):
-        assert cls in web_errors.ERRORS, f"{cls.__name__} has no status in app.web.errors.ERRORS"
-    statuses = {kind.error_type: kind.status for kind in web_errors.ERRORS.values()}
+    for cls in classes(engine_errors, engine_errors.EngineError) | classes(protocol_errors, protocol_errors.EdgeError):
+        assert cls in protocol_errors.ERRORS, f"{cls.__name__} has no status in app.protocol.errors.ERRORS"
+    statuses = {kind.error_type: kind.status for kind in protocol_errors.ERRORS.values()}
     assert statuses["overloaded"] == 429 and statuses["unavailable"] == 503 and statuses["invalid_input"] == 400
 
 

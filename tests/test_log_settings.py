@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from app.logs import LogSettings, apply_log_settings, configure_logging, current_log_settings
+from app.protocol.errors import ERRORS
 from app.settings import Settings
-from app.web.errors import ERRORS
 from ffn_client.testing import ServerProcess, start_server
 from tests.worker_logs import pids_that_served, records, replaced, worker_pids
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from app import __version__
+from app.protocol.errors import ERRORS
 from app.settings import ModelSpec, Settings
-from app.web.errors import ERRORS
 from ffn_client.testing import free_port, metric_value, read_rss, start_server
 
 D_MODEL = 512

@@ -1,4 +1,4 @@
-"""An answer's head and body reach the socket in one write (app/web/protocol.py: OneWriteAnswers).
+"""An answer's head and body reach the socket in one write (app/http/transport/protocol.py: OneWriteAnswers).
 
 A process killed between two writes leaves a head without its body, which a proxy has passed
 on and can no longer retry elsewhere (deploy/docker_check.py saw it once in 40,000 requests
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.web.protocol import ONE_WRITE_BYTES, OneWriteAnswers
+from app.http.transport.protocol import ONE_WRITE_BYTES, OneWriteAnswers
 
 
 class RecordingTransport(asyncio.Transport):

@@ -19,8 +19,8 @@ from app.engine.batcher import Batcher
 from app.engine.errors import InsufficientMemory
 from app.engine.runner import ModelRunner
 from app.metrics import Metrics
+from app.protocol.errors import kind_of
 from app.settings import Settings
-from app.web.errors import kind_of
 from ffn_client.testing import metric_value
 from ffn_core import demo_ffn
 from tests.in_process import InProcessApp

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.web.pipelining import PipelineTurns
+from app.http.transport.pipelining import PipelineTurns
 
 
 class FakeConnection:

@@ -1,4 +1,4 @@
-"""app/web/protocol.py on its own: uvicorn's HTTP/1.1 protocol fed in slices within each connection's
+"""app/http/transport/protocol.py on its own: uvicorn's HTTP/1.1 protocol fed in slices within each connection's
 budgets (issue 20: every non-body byte of a message, pipelined requests, the body's rate, the
 cap's idle and receiving connections), a bounded, timed head, a body timeout and a send timeout.
 
@@ -29,11 +29,11 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.server import ServerState
 
 from app import cli
+from app.http.transport import uvicorn_members
+from app.http.transport.connections import ConnectionBudget
+from app.http.transport.pipelining import PipelineTurns
+from app.http.transport.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
 from app.settings import Settings
-from app.web import uvicorn_members
-from app.web.connections import ConnectionBudget
-from app.web.pipelining import PipelineTurns
-from app.web.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
 from ffn_client.http1 import Response, build_request, read_response
 
 HOST = "127.0.0.1"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
+from app.http.guard import GuardMiddleware
 from app.main import ENDPOINTS
 from app.settings import ROUTE_WORDS
-from app.web.guard import GuardMiddleware
 from ffn_client.testing import start_server
 
 CLI = [sys.executable, "-m", "app.cli"]

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from app.protocol.errors import InvalidInput
+from app.protocol.v2.trace_extension import parse_update
 from app.tracing.trace_settings import TraceSettings
-from app.web.errors import InvalidInput
-from app.web.v2.trace_extension import parse_update
 
 
 def picked(settings: TraceSettings, model: str | None, requests: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The engine's errors: kinds of failure with a message for the caller, and no HTTP statuses.
 
-The edge maps each kind to a status and an error_type in one table (app.web.errors), the
+The protocol core maps each kind to a status and an error_type in one table (app.protocol.errors), the
 way TEI's router maps its core's ErrorType to a StatusCode.
 """
 

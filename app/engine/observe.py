@@ -14,6 +14,8 @@ from typing import Protocol
 
 from app.engine.queue import Entry
 
+__all__ = ["BatchObserver", "Entry"]  # what an observer sees: itself, and the entries it is told of
+
 
 class BatchObserver(Protocol):
     def tag(self) -> object | None:

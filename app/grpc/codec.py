@@ -1,7 +1,7 @@
 """ModelInferRequest to rows and options, and rows to ModelInferResponse: the V2 codec's checks, on protobuf.
 
-The request is read with the HTTP door's checks (app/web/v2/codec.py, app/web/tensors.py,
-app/web/fields.py), so a request is refused over gRPC exactly where its HTTP twin is, with the
+The request is read with the HTTP door's checks (app/protocol/v2/codec.py, app/protocol/tensors.py,
+app/protocol/fields.py), so a request is refused over gRPC exactly where its HTTP twin is, with the
 same message. Parameters (`InferParameter`) become the values their JSON twins parse to:
 int64 and uint64 an integer, double a number, bool a boolean, string a string; then the same
 field readers check them (`mc_passes` sent as a double is refused as it is in JSON).
@@ -23,12 +23,12 @@ import torch
 from tritonclient.grpc import service_pb2 as pb
 
 from app.engine.service import ServedModel
-from app.web import mc_parameters, tensors
-from app.web.errors import InvalidInput
-from app.web.fields import number_field
-from app.web.shared_memory import SharedMemoryRegions, turned_off
-from app.web.v2 import codec as v2
-from app.web.v2.codec import INPUT_NAME, SHARED_MEMORY_REGION, SharedMemorySpan
+from app.protocol import mc_parameters, tensors
+from app.protocol.errors import InvalidInput
+from app.protocol.fields import number_field
+from app.protocol.shared_memory import SharedMemoryRegions, turned_off
+from app.protocol.v2 import codec as v2
+from app.protocol.v2.codec import INPUT_NAME, SHARED_MEMORY_REGION, SharedMemorySpan
 from ffn_core.dtypes import DType
 
 FP32 = "FP32"

@@ -31,8 +31,8 @@ from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.malformed import Malformed
 from app.grpc.ports import target
 from app.grpc.service import InferenceServicer
-from app.web.errors import InvalidInput
-from app.web.state import ServiceState
+from app.protocol.errors import InvalidInput
+from app.protocol.state import ServiceState
 
 log = logging.getLogger("ffn_serve")
 

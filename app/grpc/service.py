@@ -2,8 +2,8 @@
 
 The servicer is tritonclient's generated base class (tritonclient.grpc.service_pb2_grpc), so the
 method paths and messages are Triton's own. Every answer is read from the same places as its
-HTTP twin: metadata (app/web/v2/routes.py), model configuration, statistics and the repository
-index (app/web/v2/extensions.py), load and unload (app/web/v2/model_control.py's parameter checks,
+HTTP twin: metadata (app/http/v2/routes.py), model configuration, statistics and the repository
+index (app/protocol/v2/extensions.py), load and unload (app/protocol/v2/model_control.py's parameter checks,
 then Engine.load / Engine.unload), and every failure goes through the one error table
 (app/grpc/status.py). The methods of extensions this server does not implement answer
 UNIMPLEMENTED with the message their HTTP routes give; each is one method below, so serving
@@ -24,18 +24,24 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
-from app import __version__
 from app.engine.service import ServedModel
 from app.grpc import codec
 from app.grpc.malformed import Malformed
 from app.grpc.status import abort
 from app.grpc.stream import StreamInfer
-from app.web import mc_parameters
-from app.web.http import deadline_from
-from app.web.state import ServiceState
-from app.web.v2 import extensions, log_settings, model_control, statistics, system_shared_memory, trace_extension
-from app.web.v2 import routes as v2_routes
-from app.web.v2.codec import OUTPUT_NAME, SERVER_NAME, STD_OUTPUT_NAME
+from app.protocol import mc_parameters
+from app.protocol.admission import deadline_from
+from app.protocol.state import ServiceState
+from app.protocol.v2 import (
+    extensions,
+    log_settings,
+    metadata,
+    model_control,
+    statistics,
+    system_shared_memory,
+    trace_extension,
+)
+from app.protocol.v2.codec import OUTPUT_NAME, STD_OUTPUT_NAME
 
 PROTOCOL = "grpc"  # the protocol label of ffn_requests_total
 
@@ -67,7 +73,7 @@ def answered(
 
 def _repository_parameters(parameters: Mapping[str, pb.ModelRepositoryParameter]) -> dict[str, Any]:
     """A ModelRepositoryParameter map as the HTTP body's `parameters` would hold it: key -> the value
-    set (None where none is), so that app/web/v2/model_control.py checks both doors' alike."""
+    set (None where none is), so that app/protocol/v2/model_control.py checks both doors' alike."""
     values: dict[str, Any] = {}
     for key, parameter in parameters.items():
         kind = parameter.WhichOneof("parameter_choice")
@@ -108,14 +114,13 @@ class InferenceServicer(GRPCInferenceServiceServicer):
 
     @answered
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(
-            name=SERVER_NAME, version=__version__, extensions=extensions.extensions(self._state.settings)
-        )
+        server = metadata.server_metadata(self._state)
+        return pb.ServerMetadataResponse(name=server.name, version=server.version, extensions=server.extensions)
 
     @answered
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
-        metadata = v2_routes.metadata(self._state, request.name, _version(request.version))
-        return json_format.ParseDict(metadata.model_dump(), pb.ModelMetadataResponse())
+        answer = metadata.model_metadata(self._state, request.name, _version(request.version))
+        return json_format.ParseDict(answer.model_dump(), pb.ModelMetadataResponse())
 
     @answered
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:

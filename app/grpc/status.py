@@ -1,4 +1,4 @@
-"""gRPC statuses from the one error table (app/web/errors.py): the code, the message, the trailing metadata.
+"""gRPC statuses from the one error table (app/protocol/errors.py): the code, the message, the trailing metadata.
 
 Every failure of the gRPC door goes through `grpc_error`, so a request refused over HTTP with a
 status and an error_type is refused over gRPC with the table's gRPC code, the same message, and
@@ -15,7 +15,7 @@ from typing import NoReturn
 import grpc
 
 from app.errors import ServiceError
-from app.web.errors import INTERNAL, kind_of
+from app.protocol.errors import INTERNAL, kind_of
 
 log = logging.getLogger("ffn_serve")
 
@@ -38,16 +38,19 @@ def grpc_error(exc: BaseException) -> GrpcError:
     """The table's answer to `exc`: its gRPC code and message; anything unlisted is INTERNAL, with no detail."""
     kind = kind_of(exc) if isinstance(exc, Exception) else INTERNAL
     if kind is INTERNAL:
-        return GrpcError(INTERNAL.grpc, "internal server error", ((ERROR_TYPE_KEY, INTERNAL.error_type),), "internal")
+        return GrpcError(
+            grpc.StatusCode.INTERNAL, "internal server error", ((ERROR_TYPE_KEY, INTERNAL.error_type),), "internal"
+        )
+    code = grpc.StatusCode[kind.grpc]
     message = exc.message if isinstance(exc, ServiceError) else str(exc)
     trailers = [(ERROR_TYPE_KEY, kind.error_type)]
     retry_after = kind.headers(exc).get("Retry-After") if isinstance(exc, Exception) else None
     if retry_after is not None:
         trailers += [(RETRY_AFTER_KEY, retry_after), (RETRY_PUSHBACK_KEY, str(int(retry_after) * 1000))]
-    elif kind.grpc is grpc.StatusCode.RESOURCE_EXHAUSTED:
+    elif code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         # Too large ever to fit (the queue, the message limit, the device): the same request cannot succeed.
         trailers.append((RETRY_PUSHBACK_KEY, "-1"))
-    return GrpcError(kind.grpc, message, tuple(trailers), kind.error_type)
+    return GrpcError(code, message, tuple(trailers), kind.error_type)
 
 
 def log_if_internal(exc: BaseException) -> None:

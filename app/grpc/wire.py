@@ -7,7 +7,7 @@ varint eight. So a request may hold at most `MAX_OTHER_BYTES` of anything but te
 at most `MAX_FIELDS` fields in all: what a request with a few names, a shape, a few parameters
 and outputs needs many times over, and a hard bound on the parser's memory and on this scan's
 own time (it reads field headers only, skipping every payload). The HTTP door counts a JSON
-body's arrays and values before parsing it (app/web/tensors.py) for the same reason.
+body's arrays and values before parsing it (app/protocol/tensors.py) for the same reason.
 
 A request of at most `MAX_OTHER_BYTES` in all is not scanned: whatever it holds, its parse is small.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from app.web.errors import InvalidInput, PayloadTooLarge
+from app.protocol.errors import InvalidInput, PayloadTooLarge
 
 MAX_OTHER_BYTES = 64 * 1024
 MAX_FIELDS = 1024

@@ -4,7 +4,7 @@
 - trace_settings.py: Triton's trace settings (level, rate, count, log frequency), per server and model.
 - spans.py: the spans themselves and their export; imported, with the OpenTelemetry SDK, only when on.
 
-The edge calls in at two places only (app/web/endpoints.py: FastPath, and the stage marks of
+The edge calls in at two places only (app/http/endpoints.py: FastPath, and the stage marks of
 app/request_context.py); the engine reports batches through its observer hook (app/engine/observe.py).
 """
 

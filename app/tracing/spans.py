@@ -42,12 +42,10 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, get_current_span
 from opentelemetry.trace import set_span_in_context as in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from starlette.responses import Response
-from starlette.types import Scope
 
 from app import __version__
-from app.engine.queue import Entry
-from app.engine.registry import ServedModel
+from app.engine.observe import Entry
+from app.engine.service import ServedModel
 from app.request_context import RequestContext, current
 from app.tracing.config import Export
 from app.tracing.trace_settings import Policy, TraceSettings
@@ -80,28 +78,32 @@ class Tracing:
         self.batch_tracer = batches.get_tracer(SCOPE_NAME, __version__)
         self._sending: set[asyncio.Future[bool]] = set()
 
-    def begin(self, scope: Scope, route: str, model: str | None) -> RequestTrace | None:
-        """The trace of the request `scope` on `route`, if it is traced; None (and nothing started) if not."""
+    def begin(
+        self, name: str, headers: Sequence[tuple[bytes, bytes]], attributes: dict[str, Any], model: str | None
+    ) -> RequestTrace | None:
+        """The trace of the current request, named `name`, if it is traced; None (and nothing started) if not.
+
+        Either door calls it: `headers` are the request's (HTTP headers or gRPC metadata, names in
+        lower case), where a `traceparent` joins the caller's trace; `attributes` are the door's
+        own (HTTP's method, route and path; gRPC's service and method).
+        """
         context = current()
         if context is None:
             return None
         policy = self.settings.policy(model)
         if not policy.level:
             return None
-        parent = remote_parent(scope["headers"])
+        parent = remote_parent(headers)
         if parent is None and not policy.take_turn():
             return None
-        method = scope["method"]
-        span = self.tracer.start_span(f"{method} {route}", context=parent or _EMPTY, kind=SpanKind.SERVER)
+        span = self.tracer.start_span(name, context=parent or _EMPTY, kind=SpanKind.SERVER)
         if not span.is_recording():  # the sampler said no: nothing to end, nothing to export
             return None
         # Set once recorded, not given to the sampler: OpenTelemetry's samplers decide on the trace
         # id and the parent, and a request the sampler drops should cost as little as can be.
         span.set_attributes(
             {
-                "http.request.method": method,
-                "http.route": route,
-                "url.path": scope["path"],
+                **attributes,
                 "ffn.request_id": context.request_id,
                 **({} if model is None else {"ffn.model_name": model}),
             }
@@ -216,22 +218,25 @@ class RequestTrace:
         else:
             self._compute[1] = max(self._compute[1], ended)
 
-    def answered(self, response: Response, error_type: str | None) -> None:
-        """The answer is ready to send: its status on the span, the span's `traceparent` on the answer."""
+    def answered(
+        self, attributes: dict[str, Any], *, failed: bool, error_type: str | None, output_bytes: int, content_type: str
+    ) -> dict[str, str]:
+        """The answer is ready to send: its status on the span; what to add to the answer (its `traceparent`).
+
+        `attributes`: the door's status (http.response.status_code, rpc.grpc.status_code); `failed`:
+        the server's failure, not a client's mistake (its semantic conventions say which).
+        """
         self._answered = time.time_ns()
-        status = response.status_code
-        self.span.set_attribute("http.response.status_code", status)
+        self.span.set_attributes(attributes)
         if error_type is not None:
             self.span.set_attribute("error.type", error_type)
-        if status >= 500:  # a client's mistake is not the server span's error (HTTP semantic conventions)
+        if failed:
             self.span.set_status(Status(StatusCode.ERROR, error_type))
         if self._policy.tensors:
-            body = getattr(response, "body", b"")  # a plain Response: the tensor routes answer whole bodies
-            self._output = {"ffn.output.bytes": len(body), "ffn.output.content_type": response.media_type or ""}
+            self._output = {"ffn.output.bytes": output_bytes, "ffn.output.content_type": content_type}
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=in_context(self.span))
-        for name, value in carrier.items():
-            response.raw_headers.append((name.encode("latin-1"), value.encode("latin-1")))
+        return carrier
 
     # ----- the end: its stage spans, then its own --------------------------------------------
 

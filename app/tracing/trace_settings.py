@@ -19,7 +19,7 @@ it is not sampled. A model's scope holds the settings set for it; the others fol
 live, and so do their counters (a model without its own trace_count draws on the server's).
 
 Counters are per serving process: with several workers, trace_count=10 traces up to 10 requests in
-each. Updates reach every worker as control commands (app/web/v2/trace_extension.py).
+each. Updates reach every worker as control commands (app/protocol/v2/trace_extension.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,147 @@
+"""Endpoints declared once: method, path and handler feed both FastAPI and the fast path.
+
+FastAPI's per-request machinery (matching through every route, dependency solving, its extra
+middleware) costs more than the rest of a small request's work. So the tensor routes
+(`fast=True`) are also dispatched by `FastPath`, a pure ASGI middleware that matches the same
+path templates (compiled by Starlette's own `compile_path`) and calls the very same handler,
+rendering its errors through the one error table. Every endpoint is registered with FastAPI
+too, which gives the OpenAPI page and serves any request the fast path lets through.
+
+`ServiceApp` puts the edge's middleware (CORS, the guard, the fast path) in front of FastAPI's
+own stack rather than inside it: FastAPI wraps `add_middleware`'s middleware in Starlette's
+dispatch, its ServerErrorMiddleware (a wrapper around every `send`), its telemetry and body
+limit middleware, layers a tensor request crossed for nothing. Requests the edge passes on
+still go through all of them.
+
+The fast path is also where a tensor request's trace begins and ends (app/tracing/spans.py),
+when tracing is on: the route's template names the span, the path its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.http.errors import error_response
+from app.protocol.errors import INTERNAL, kind_of
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.tracing.spans import Tracing
+
+log = logging.getLogger("ffn_serve")
+
+Handler = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route. `fast` handlers take `request` and the path parameters as keywords."""
+
+    method: str
+    path: str  # a Starlette path template: /v1/models/{name}/transform
+    handler: Handler
+    fast: bool = False
+    openapi: dict[str, Any] = field(default_factory=dict)  # FastAPI route options: summary, responses, ...
+
+
+class ServiceApp(FastAPI):
+    """FastAPI with an edge: middleware run in front of FastAPI's whole stack (see the module's docstring).
+
+    `add_edge_middleware` is `add_middleware` for the edge: the last added runs first. The edge
+    sees every scope (lifespan included) and passes what it does not answer to FastAPI.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.edge_middleware: list[Middleware] = []
+        self._edge: ASGIApp | None = None
+
+    def add_edge_middleware(self, cls: Any, **options: Any) -> None:
+        if self._edge is not None:
+            raise RuntimeError("edge middleware cannot be added once the app has started")
+        self.edge_middleware.insert(0, Middleware(cls, **options))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._edge is None:
+            edge: ASGIApp = super().__call__
+            for cls, args, options in reversed(self.edge_middleware):
+                edge = cls(edge, *args, **options)
+            self._edge = edge
+        scope["app"] = self  # as Starlette does: a fast handler reaches the service state through request.app
+        await self._edge(scope, receive, send)
+
+
+def register(
+    app: ServiceApp, endpoints: Sequence[Endpoint], *, fast_path: bool = True, tracing: Tracing | None = None
+) -> None:
+    """Add every endpoint to FastAPI, and the fast ones to a FastPath at the app's edge (which traces them)."""
+    for endpoint in endpoints:
+        app.add_api_route(endpoint.path, endpoint.handler, methods=[endpoint.method], **endpoint.openapi)
+    fast = [endpoint for endpoint in endpoints if endpoint.fast]
+    if fast_path and fast:
+        app.add_edge_middleware(FastPath, endpoints=fast, tracing=tracing)
+
+
+class FastPath:
+    """Calls the fast endpoints' handlers directly; every other request goes on to FastAPI."""
+
+    def __init__(self, app: ASGIApp, *, endpoints: Sequence[Endpoint], tracing: Tracing | None = None) -> None:
+        self.app = app
+        self._tracing = tracing
+        self._routes: list[tuple[str, re.Pattern[str], Handler, str]] = [
+            (endpoint.method, compile_path(endpoint.path)[0], endpoint.handler, endpoint.path) for endpoint in endpoints
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            method, path = scope["method"], scope["path"]
+            for route_method, pattern, handler, route in self._routes:
+                if method == route_method and (match := pattern.match(path)) is not None:
+                    await self._handle(handler, route, match.groupdict(), scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    async def _handle(
+        self, handler: Handler, route: str, params: dict[str, str], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        trace = None
+        if self._tracing is not None:
+            method = scope["method"]
+            attributes = {"http.request.method": method, "http.route": route, "url.path": scope["path"]}
+            trace = self._tracing.begin(f"{method} {route}", scope["headers"], attributes, params.get("name"))
+        request = Request(scope, receive, send)
+        error: Exception | None = None
+        try:
+            response: Response = await handler(request=request, **params)
+        except Exception as exc:
+            if kind_of(exc) is INTERNAL:  # a bug: keep its traceback; the client learns nothing internal
+                log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            response, error = error_response(exc), exc
+        if trace is None:
+            await response(scope, receive, send)
+            return
+        status = response.status_code
+        carrier = trace.answered(
+            {"http.response.status_code": status},
+            failed=status >= 500,  # a client's mistake is not the server span's error (HTTP semantic conventions)
+            error_type=None if error is None else kind_of(error).error_type,
+            output_bytes=len(getattr(response, "body", b"")),  # the tensor routes answer whole bodies
+            content_type=response.headers.get("content-type", ""),
+        )
+        response.raw_headers.extend(
+            (name.encode("latin-1"), value.encode("latin-1")) for name, value in carrier.items()
+        )
+        try:
+            await response(scope, receive, send)
+        finally:
+            trace.end()

@@ -1,0 +1,122 @@
+"""The system shared-memory extension's HTTP routes, and CUDA shared memory's refusal (the extension: app/protocol/v2/system_shared_memory.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.http.body import read_body
+from app.http.endpoints import Endpoint
+from app.http.openapi import error_responses
+from app.http.state import StateDep, service_state
+from app.protocol.tensors import loads_json
+from app.protocol.v2.system_shared_memory import (
+    MAX_BODY_BYTES,
+    cuda_shared_memory,
+    regions_of,
+    register_document,
+    status,
+    unregister,
+)
+
+
+async def all_status(state: StateDep) -> list[dict[str, Any]]:
+    return status(state)
+
+
+async def region_status(region: str, state: StateDep) -> list[dict[str, Any]]:
+    return status(state, region)
+
+
+async def register_region(region: str, request: Request) -> Response:
+    state = service_state(request)
+    regions_of(state)  # off: the same 400 whatever the body
+    body = await read_body(request, MAX_BODY_BYTES)
+    await register_document(state, region, loads_json(body))
+    return Response(status_code=200)
+
+
+async def unregister_region(region: str, state: StateDep) -> Response:
+    await unregister(state, region)
+    return Response(status_code=200)
+
+
+async def unregister_all(state: StateDep) -> Response:
+    await unregister(state)
+    return Response(status_code=200)
+
+
+_TAGS = {"tags": ["v2 extensions"]}
+_STATUS = {
+    "summary": "System shared-memory regions (system shared memory extension)",
+    "responses": error_responses(400, 401),
+    **_TAGS,
+}
+_CHANGE = {"response_class": Response, "responses": {200: {"content": {}}, **error_responses(400, 401, 503)}, **_TAGS}
+_CUDA_ROUTES = [
+    ("GET", "/v2/cudasharedmemory/status"),
+    ("GET", "/v2/cudasharedmemory/region/{region}/status"),
+    ("POST", "/v2/cudasharedmemory/region/{region}/register"),
+    ("POST", "/v2/cudasharedmemory/unregister"),
+    ("POST", "/v2/cudasharedmemory/region/{region}/unregister"),
+]
+
+ENDPOINTS = [
+    Endpoint("GET", "/v2/systemsharedmemory/status", all_status, openapi=_STATUS),
+    Endpoint(
+        "GET",
+        "/v2/systemsharedmemory/region/{region}/status",
+        region_status,
+        openapi={**_STATUS, "responses": error_responses(400, 401, 404)},
+    ),
+    Endpoint(
+        "POST",
+        "/v2/systemsharedmemory/region/{region}/register",
+        register_region,
+        openapi={
+            **_CHANGE,
+            "summary": "Register a system shared-memory region in every worker",
+            "responses": {200: {"content": {}}, **error_responses(400, 401, 413, 503)},
+            "openapi_extra": {
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["key", "byte_size"],
+                                "properties": {
+                                    "key": {
+                                        "type": "string",
+                                        "description": "The object's shm_open name, /dev/shm/<key>.",
+                                    },
+                                    "offset": {"type": "integer", "minimum": 0, "default": 0},
+                                    "byte_size": {"type": "integer", "minimum": 1},
+                                },
+                                "additionalProperties": False,
+                            }
+                        }
+                    },
+                }
+            },
+        },
+    ),
+    Endpoint(
+        "POST",
+        "/v2/systemsharedmemory/region/{region}/unregister",
+        unregister_region,
+        openapi={**_CHANGE, "summary": "Unregister a system shared-memory region in every worker"},
+    ),
+    Endpoint(
+        "POST",
+        "/v2/systemsharedmemory/unregister",
+        unregister_all,
+        openapi={**_CHANGE, "summary": "Unregister every system shared-memory region"},
+    ),
+    *(
+        Endpoint(method, path, cuda_shared_memory, openapi={"include_in_schema": False})
+        for method, path in _CUDA_ROUTES
+    ),
+]

@@ -1,0 +1,239 @@
+"""Tensor checks and conversions that both protocols share: shapes, JSON numbers, raw bytes.
+
+Everything a client can get wrong is refused here with InvalidInput, before the batcher.
+Raw tensors are little-endian and C order; they are viewed in the request's own buffer,
+never copied. JSON bodies are counted before they are parsed, so that a body cannot ask for
+more Python objects than the largest tensor the model would accept, nor an envelope (the
+objects and strings around the tensor) larger than a request needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import orjson
+import torch
+
+from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
+from app.protocol.fields import json_type
+from ffn_core.dtypes import DType
+
+# torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
+# that it cannot protect it. Request rows are only read: spend that one warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(bytes(4), dtype=torch.float32)
+
+MAX_RANK = 3
+# Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
+_JSON_SLACK = 1024
+# The envelope around the tensor: a V2 request needs a few dozen objects and strings (keys included).
+# Counted as '{' and '"' characters before parsing, those inside strings too: far above any request's
+# needs, far below what makes parsing costly (the review's 4.6 M keys cost 12x the body and 3 s).
+MAX_JSON_OBJECTS = 4096
+MAX_JSON_STRINGS = 16384
+# Integer literals beyond 64 bits, which orjson turns into floats: the characters of numbers mapped
+# to three classes (digits to '9'; '.', 'e', 'E', '+' to '.'; '-' kept), everything else to ' ', so
+# that a run of 19 or more digits standing alone is found at C speed.
+_NUMBER_CLASSES = bytes(
+    ord("9") if chr(i).isdigit() and i < 128 else ord(".") if chr(i) in ".eE+" else i if i == ord("-") else ord(" ")
+    for i in range(256)
+)
+_LONG_RUN = b"9" * 19
+_DIGITS = re.compile(rb"9*")
+_MAX_LONG_INTEGERS = 4096  # long integer literals examined at most, one Python step each
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+
+def check_shape(shape: Sequence[int], d_model: int) -> int:
+    """Rows in a [rows, d_model] or [batch, seq, d_model] tensor; anything else is InvalidInput."""
+    if not 2 <= len(shape) <= MAX_RANK:
+        # A shape can hold millions of dimensions: the message shows a few.
+        shown = list(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...]"
+        raise InvalidInput(
+            f"expected a tensor of shape [rows, {d_model}] or [batch, seq, {d_model}], got rank {len(shape)} {shown}"
+        )
+    if shape[-1] != d_model:
+        raise InvalidInput(f"last dimension must be d_model={d_model}, got {shape[-1]} (shape {list(shape)})")
+    if any(dim < 1 for dim in shape):
+        raise InvalidInput(f"every dimension must be at least 1, got shape {list(shape)}")
+    return math.prod(shape[:-1])
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a host tensor holds no NaN or infinity."""
+    if tensor.dtype == torch.bfloat16:  # no numpy dtype; torch's isfinite is 30x slower than min/max here
+        low, high = torch.aminmax(tensor)  # NaN propagates into both
+        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+    # numpy is far cheaper per call than torch's dispatch; the ufunc's reduce skips ndarray.all's Python wrapper.
+    return bool(np.logical_and.reduce(np.isfinite(tensor.numpy()), axis=None))
+
+
+def check_finite(rows: torch.Tensor) -> None:
+    if not all_finite(rows):
+        raise InvalidInput("inputs must be finite numbers: found NaN or Infinity")
+
+
+def check_finite_output(output: torch.Tensor) -> None:
+    """An answer holding inf or NaN (a finite input that overflowed) is refused, never sent as null or inf."""
+    if not all_finite(output):
+        raise NonFiniteOutput(
+            "the output overflowed its dtype (inf or NaN) for these finite inputs; "
+            "scale the inputs down or ask for a wider dtype"
+        )
+
+
+def view_rows(buffer: bytes | bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
+    """(rows, d_model) of `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
+
+    The caller has checked that the buffer holds exactly rows * d_model elements from `offset`.
+    A `bytes` buffer gives a tensor torch cannot mark read-only; nothing on the way to the model
+    writes into its input (the runner reads it, or copies it into a staging slot).
+    """
+    tensor = torch.frombuffer(buffer, dtype=dtype.torch, offset=offset, count=rows * d_model).view(rows, d_model)
+    check_finite(tensor)
+    return tensor
+
+
+def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
+    """Refuse (413), before parsing, a JSON body with more arrays, values, objects or strings than a request needs.
+
+    Parsing makes a Python object of every value, array, object and string (a 3-byte `[],`
+    becomes a 56-byte list, a 6-byte `"k":1,` a key and an int), so an unchecked body could
+    cost 20x its size and seconds of the event loop. Counting brackets, commas, braces and
+    quotes is a C-speed pass: a tensor of `max_rows` rows fits within the counts, and so does
+    any envelope a request needs. Characters inside strings count too, which only makes the
+    bounds stricter; nesting is checked on what was parsed (orjson stops at 1024 levels).
+    """
+    data = bytes(body) if isinstance(body, memoryview) else body
+    max_arrays = 2 * max_rows + _JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
+    max_values = max_rows * d_model + max_arrays + _JSON_SLACK
+    if data.count(b"[") > max_arrays or data.count(b",") > max_values:
+        raise PayloadTooLarge(
+            f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
+            f"send fewer rows per request, or a binary body"
+        )
+    if data.count(b"{") > MAX_JSON_OBJECTS or data.count(b'"') > 2 * MAX_JSON_STRINGS:
+        raise PayloadTooLarge(
+            f"JSON body holds more than {MAX_JSON_OBJECTS} objects or {MAX_JSON_STRINGS} strings "
+            "(its '{' and '\"' characters, counted before parsing); a request needs a few dozen"
+        )
+
+
+def loads_json(body: bytes | bytearray | memoryview) -> object:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson refuses NaN/Infinity literals and nesting deeper than 1024.
+        raise InvalidInput(f"malformed JSON: {exc}") from None
+
+
+def json_numbers_to_array(
+    value: object, field: str, source: bytes | bytearray | memoryview, dtype: DType
+) -> np.ndarray:
+    """Nested lists of JSON numbers -> a C-contiguous float32 array.
+
+    Ragged lists, booleans, strings, null, integers beyond 64 bits and values that do not fit
+    `dtype` are refused. `source` is the JSON text `value` was parsed from: it lets the common
+    case skip the per-value type walk (no `true`/`false` anywhere means no booleans).
+    """
+    if not isinstance(value, list):
+        raise InvalidInput(f"{field!r} must be a nested list of numbers, got {json_type(value)}")
+    text = bytes(source) if isinstance(source, memoryview) else source
+    if b"true" in text or b"false" in text:
+        _check_numbers_only(value, field)
+    try:
+        array = np.array(value)  # dtype inferred, never float: numpy would parse the string "1.0" as a float
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise InvalidInput(f"{field!r} must be a rectangular nested list of numbers: {str(exc)[:200]}") from None
+    if array.dtype.kind not in "fiu":
+        raise InvalidInput(f"{field!r} must contain only numbers (found {_kind_name(array.dtype)})")
+    if array.size:
+        peak = max(float(array.max()), -float(array.min()))
+        if peak >= 2.0**63 and array.dtype.kind == "f":  # only then can a float have been an integer literal
+            wide = _integers_beyond_64_bits(text)
+            if wide and np.isin(array, list(wide)).any():
+                raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
+        largest = float(torch.finfo(dtype.torch).max)
+        if peak > largest:
+            raise InvalidInput(
+                f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
+                f"(largest {largest:g})"
+            )
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _integers_beyond_64_bits(text: bytes | bytearray) -> set[float]:
+    """The values (as orjson made them, floats) of the integer literals in `text` beyond 64 bits.
+
+    A candidate is a run of 19 or more digits with nothing of a number around it but a leading
+    '-'; one inside a string may look the same, so the caller counts only the values that are in
+    the parsed tensor. Past _MAX_LONG_INTEGERS candidates the rest go unexamined: this is a check
+    of the client's own precision, never worth more than a bounded pass of the event loop.
+    """
+    classes = text.translate(_NUMBER_CLASSES)
+    found: set[float] = set()
+    start = classes.find(_LONG_RUN)
+    for _ in range(_MAX_LONG_INTEGERS):
+        if start == -1:
+            break
+        run = _DIGITS.match(classes, start)
+        assert run is not None, "'9*' matches anywhere; this is a bug."
+        end = run.end()
+        if start >= 1 and classes[start - 1] == ord("-"):
+            start -= 1
+        alone = (start == 0 or classes[start - 1] == ord(" ")) and (end == len(classes) or classes[end] == ord(" "))
+        if alone:
+            literal = bytes(text[start:end])
+            try:
+                in_range = INT64_MIN <= int(literal) <= UINT64_MAX
+            except ValueError:  # past Python's 4,300 digits: far beyond 64 bits
+                in_range = False
+            if not in_range:
+                found.add(float(literal))
+        start = classes.find(_LONG_RUN, end)
+    return found
+
+
+def _check_numbers_only(value: list[object], field: str) -> None:
+    """Walk the nested lists level by level (C-speed `map(type, ...)`): lists down to numbers only."""
+    level: list[object] = value
+    for _ in range(MAX_RANK + 1):
+        kinds = set(map(type, level))
+        if not level or kinds <= {int, float}:
+            return  # numpy refuses what is left: empty or ragged
+        if kinds <= {list}:
+            level = list(itertools.chain.from_iterable(level))  # type: ignore[arg-type]
+            continue
+        odd = next((item for item in level if type(item) not in (int, float, list)), None)
+        if odd is None:
+            raise InvalidInput(f"{field!r} must be a rectangular nested list: arrays and numbers at one level")
+        raise InvalidInput(f"{field!r} must contain only numbers, found {json_type(odd)}")
+    raise InvalidInput(f"{field!r} is nested deeper than a rank-{MAX_RANK} tensor")
+
+
+def _kind_name(dtype: np.dtype) -> str:
+    return {"U": "strings", "S": "strings", "O": "mixed or non-numeric values", "b": "booleans"}.get(
+        dtype.kind, str(dtype)
+    )
+
+
+def to_wire_dtype(output: torch.Tensor, dtype: DType) -> torch.Tensor:
+    """The output in the answer's dtype, refused (422) if it holds inf or NaN there."""
+    fits = output.dtype == dtype.torch and output.is_contiguous()  # the common case: the batch's own rows, as they are
+    wire = output if fits else output.to(dtype.torch).contiguous()
+    check_finite_output(wire)
+    return wire
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, little-endian, without a copy (bfloat16 through its 16-bit pattern)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    array: np.ndarray = tensor.numpy()
+    return memoryview(array.data).cast("B")

@@ -1,0 +1,1 @@
+"""The Open Inference Protocol (KServe V2) and Triton's extensions, as functions both doors call."""

@@ -1,0 +1,346 @@
+"""Open Inference Protocol (KServe V2) infer bodies, with Triton's binary tensor data extension.
+
+Request: a JSON object, optionally followed by raw tensor bytes when the header
+`Inference-Header-Content-Length` gives the JSON part's length; an input whose parameters
+hold `binary_data_size` takes its data from those bytes, in input order. Response: JSON, or a
+JSON header followed by the outputs asked for with `binary_data` (or `binary_data_output`).
+
+System shared memory: an input or output whose parameters name a registered region
+(`shared_memory_region`, `shared_memory_byte_size`, optionally `shared_memory_offset`) is read
+from or written to it instead (app/protocol/shared_memory.py), checked against the region before the
+request is queued; such an output is described in the answer without data, as in Triton.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import torch
+
+from app import request_context
+from app.protocol import mc_parameters, tensors
+from app.protocol.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
+from app.protocol.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
+from app.protocol.media import media_type, refuse_content_encoding
+from app.protocol.shared_memory import Region, SharedMemoryRegions, turned_off
+from ffn_core.dtypes import BY_V2, DType
+
+SERVER_NAME = "ffn-serve"
+PLATFORM = "pytorch_ffn"
+INPUT_NAME = "input"
+OUTPUT_NAME = "output"
+# Monte Carlo dropout answers `output` (the mean over the passes) and this (their standard deviation).
+STD_OUTPUT_NAME = "output_std"
+OUTPUT_NAMES = (OUTPUT_NAME, STD_OUTPUT_NAME)
+HEADER_LENGTH = "inference-header-content-length"
+# JSON bodies; with the binary extension the body is a JSON header followed by raw bytes.
+MEDIA_TYPES = ("application/json", "application/octet-stream")
+
+
+@dataclass(frozen=True)
+class SharedMemorySpan:
+    """Where in a registered region a tensor is, checked to lie inside it."""
+
+    region: Region
+    offset: int
+    byte_size: int
+
+
+@dataclass(frozen=True)
+class V2Request:
+    rows: torch.Tensor  # (rows, d_model)
+    shape: tuple[int, ...]
+    dtype: DType
+    id: str | None
+    outputs: dict[str, bool] | None  # output name -> binary, as asked; None: every output the answer has
+    binary_output: bool  # binary_data_output: the default for outputs that do not say
+    parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
+    timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
+    binary_input: bool  # `rows` is a view of the body's binary section (else a tensor of its own: JSON, shared memory)
+    shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
+
+
+def check_content(content_type: str | None, content_encoding: str | None) -> None:
+    """Refuse bodies of another media type, or compressed ones, before reading them."""
+    refuse_content_encoding(content_encoding)
+    media = media_type(content_type)
+    if media is not None and media not in MEDIA_TYPES:
+        raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
+
+
+def decode(
+    body: bytes | bytearray,
+    header_length: str | None,
+    d_model: int,
+    max_rows: int,
+    shared_memory: SharedMemoryRegions | None = None,
+    max_bytes: int = 0,
+) -> V2Request:
+    """An infer request's one input tensor and its options; every field type-checked (400).
+
+    A JSON part with more arrays or values than `max_rows` rows is refused before it is parsed.
+    `shared_memory`: the registered regions (None: the extension is off). An input read from one
+    counts against `max_bytes`, the body limit, as a body would: it is copied into memory too.
+    """
+    json_end = _json_length(header_length, len(body))
+    json_part = memoryview(body)[:json_end] if json_end < len(body) else body
+    tensors.check_json_counts(json_part, max_rows, d_model)
+    document = tensors.loads_json(json_part)
+    if not isinstance(document, dict):
+        raise InvalidInput("infer request must be a JSON object")
+    request_id = str_field(document, "id", "request")
+    request_context.named(request_id)  # from here on, an error answer carries the request's `id` too
+    parameters = object_field(document, "parameters", "request")
+    timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
+    inputs = list_field(document, "inputs", "request")
+    if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+    tensor = inputs[0]
+    dtype = check_input(str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input"))
+    shape = _shape(tensor.get("shape"))
+    rows = tensors.check_shape(shape, d_model)
+    input_parameters = object_field(tensor, "parameters", "input")
+    refuse_extensions(parameters, input_parameters)
+    binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
+    if SHARED_MEMORY_REGION in input_parameters:
+        if shared_memory is None:  # the extension is named first: nothing else about it matters then
+            raise turned_off()
+        if "data" in tensor or binary_size is not None:
+            raise InvalidInput("an input must set only one of 'data', 'binary_data_size' and 'shared_memory_region'")
+        if json_end != len(body):
+            raise InvalidInput("binary data follows the JSON header but the input is in shared memory")
+        values = shared_memory_tensor(input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes)
+    elif binary_size is not None:
+        if "data" in tensor:
+            raise InvalidInput("an input with binary_data_size must not also carry 'data'")
+        values = _binary_tensor(body, json_end, binary_size, shape, rows, d_model, dtype)
+    else:
+        if json_end != len(body):
+            raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
+        values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
+    binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
+    monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
+    output_bytes = rows * d_model * dtype.itemsize
+    outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
+    return V2Request(
+        values,
+        shape,
+        dtype,
+        request_id,
+        outputs,
+        binary_output,
+        parameters,
+        timeout_us,
+        binary_size is not None,
+        in_shared_memory,
+    )
+
+
+def check_input(name: str | None, datatype: str | None) -> DType:
+    """The input's dtype, once its name is the model's input and its datatype one served (both doors)."""
+    if name != INPUT_NAME:
+        raise InvalidInput(f"unexpected input {str(name)[:64]!r}; this model's input is {INPUT_NAME!r}")
+    dtype = BY_V2.get(datatype) if datatype is not None else None
+    if dtype is None:
+        raise InvalidInput(f"datatype must be one of {sorted(BY_V2)}, got {str(datatype)[:16]!r}")
+    return dtype
+
+
+SHARED_MEMORY_REGION = "shared_memory_region"
+# Request parameters of extensions this server does not implement: refused, never ignored.
+_SEQUENCE = ("sequence", "an FFN is position-wise and keeps no sequence state")
+_EXTENSION_PARAMETERS = {
+    "sequence_id": _SEQUENCE,
+    "sequence_start": _SEQUENCE,
+    "sequence_end": _SEQUENCE,
+    "priority": ("schedule_policy", "each model has one first-come queue; of its parameters only 'timeout' is served"),
+}
+
+
+def refuse_extensions(parameters: Mapping[str, Any], input_parameters: Mapping[str, Any]) -> None:
+    """Refuse a request that relies on an extension we do not implement, naming it (both doors)."""
+    for name, (extension, detail) in _EXTENSION_PARAMETERS.items():
+        if name in parameters:
+            raise UnsupportedExtension(extension, f"parameter {name!r} was sent, but {detail}")
+
+
+def shared_memory_span(parameters: dict[str, Any], regions: SharedMemoryRegions | None, where: str) -> SharedMemorySpan:
+    """The registered region, offset and size a tensor's parameters name, checked to lie in the region.
+
+    `parameters` is the tensor's parameters as a dict: the gRPC door reads its own into one and calls this.
+    """
+    if regions is None:
+        raise turned_off()
+    name = str_field(parameters, SHARED_MEMORY_REGION, f"{where} parameter")
+    size = int_field(parameters, "shared_memory_byte_size", f"{where} parameter", minimum=0)
+    offset = int_field(parameters, "shared_memory_offset", f"{where} parameter", minimum=0) or 0
+    if name is None or size is None:
+        raise InvalidInput(f"{where}: shared_memory_region and shared_memory_byte_size go together")
+    region = regions.get(name)  # 404 when not registered
+    region.check_span(offset, size, where)
+    return SharedMemorySpan(region, offset, size)
+
+
+def shared_memory_output_span(
+    name: str, parameters: dict[str, Any], regions: SharedMemoryRegions | None, output_bytes: int
+) -> SharedMemorySpan:
+    """Where output `name` is to be written, checked to hold its `output_bytes` (both doors)."""
+    span = shared_memory_span(parameters, regions, f"output {name!r}")
+    if span.byte_size < output_bytes:
+        raise InvalidInput(
+            f"output {name!r}: shared_memory_byte_size is {span.byte_size} but the output needs {output_bytes}"
+        )
+    return span
+
+
+def shared_memory_tensor(
+    parameters: dict[str, Any],
+    regions: SharedMemoryRegions | None,
+    shape: tuple[int, ...],
+    rows: int,
+    d_model: int,
+    dtype: DType,
+    max_rows: int,
+    max_bytes: int,
+) -> torch.Tensor:
+    """The input's rows, copied out of its region (the client cannot change them under the batch)."""
+    span = shared_memory_span(parameters, regions, "input")
+    expected = rows * d_model * dtype.itemsize
+    if span.byte_size != expected:
+        raise InvalidInput(
+            f"shared_memory_byte_size is {span.byte_size} but shape {list(shape)} of {dtype.v2} needs {expected}"
+        )
+    if rows > max_rows or expected > max_bytes:
+        raise PayloadTooLarge(
+            f"an input of {rows} rows ({expected} bytes) in shared memory exceeds what a request may hold "
+            f"({max_rows} rows, {max_bytes} bytes: the body limit)"
+        )
+    data = span.region.read(span.offset, span.byte_size, "input")
+    return tensors.view_rows(data, dtype, rows, d_model)
+
+
+def _json_length(header_length: str | None, body_length: int) -> int:
+    length = header_int(header_length, "Inference-Header-Content-Length")
+    if length is None:
+        return body_length
+    if length > body_length:
+        raise InvalidInput(f"Inference-Header-Content-Length {length} exceeds the body's {body_length} bytes")
+    return length
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise InvalidInput("input 'shape' must be a list of integers")
+    return tuple(value)
+
+
+def _binary_tensor(
+    body: bytes | bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+) -> torch.Tensor:
+    expected = rows * d_model * dtype.itemsize
+    if size != expected:
+        raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
+    if len(body) - json_end != size:
+        raise InvalidInput(f"binary section is {len(body) - json_end} bytes but binary_data_size says {size}")
+    return tensors.view_rows(body, dtype, rows, d_model, json_end)
+
+
+def _json_tensor(
+    data: object, source: bytes | bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
+) -> torch.Tensor:
+    if data is None:
+        raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
+    array = tensors.json_numbers_to_array(data, "data", source, dtype)
+    if array.size != math.prod(shape) or (array.ndim > 1 and array.shape != shape):
+        raise InvalidInput(f"'data' holds {array.size} values in shape {list(array.shape)}; shape says {list(shape)}")
+    return torch.from_numpy(array.reshape(rows, d_model))
+
+
+def _requested_outputs(
+    document: dict[str, Any],
+    binary_output: bool,
+    monte_carlo: bool,
+    regions: SharedMemoryRegions | None,
+    output_bytes: int,
+) -> tuple[dict[str, bool] | None, dict[str, SharedMemorySpan]]:
+    """Output name -> binary for each output asked for (its binary_data, else binary_data_output), and
+    the outputs to write to shared memory instead, each span checked to hold `output_bytes`."""
+    outputs = list_field(document, "outputs", "request")
+    if not outputs:  # none named: every output, as in Triton
+        return None, {}
+    if not all(isinstance(o, dict) for o in outputs):
+        raise InvalidInput("'outputs' must be a list of objects")
+    wanted: dict[str, bool] = {}
+    in_shared_memory: dict[str, SharedMemorySpan] = {}
+    for output in outputs:
+        output_parameters = object_field(output, "parameters", "output")
+        name = check_output(str_field(output, "name", "output"), output_parameters, monte_carlo)
+        chosen = bool_field(output_parameters, "binary_data", "output parameter")
+        if SHARED_MEMORY_REGION in output_parameters:
+            if chosen:
+                raise InvalidInput(f"output {name!r} cannot set both shared_memory_region and binary_data")
+            in_shared_memory[name] = shared_memory_output_span(name, output_parameters, regions, output_bytes)
+        wanted[name] = binary_output if chosen is None else chosen
+    return wanted, in_shared_memory
+
+
+def check_output(name: str | None, output_parameters: Mapping[str, Any], monte_carlo: bool) -> str:
+    """A requested output's name, once it is one this request answers and asks for no extension (both doors)."""
+    if name not in OUTPUT_NAMES:
+        raise InvalidInput(
+            f"unknown output {str(name)[:64]!r}; this model's outputs are {list(OUTPUT_NAMES)} "
+            f"({STD_OUTPUT_NAME!r} with Monte Carlo dropout only)"
+        )
+    if name == STD_OUTPUT_NAME and not monte_carlo:
+        raise InvalidInput(
+            f"output {STD_OUTPUT_NAME!r} is answered only by Monte Carlo dropout requests: "
+            f"add parameters.{mc_parameters.PASSES}"
+        )
+    if "classification" in output_parameters:
+        raise UnsupportedExtension("classification", "outputs are embeddings, not class scores")
+    return name
+
+
+def encode(
+    model: str,
+    version: int,
+    request: V2Request,
+    answers: dict[str, torch.Tensor],
+    parameters: dict[str, Any] | None = None,
+) -> tuple[bytes, dict[str, str]]:
+    """The response body and headers: JSON, or a JSON header followed by the binary outputs.
+
+    `answers` holds every output the answer has, by name; the request's `outputs` pick among them.
+    """
+    wanted = request.outputs if request.outputs is not None else dict.fromkeys(answers, request.binary_output)
+    described_outputs: list[dict[str, Any]] = []
+    answer: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": described_outputs}
+    if request.id is not None:
+        answer["id"] = request.id
+    if parameters:
+        answer["parameters"] = parameters
+    blobs: list[memoryview] = []
+    for name, binary in wanted.items():
+        wire = tensors.to_wire_dtype(answers[name], request.dtype)
+        described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
+        span = request.shared_memory_outputs.get(name)
+        if span is not None:  # written to the region; the answer describes it without data, as Triton's
+            span.region.write(span.offset, tensors.raw_bytes(wire), f"output {name!r}")
+        elif binary:
+            blob = tensors.raw_bytes(wire)
+            described["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            described["data"] = wire.to(torch.float32).numpy().reshape(-1)
+        described_outputs.append(described)
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return header, {"content-type": "application/json"}
+    return b"".join([header, *blobs]), {
+        "content-type": "application/octet-stream",
+        "inference-header-content-length": str(len(header)),
+    }

@@ -1,1 +1,0 @@
-"""The native API: POST /v1/models/{name}/transform in JSON, raw binary or .npy; GET /v1/models."""
