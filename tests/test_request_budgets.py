@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app.engine.service import ServedModel
-from app.protocol.tensors import MAX_JSON_OBJECTS, MAX_JSON_STRINGS
+from app.protocol.limits import MAX_JSON_OBJECTS, MAX_JSON_STRINGS
 from app.settings import Settings
 from tests.in_process import InProcessApp
 from tests.reference import assert_close, demo_reference

@@ -229,7 +229,10 @@ class Batcher:
             )
         if error is not None:
             count_failure(self._instruments, arrived)
-            raise error
+            try:
+                raise error
+            finally:
+                del error  # else this frame, in the error's traceback, holds the error: a cycle holding the request
 
     async def _answer(self, entries: list[Entry], deadline: float | None, arrived: float, answer: Awaitable[T]) -> T:
         """Queue the entries and await `answer`; if it fails or the client goes, the rest is not wanted."""

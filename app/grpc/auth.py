@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from app.grpc.health import HEALTH_SERVICE
-from app.grpc.status import abort
+from app.grpc.status import refuse
 from app.protocol.errors import Unauthorized
 from app.protocol.identity import bearer_matches
 
@@ -47,13 +47,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 def _refusal(handler: grpc.RpcMethodHandler, error: Exception) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that ends the call with `error`."""
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await abort(context, error)
+    async def refused(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        refuse(context, error)
 
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refused)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refused)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.unary_stream_rpc_method_handler(refused)
+    return grpc.unary_unary_rpc_method_handler(refused)

@@ -23,6 +23,7 @@ import torch
 from tritonclient.grpc import service_pb2 as pb
 
 from app.engine.service import ServedModel
+from app.grpc.wire import InferMessage
 from app.protocol import mc_parameters, tensors
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import number_field
@@ -58,7 +59,7 @@ def _value(parameter: pb.InferParameter) -> Any:
 
 
 def decode(
-    request: pb.ModelInferRequest,
+    message: InferMessage,
     d_model: int,
     shared_memory: SharedMemoryRegions | None = None,
     max_rows: int = 0,
@@ -69,6 +70,7 @@ def decode(
     `shared_memory`: the registered regions (None: the extension is off). An input read from one
     counts against `max_rows` and `max_bytes` as the HTTP door counts it: it is copied into memory.
     """
+    request = message.request
     parameters = parameters_of(request.parameters)
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     if len(request.inputs) != 1:
@@ -79,16 +81,16 @@ def decode(
     shape = tuple(tensor.shape)
     input_parameters = parameters_of(tensor.parameters)
     v2.refuse_extensions(parameters, input_parameters)
-    typed = not request.raw_input_contents and SHARED_MEMORY_REGION not in input_parameters
+    typed = not message.raw and SHARED_MEMORY_REGION not in input_parameters
     if SHARED_MEMORY_REGION in input_parameters:
-        _check_shared_memory_input(request, tensor, shared_memory)
+        _check_shared_memory_input(message, tensor, shared_memory)
         values = v2.shared_memory_tensor(
             input_parameters, shared_memory, shape, rows, d_model, dtype, max_rows, max_bytes
         )
     elif typed:
         values = _typed(tensor, shape, rows, d_model, dtype)
     else:
-        values = _raw(request, tensor, shape, rows, d_model, dtype)
+        values = _raw(message, tensor, shape, rows, d_model, dtype)
     monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
     output_bytes = rows * d_model * dtype.itemsize
     outputs: dict[str, None] = {}
@@ -105,19 +107,19 @@ def decode(
 
 
 def _check_shared_memory_input(
-    request: pb.ModelInferRequest,
+    message: InferMessage,
     tensor: pb.ModelInferRequest.InferInputTensor,
     regions: SharedMemoryRegions | None,
 ) -> None:
     """An input in a region carries no values of its own; with the extension off, its 400 comes first."""
     if regions is None:  # the extension is named first: nothing else about it matters then
         raise turned_off()
-    if request.raw_input_contents or tensor.HasField("contents"):
+    if message.raw or tensor.HasField("contents"):
         raise InvalidInput("input 'input' names a shared_memory_region and also carries contents; send one of them")
 
 
 def _raw(
-    request: pb.ModelInferRequest,
+    message: InferMessage,
     tensor: pb.ModelInferRequest.InferInputTensor,
     shape: tuple[int, ...],
     rows: int,
@@ -126,16 +128,17 @@ def _raw(
 ) -> torch.Tensor:
     if tensor.HasField("contents"):
         raise InvalidInput("input 'input' has both contents and raw_input_contents; send one of them")
-    if len(request.raw_input_contents) != 1:
-        raise InvalidInput(f"raw_input_contents holds {len(request.raw_input_contents)} tensors for 1 input")
-    raw = request.raw_input_contents[0]
+    if len(message.raw) != 1:
+        raise InvalidInput(f"raw_input_contents holds {len(message.raw)} tensors for 1 input")
+    raw = message.raw[0]
     expected = rows * d_model * dtype.itemsize
     if len(raw) != expected:
         raise InvalidInput(
             f"raw_input_contents[0] is {len(raw)} bytes but shape {list(shape)} of {dtype.v2} needs {expected}"
         )
-    # A writable copy: protobuf hands out immutable bytes, and torch tensors want a buffer they may write.
-    return tensors.view_rows(bytearray(raw), dtype, rows, d_model)
+    # A view of the wire bytes, read-only as an HTTP body's is: nothing on the way to the model writes
+    # into its input (wire.py: a large message's tensor is never copied).
+    return tensors.view_rows(raw, dtype, rows, d_model)
 
 
 def _typed(

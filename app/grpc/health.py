@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app.engine.service import Engine
 from app.grpc.malformed import Malformed
-from app.grpc.status import abort
+from app.grpc.status import refuse
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -41,21 +41,24 @@ class Health(health_pb2_grpc.HealthServicer):
 
     async def Check(
         self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
+    ) -> health_pb2.HealthCheckResponse | None:
         if isinstance(request, Malformed):
-            await abort(context, request.error)
+            refuse(context, request.error)
+            return None
         status = self.status(request.service)
         if status is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(
                 f"unknown service {request.service[:100]!r}: ask for '' (the server), {INFERENCE_SERVICE!r} "
-                "or a model's name",
+                "or a model's name"
             )
+            return None
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Malformed):
-            await abort(context, request.error)
+            refuse(context, request.error)
+            return
         last = None
         while True:
             status = self.status(request.service)

@@ -9,7 +9,9 @@ server reflection (grpcio-reflection), so grpcurl and grpc_health_probe work wit
 Budgets, from the HTTP settings: a message is at most `max_body_bytes` (RESOURCE_EXHAUSTED,
 before it is parsed), metadata at most `max_header_bytes`, connections and calls in flight at
 most `max_connections` each per process; an infer request's non-tensor fields are bounded before
-parsing (wire.py). A request that does not parse is refused INVALID_ARGUMENT, never INTERNAL.
+parsing and its bytes held count against `max_held_bytes` (wire.py); any other method's message
+is at most its HTTP twin's body limit. A request that does not parse is refused
+INVALID_ARGUMENT, never INTERNAL.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.malformed import Malformed
 from app.grpc.ports import target
 from app.grpc.service import InferenceServicer
+from app.protocol.admission import HeldBytes
 from app.protocol.errors import InvalidInput
+from app.protocol.limits import control_message_bytes
 from app.protocol.state import ServiceState
 
 log = logging.getLogger("ffn_serve")
@@ -68,7 +72,7 @@ class GrpcServer:
             (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine)),
         )
         for name, register, servicer in services:
-            handlers = _tolerant_handlers(register, servicer)
+            handlers = _tolerant_handlers(register, servicer, self._state.held)
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
         reflection.enable_server_reflection((INFERENCE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
@@ -96,29 +100,37 @@ class _Capture:
         self.handlers = handlers
 
 
-def _tolerant_handlers(register: Callable[[Any, Any], None], servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
-    """The method handlers that the generated `register` gives `servicer`, each parsing its requests without failing.
+def _tolerant_handlers(
+    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes
+) -> dict[str, grpc.RpcMethodHandler]:
+    """The method handlers that the generated `register` gives `servicer`, each parsing its requests within budget.
 
-    A request that does not parse (or, for the tensor methods, is over wire.py's budget) becomes a
-    Malformed, which its method answers INVALID_ARGUMENT (or RESOURCE_EXHAUSTED) naming what was
-    wrong: grpc's own handling would answer UNKNOWN with the parser's exception.
+    A tensor method's message is read by wire.py within its budgets (non-tensor bytes, and its
+    bytes held against `held`); any other method's message is refused unparsed past its HTTP
+    twin's body limit (limits.control_message_bytes). A request that does not parse or is over a
+    budget becomes a Malformed, which its method answers through the error table naming what was
+    wrong (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): grpc's own handling would answer UNKNOWN.
     """
     capture = _Capture()
     register(servicer, capture)
     return {
-        name: handler._replace(
-            request_deserializer=_tolerant(handler.request_deserializer, checked=name in _TENSOR_METHODS)
-        )
+        name: handler._replace(request_deserializer=_tolerant(name, handler.request_deserializer, held))
         for name, handler in capture.handlers.items()
     }
 
 
-def _tolerant(parse: Callable[[bytes], Any], *, checked: bool) -> Callable[[bytes], Any]:
+def _tolerant(method: str, parse: Callable[[bytes], Any], held: HeldBytes) -> Callable[[bytes], Any]:
+    limit = control_message_bytes(method)
+
+    def read(data: bytes) -> Any:
+        if method in _TENSOR_METHODS:
+            return wire.read_infer_request(data, held)
+        wire.check_message_size(data, limit, method)
+        return parse(data)
+
     def deserialize(data: bytes) -> Any:
         try:
-            if checked:
-                wire.check_infer_request(data)
-            return parse(data)
+            return read(data)
         except ServiceError as exc:
             return Malformed(exc)
         except DecodeError as exc:

@@ -27,8 +27,9 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 from app.engine.service import ServedModel
 from app.grpc import codec
 from app.grpc.malformed import Malformed
-from app.grpc.status import abort
+from app.grpc.status import refuse
 from app.grpc.stream import StreamInfer
+from app.grpc.wire import InferMessage
 from app.protocol import mc_parameters
 from app.protocol.admission import deadline_from
 from app.protocol.state import ServiceState
@@ -51,11 +52,10 @@ Response = TypeVar("Response")
 
 def answered(
     method: Callable[[Any, Any, Context], Awaitable[Response]],
-) -> Callable[[Any, Any, Context], Awaitable[Response]]:
+) -> Callable[[Any, Any, Context], Awaitable[Response | None]]:
     """A unary method whose request may be Malformed and whose errors are answered from the error table."""
 
-    async def wrapper(self: Any, request: Any, context: Context) -> Response:
-        failure: BaseException
+    async def wrapper(self: Any, request: Any, context: Context) -> Response | None:
         try:
             if isinstance(request, Malformed):
                 raise request.error
@@ -63,8 +63,8 @@ def answered(
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:
-            failure = exc
-        await abort(context, failure)
+            refuse(context, exc)  # inside the block, whose end drops `exc`: no frame outlives the call
+        return None
 
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
@@ -148,20 +148,30 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     # ----- inference ------------------------------------------------------------------------
 
     @answered
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: InferMessage, context: Context) -> pb.ModelInferResponse:
         return await self._infer(request, context)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Context) -> None:
         await self._stream.serve(context)
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        """One infer request, unary or from a stream: decoded, queued in the model's batcher, encoded."""
+    async def _infer(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
+        """One infer request, unary or from a stream: decoded, queued in the model's batcher, encoded.
+
+        Its bytes are held against max_held_bytes (taken when it was read, wire.py) until it is answered.
+        """
+        try:
+            return await self._infer_held(message, context)
+        finally:
+            message.release()
+
+    async def _infer_held(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
+        request = message.request
         served = self._engine.model(request.model_name, _version(request.model_version))
         with self._state.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):
             served.check_serving()
             settings = self._state.settings
             decoded = codec.decode(
-                request, served.d_model, self._state.shared_memory, settings.max_queue_rows, settings.max_body_bytes
+                message, served.d_model, self._state.shared_memory, settings.max_queue_rows, settings.max_body_bytes
             )
             deadline = self._deadline(decoded.timeout_us, context)
             asked = mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)

@@ -22,8 +22,9 @@ from tritonclient.grpc import service_pb2 as pb
 
 from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal
+from app.grpc.wire import InferMessage
 
-Infer = Callable[[pb.ModelInferRequest, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
+Infer = Callable[[InferMessage, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
 
 
 class RowBudget:
@@ -45,9 +46,9 @@ class RowBudget:
             self._changed.notify_all()
 
 
-def rows_claimed(request: Any, limit: int) -> int:
+def rows_claimed(message: InferMessage | Malformed, limit: int) -> int:
     """The rows a request will hold, read from its shape before it is decoded (at most `limit`; 1 if unreadable)."""
-    inputs: Any = getattr(request, "inputs", ())
+    inputs: Any = message.request.inputs if isinstance(message, InferMessage) else ()
     shape = inputs[0].shape if len(inputs) == 1 else ()
     if not 2 <= len(shape) <= 3 or min(shape) < 1:
         return 1  # refused as soon as it is decoded
@@ -91,9 +92,8 @@ class StreamInfer:
             except Exception as exc:
                 log_if_internal(exc)
                 error = grpc_error(exc)
-                infer_response = pb.ModelInferResponse(
-                    id=getattr(request, "id", ""), model_name=getattr(request, "model_name", "")
-                )
+                fields = request.request if isinstance(request, InferMessage) else pb.ModelInferRequest()
+                infer_response = pb.ModelInferResponse(id=fields.id, model_name=fields.model_name)
                 # The error_type a unary call gets in its trailers: a stream's answers have none of their own.
                 infer_response.parameters["error_type"].string_param = error.error_type
                 response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)

@@ -10,16 +10,26 @@ own time (it reads field headers only, skipping every payload). The HTTP door co
 body's arrays and values before parsing it (app/protocol/tensors.py) for the same reason.
 
 A request of at most `MAX_OTHER_BYTES` in all is not scanned: whatever it holds, its parse is small.
+
+A larger one is also read without copying its tensor data: protobuf parses the message with its
+`raw_input_contents` left out (what is left is at most `MAX_OTHER_BYTES`), and the tensors are
+views of the wire bytes, which the request holds against the process's budget of held bytes
+(`max_held_bytes`, app/protocol/admission.py) from before it is parsed until it is answered.
+Without this a 31 MiB request was four copies of its tensor: the wire bytes, protobuf's, the
+field's value and a writable copy.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
+from tritonclient.grpc import service_pb2 as pb
+
+from app.protocol.admission import HeldBytes, Hold
 from app.protocol.errors import InvalidInput, PayloadTooLarge
-
-MAX_OTHER_BYTES = 64 * 1024
-MAX_FIELDS = 1024
+from app.protocol.limits import MAX_FIELDS, MAX_OTHER_BYTES
 
 # Field numbers of grpc_service.proto (tritonclient.grpc.service_pb2).
 _LENGTH_DELIMITED = 2
@@ -52,19 +62,73 @@ class _Budget:
             )
 
 
-def check_infer_request(data: bytes) -> None:
-    """Refuse a ModelInferRequest whose parse would cost more than its tensor data and a small allowance."""
-    if len(data) <= MAX_OTHER_BYTES:
-        return
+@dataclass(eq=False)
+class InferMessage:
+    """A ModelInferRequest as read off the wire: its fields, its tensor bytes, and the bytes it holds.
+
+    `request` carries every field but `raw_input_contents`, which are `raw`: views of the wire
+    bytes for a large message, the parsed field's values for a small one. `release()` gives the
+    held bytes back once the request is answered (and, should it never be, when it is dropped).
+    """
+
+    request: pb.ModelInferRequest
+    raw: list[bytes | memoryview]
+    hold: Hold | None = None
+    _released: weakref.finalize | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._released is not None:
+            self._released()
+
+
+def read_infer_request(data: bytes, held: HeldBytes | None = None) -> InferMessage:
+    """Parse a ModelInferRequest within the budgets: its non-tensor bytes (this module's), its bytes held (`held`).
+
+    The wire bytes are taken from `held` before anything is parsed: past the budget, TooManyBytesHeld
+    (RESOURCE_EXHAUSTED with a retry hint) and the bytes are dropped at once.
+    """
+    hold = None
+    if held is not None:
+        hold = Hold(held)
+        hold.grow(len(data))
+    try:
+        message = _parse_infer_request(data)
+    except BaseException:
+        if hold is not None:
+            hold.resize(0)
+        raise
+    if hold is not None:
+        message.hold = hold
+        message._released = weakref.finalize(message, hold.resize, 0)
+    return message
+
+
+def _parse_infer_request(data: bytes) -> InferMessage:
+    if len(data) <= MAX_OTHER_BYTES:  # small: parsed whole, whatever it holds
+        request = pb.ModelInferRequest.FromString(data)
+        raw: list[bytes | memoryview] = list(request.raw_input_contents)
+        del request.raw_input_contents[:]
+        return InferMessage(request, raw)
     view = memoryview(data)
     budget = _Budget()
-    for number, wire_type, start, end in _fields(view, budget):
+    rest: list[memoryview] = []  # every field but the tensors' bytes, as they came (at most MAX_OTHER_BYTES)
+    raw = []
+    for number, wire_type, start, end, field_start in _fields_with_headers(view, budget):
         if wire_type == _LENGTH_DELIMITED and number == _REQUEST_RAW_INPUT_CONTENTS:
+            raw.append(view[start:end])
             continue
         if wire_type == _LENGTH_DELIMITED and number == _REQUEST_INPUTS:
             _check_input(view[start:end], budget)
         else:
             budget.add(end - start)
+        rest.append(view[field_start:end])
+    return InferMessage(pb.ModelInferRequest.FromString(b"".join(rest)), raw)
+
+
+def check_message_size(data: bytes, limit: int, method: str) -> None:
+    """A message of a method that carries no tensor is small: refused before it is parsed when over `limit`."""
+    if len(data) > limit:
+        raise PayloadTooLarge(f"a {method} message is at most {limit} bytes, got {len(data)}")
 
 
 def _check_input(view: memoryview, budget: _Budget) -> None:
@@ -79,9 +143,16 @@ def _check_input(view: memoryview, budget: _Budget) -> None:
 
 def _fields(view: memoryview, budget: _Budget) -> Iterator[tuple[int, int, int, int]]:
     """(field number, wire type, payload start, payload end) of each field of one message, headers only."""
+    for number, wire_type, start, end, _ in _fields_with_headers(view, budget):
+        yield number, wire_type, start, end
+
+
+def _fields_with_headers(view: memoryview, budget: _Budget) -> Iterator[tuple[int, int, int, int, int]]:
+    """As _fields, with where each field's header starts (so that a field can be copied whole)."""
     position, end = 0, len(view)
     while position < end:
         budget.field()
+        field_start = position
         key, position = _varint(view, position, end)
         number, wire_type = key >> 3, key & 7
         start = position
@@ -98,7 +169,7 @@ def _fields(view: memoryview, budget: _Budget) -> Iterator[tuple[int, int, int, 
             raise InvalidInput(f"malformed protobuf: field {number} has wire type {wire_type}")
         if position > end:
             raise InvalidInput(f"malformed protobuf: field {number} runs past the end of its message")
-        yield number, wire_type, start, position
+        yield number, wire_type, start, position, field_start
 
 
 def _varint(view: memoryview, position: int, end: int) -> tuple[int, int]:

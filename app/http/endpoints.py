@@ -32,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.errors import drop_frames
 from app.http.errors import error_response
 from app.protocol.errors import INTERNAL, kind_of
 
@@ -120,13 +121,14 @@ class FastPath:
             attributes = {"http.request.method": method, "http.route": route, "url.path": scope["path"]}
             trace = self._tracing.begin(f"{method} {route}", scope["headers"], attributes, params.get("name"))
         request = Request(scope, receive, send)
-        error: Exception | None = None
+        error_type: str | None = None
         try:
             response: Response = await handler(request=request, **params)
         except Exception as exc:
             if kind_of(exc) is INTERNAL:  # a bug: keep its traceback; the client learns nothing internal
                 log.exception("unhandled error in %s %s", scope["method"], scope["path"])
-            response, error = error_response(exc), exc
+            response, error_type = error_response(exc), kind_of(exc).error_type
+            drop_frames(exc)  # answered: its frames (the request's body among them) go now, not at the next GC
         if trace is None:
             await response(scope, receive, send)
             return
@@ -134,7 +136,7 @@ class FastPath:
         carrier = trace.answered(
             {"http.response.status_code": status},
             failed=status >= 500,  # a client's mistake is not the server span's error (HTTP semantic conventions)
-            error_type=None if error is None else kind_of(error).error_type,
+            error_type=error_type,
             output_bytes=len(getattr(response, "body", b"")),  # the tensor routes answer whole bodies
             content_type=response.headers.get("content-type", ""),
         )

@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.protocol.errors import InvalidInput
+from app.protocol.limits import MAX_INT_DIGITS, MAX_TEXT_INT
 
 # A plain decimal number as a header carries it: ASCII digits, an optional sign, fraction and exponent.
 _DECIMAL = re.compile(r"[+-]?[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?", re.ASCII)
-_MAX_INT_DIGITS = 19  # a text integer never becomes a big Python int: at most 2**63 - 1 is asked for
-_MAX_TEXT_INT = 10**18 - 1  # lengths and counts
 
 
 def json_type(value: object) -> str:
@@ -112,11 +111,11 @@ def list_field(container: Mapping[str, Any], key: str, where: str) -> list[Any] 
     return value
 
 
-def text_int(value: str | None, name: str, *, minimum: int = 0, maximum: int = _MAX_TEXT_INT) -> int | None:
+def text_int(value: str | None, name: str, *, minimum: int = 0, maximum: int = MAX_TEXT_INT) -> int | None:
     """Text that is exactly a decimal integer of ASCII digits in [minimum, maximum]; None when absent."""
     if value is None:
         return None
-    number = int(value) if value.isascii() and value.isdigit() and len(value) <= _MAX_INT_DIGITS else None
+    number = int(value) if value.isascii() and value.isdigit() and len(value) <= MAX_INT_DIGITS else None
     if number is None or not minimum <= number <= maximum:
         raise InvalidInput(f"{name} must be an integer in [{minimum}, {maximum}] in ASCII digits, got {value[:32]!r}")
     return number

@@ -13,8 +13,9 @@ from __future__ import annotations
 import hmac
 import re
 
+from app.protocol.limits import MAX_REQUEST_ID_LENGTH
+
 REQUEST_ID_HEADER = b"x-request-id"  # HTTP's header and gRPC's metadata key alike
-MAX_REQUEST_ID_LENGTH = 200
 _VALID_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:+/=@-]{1,%d}" % MAX_REQUEST_ID_LENGTH)
 
 

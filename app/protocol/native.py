@@ -25,6 +25,7 @@ import torch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
 from app.protocol.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
+from app.protocol.limits import NPY_MAX_HEADER
 from app.protocol.media import media_type, refuse_content_encoding
 from app.protocol.tensors import (
     MAX_RANK,
@@ -47,7 +48,6 @@ MEDIA_TYPES: dict[str, Encoding] = {
 }
 MEDIA_TYPE_OF: dict[Encoding, str] = {encoding: media for media, encoding in MEDIA_TYPES.items()}
 FLOAT32 = DTYPES["float32"]
-NPY_MAX_HEADER = 65536  # numpy's own default limit on a header's length
 
 
 @dataclass(frozen=True)

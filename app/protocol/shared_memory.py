@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from app.protocol.errors import InvalidInput, RegionNotFound, UnsupportedExtension
+from app.protocol.limits import MAX_REGIONS
 
 SHM_FOLDER = Path("/dev/shm")
-MAX_REGIONS = 256  # per process: each holds a descriptor
 # Region names travel in URLs and logs: the model names' characters, a little longer.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 # A key is one name in the shared-memory folder, with shm_open's optional leading slash.

@@ -21,6 +21,7 @@ import torch
 
 from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
 from app.protocol.fields import json_type
+from app.protocol.limits import JSON_SLACK, MAX_JSON_OBJECTS, MAX_JSON_STRINGS, MAX_LONG_INTEGERS, MAX_RANK
 from ffn_core.dtypes import DType
 
 # torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
@@ -29,14 +30,6 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     torch.frombuffer(bytes(4), dtype=torch.float32)
 
-MAX_RANK = 3
-# Room in a JSON body's counts for what surrounds the tensor: V2's inputs, shape, outputs, parameters.
-_JSON_SLACK = 1024
-# The envelope around the tensor: a V2 request needs a few dozen objects and strings (keys included).
-# Counted as '{' and '"' characters before parsing, those inside strings too: far above any request's
-# needs, far below what makes parsing costly (the review's 4.6 M keys cost 12x the body and 3 s).
-MAX_JSON_OBJECTS = 4096
-MAX_JSON_STRINGS = 16384
 # Integer literals beyond 64 bits, which orjson turns into floats: the characters of numbers mapped
 # to three classes (digits to '9'; '.', 'e', 'E', '+' to '.'; '-' kept), everything else to ' ', so
 # that a run of 19 or more digits standing alone is found at C speed.
@@ -46,7 +39,6 @@ _NUMBER_CLASSES = bytes(
 )
 _LONG_RUN = b"9" * 19
 _DIGITS = re.compile(rb"9*")
-_MAX_LONG_INTEGERS = 4096  # long integer literals examined at most, one Python step each
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 
@@ -88,7 +80,9 @@ def check_finite_output(output: torch.Tensor) -> None:
         )
 
 
-def view_rows(buffer: bytes | bytearray, dtype: DType, rows: int, d_model: int, offset: int = 0) -> torch.Tensor:
+def view_rows(
+    buffer: bytes | bytearray | memoryview, dtype: DType, rows: int, d_model: int, offset: int = 0
+) -> torch.Tensor:
     """(rows, d_model) of `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
 
     The caller has checked that the buffer holds exactly rows * d_model elements from `offset`.
@@ -111,8 +105,8 @@ def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_mod
     bounds stricter; nesting is checked on what was parsed (orjson stops at 1024 levels).
     """
     data = bytes(body) if isinstance(body, memoryview) else body
-    max_arrays = 2 * max_rows + _JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
-    max_values = max_rows * d_model + max_arrays + _JSON_SLACK
+    max_arrays = 2 * max_rows + JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
+    max_values = max_rows * d_model + max_arrays + JSON_SLACK
     if data.count(b"[") > max_arrays or data.count(b",") > max_values:
         raise PayloadTooLarge(
             f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
@@ -173,13 +167,13 @@ def _integers_beyond_64_bits(text: bytes | bytearray) -> set[float]:
 
     A candidate is a run of 19 or more digits with nothing of a number around it but a leading
     '-'; one inside a string may look the same, so the caller counts only the values that are in
-    the parsed tensor. Past _MAX_LONG_INTEGERS candidates the rest go unexamined: this is a check
+    the parsed tensor. Past MAX_LONG_INTEGERS candidates the rest go unexamined: this is a check
     of the client's own precision, never worth more than a bounded pass of the event loop.
     """
     classes = text.translate(_NUMBER_CLASSES)
     found: set[float] = set()
     start = classes.find(_LONG_RUN)
-    for _ in range(_MAX_LONG_INTEGERS):
+    for _ in range(MAX_LONG_INTEGERS):
         if start == -1:
             break
         run = _DIGITS.match(classes, start)

@@ -13,8 +13,9 @@ from app.http.openapi import error_responses
 from app.http.state import service_state
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import json_type
+from app.protocol.limits import LOG_SETTINGS_BYTES
 from app.protocol.tensors import loads_json
-from app.protocol.v2.log_settings import FORMATS, MAX_BODY_BYTES, log_settings
+from app.protocol.v2.log_settings import FORMATS, log_settings
 
 
 class LogSettingsModel(BaseModel):
@@ -33,7 +34,7 @@ async def get_logging(request: Request) -> dict[str, Any]:
 
 
 async def post_logging(request: Request) -> dict[str, Any]:
-    body = await read_body(request, MAX_BODY_BYTES)
+    body = await read_body(request, LOG_SETTINGS_BYTES)
     document = loads_json(body) if body.strip() else {}  # an empty POST reads, as in Triton
     if not isinstance(document, dict):
         raise InvalidInput(f"a log settings request must be a JSON object, got {json_type(document)}")

@@ -10,16 +10,17 @@ from app.http.body import read_body
 from app.http.endpoints import Endpoint
 from app.http.openapi import error_responses
 from app.http.state import service_state
-from app.protocol.v2.model_control import MAX_BODY_BYTES, check_unload, load_config, parameters_of_body
+from app.protocol.limits import MODEL_CONTROL_BYTES
+from app.protocol.v2.model_control import check_unload, load_config, parameters_of_body
 
 
 async def load(name: str, request: Request) -> dict[str, Any]:
-    config = load_config(parameters_of_body(await read_body(request, MAX_BODY_BYTES)))
+    config = load_config(parameters_of_body(await read_body(request, MODEL_CONTROL_BYTES)))
     return await service_state(request).engine.load(name, config)
 
 
 async def unload(name: str, request: Request) -> dict[str, Any]:
-    check_unload(parameters_of_body(await read_body(request, MAX_BODY_BYTES)))
+    check_unload(parameters_of_body(await read_body(request, MODEL_CONTROL_BYTES)))
     return await service_state(request).engine.unload(name)
 
 

@@ -11,9 +11,9 @@ from app.http.body import read_body
 from app.http.endpoints import Endpoint
 from app.http.openapi import error_responses
 from app.http.state import StateDep, service_state
+from app.protocol.limits import SHARED_MEMORY_BYTES
 from app.protocol.tensors import loads_json
 from app.protocol.v2.system_shared_memory import (
-    MAX_BODY_BYTES,
     cuda_shared_memory,
     regions_of,
     register_document,
@@ -33,7 +33,7 @@ async def region_status(region: str, state: StateDep) -> list[dict[str, Any]]:
 async def register_region(region: str, request: Request) -> Response:
     state = service_state(request)
     regions_of(state)  # off: the same 400 whatever the body
-    body = await read_body(request, MAX_BODY_BYTES)
+    body = await read_body(request, SHARED_MEMORY_BYTES)
     await register_document(state, region, loads_json(body))
     return Response(status_code=200)
 

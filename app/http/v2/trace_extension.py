@@ -13,13 +13,14 @@ from app.http.body import read_body
 from app.http.endpoints import Endpoint
 from app.http.openapi import error_responses
 from app.http.state import StateDep, service_state
+from app.protocol.limits import TRACE_SETTINGS_BYTES
 from app.protocol.tensors import loads_json
-from app.protocol.v2.trace_extension import MAX_BODY_BYTES, settings_of, update_settings
+from app.protocol.v2.trace_extension import settings_of, update_settings
 from app.tracing.trace_settings import LEVELS, MODE, OFF
 
 
 async def _update(request: Request, name: str | None) -> dict[str, Any]:
-    body = await read_body(request, MAX_BODY_BYTES)
+    body = await read_body(request, TRACE_SETTINGS_BYTES)
     return await update_settings(service_state(request), name, loads_json(body) if body.strip() else {})
 
 

@@ -27,7 +27,6 @@ log = logging.getLogger("ffn_serve")
 COMMAND = "log_settings"  # the control command, and its sticky key: the latest settings win
 FORMATS: tuple[str, ...] = get_args(LogFormat)
 _NAMES = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
-MAX_BODY_BYTES = 4096  # six small settings
 
 
 def as_json(settings: LogSettings) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from app.protocol.errors import InvalidInput
 from app.protocol.fields import bool_field, object_field, str_field
 from app.protocol.tensors import loads_json
 
-MAX_BODY_BYTES = 64 * 1024  # a config parameter is at most 16 KiB (app/engine/repository.py)
 _FILES = (
     "file parameters (tritonclient's files=) are not supported: put the weights in the model "
     "repository folder and name them in the config parameter's weights"

@@ -31,7 +31,6 @@ log = logging.getLogger("ffn_serve")
 EXTENSION = "system_shared_memory"
 REGISTER = "system_shared_memory.register"  # control commands
 UNREGISTER = "system_shared_memory.unregister"
-MAX_BODY_BYTES = 4096  # a key and two numbers
 _REGISTER_FIELDS = ("key", "offset", "byte_size")
 
 

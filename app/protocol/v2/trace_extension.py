@@ -28,7 +28,6 @@ from app.protocol.state import ServiceState
 from app.tracing.trace_settings import FIELDS, LEVELS, MODE, OFF
 
 COMMAND = "trace_setting"  # the control command that applies one setting in a serving process
-MAX_BODY_BYTES = 64 * 1024  # a few settings: no reason to read more
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 _WHERE = "trace setting"
