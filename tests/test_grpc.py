@@ -297,6 +297,7 @@ async def test_overload_is_resource_exhausted_with_a_retry_hint(slow_server: Ser
             "ffn-error-type": "overloaded",
             "retry-after": "1",
             "grpc-retry-pushback-ms": "1000",
+            "x-request-id": trailers(info.value)["x-request-id"],  # every answer names its request
         }
         with pytest.raises(grpc.aio.AioRpcError) as info:  # never fits: do not retry
             await s.ModelInfer(infer_request(np.ones((4097, D_MODEL), np.float32), "slow"))

@@ -1,12 +1,14 @@
 """Request ids: every answer carries one (X-Request-Id, and in every error body), and so does the access log.
 
-A client's X-Request-Id is kept when it is a plausible id and refused (400, with an id of the
-server's) when it could be anything else; a V2 request's `id` joins it in error bodies and logs.
+A client's X-Request-Id is kept when it is a plausible id and replaced by one of the server's when
+it could be anything else (the request is answered all the same, and the replacement logged at
+most once a minute); a V2 request's `id` joins it in error bodies and logs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -14,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from app.protocol import identity
 from app.settings import Settings
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp
@@ -66,19 +69,30 @@ async def test_a_plausible_client_id_is_kept(app: InProcessApp, given: str) -> N
         ("", "1 to 200 characters"),
     ],
 )
-async def test_an_implausible_client_id_is_refused_with_an_id_of_the_servers(
-    app: InProcessApp, given: str, says: str
+async def test_an_implausible_client_id_is_replaced_by_one_of_the_servers_and_the_request_answered(
+    app: InProcessApp, given: str, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    r = await app.client.get("/v1/models", headers=[("X-Request-Id", given.encode("utf-8"))])
-    assert r.status_code == 400 and r.json()["error_type"] == "invalid_input"
-    assert says in r.json()["error"]
-    assert not given or given not in r.json()["error"]  # a refused id is never echoed, even in the message
-    assert GENERATED.fullmatch(r.headers["x-request-id"]) and r.json()["request_id"] == r.headers["x-request-id"]
+    identity._REPLACED = identity._Replacements()  # a fresh limiter: this test's replacement is logged
+    with caplog.at_level(logging.WARNING, logger="ffn_serve"):
+        r = await app.client.get("/v1/models", headers=[("X-Request-Id", given.encode("utf-8"))])
+    assert r.status_code == 200 and r.json()["models"][0]["name"] == "demo"
+    assert GENERATED.fullmatch(r.headers["x-request-id"])  # the server's own, never the client's
+    (line,) = [record.getMessage() for record in caplog.records if "X-Request-Id" in record.getMessage()]
+    assert "replaced a client's X-Request-Id" in line and says in line
+    assert not given or given not in line  # a replaced id is never written to the log either
 
 
-async def test_two_client_ids_are_refused(app: InProcessApp) -> None:
+async def test_two_client_ids_are_replaced(app: InProcessApp) -> None:
     r = await app.client.get("/v1/models", headers=[("X-Request-Id", "a"), ("X-Request-Id", "b")])
-    assert r.status_code == 400 and "at most one X-Request-Id" in r.json()["error"]
+    assert r.status_code == 200 and GENERATED.fullmatch(r.headers["x-request-id"])
+
+
+def test_replacements_are_logged_at_most_once_a_minute_with_the_count_since(caplog: pytest.LogCaptureFixture) -> None:
+    replacements = identity._Replacements(every_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="ffn_serve"):
+        for _ in range(1000):  # a client sending bad ids as fast as it can
+            replacements.note("why")
+    assert len(caplog.records) == 1 and "(1 since the last line)" in caplog.records[0].getMessage()
 
 
 async def test_every_error_body_carries_the_id_of_its_answer(app: InProcessApp) -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import secrets
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 
 from bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 from ffn_client.testing import ServerProcess, start_server
+from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.reference import demo_reference
 
 D = 512
@@ -304,3 +307,89 @@ def test_health_probes_are_not_traced(server: ServerProcess, receiver: OtlpRecei
     spans = receiver.wait_for(lambda spans: by_request_id(spans, request_id) is not None)
     assert not [s for s in spans if str(s.attributes.get("ffn.request_id", "")).startswith("probe-")]
     assert not [s for s in spans if "health" in s.name]
+
+
+# ----- the gRPC door: the same request ids and the same traces ----------------------------------
+
+GRPC_REQUEST = "inference.GRPCInferenceService/ModelInfer"
+GENERATED = re.compile(r"[0-9a-f]{20}")  # 12 hex digits of the process, 8 of its counter
+
+
+async def test_a_grpc_infer_with_a_traceparent_joins_the_callers_trace(
+    server: ServerProcess, receiver: OtlpReceiver
+) -> None:
+    trace_id, parent_id = new_ids()
+    x = np.random.default_rng(3).standard_normal((3, D)).astype(np.float32)
+    metadata = (("traceparent", f"00-{trace_id}-{parent_id}-01"), ("x-request-id", "grpc-client-1"))
+    async with stub(server.grpc_target) as client:
+        call = client.ModelInfer(infer_request(x, request_id="v2-grpc-7"), metadata=metadata, timeout=60)
+        response = await call
+        answered = dict(await call.trailing_metadata())
+    np.testing.assert_allclose(output_of(response), demo_reference(x), rtol=1e-4, atol=1e-4)
+    assert answered["x-request-id"] == "grpc-client-1"
+
+    spans = await asyncio.to_thread(receiver.wait_for, lambda spans: len(spans_of(spans, trace_id)) >= 1 + len(STAGES))
+    mine = spans_of(spans, trace_id)
+    (request,) = [span for span in mine if span.kind == SERVER_KIND]
+    assert request.name == GRPC_REQUEST
+    assert request.parent_span_id == parent_id  # a child of the client's span, as over HTTP
+    assert request.attributes["rpc.system"] == "grpc"
+    assert request.attributes["rpc.service"] == "inference.GRPCInferenceService"
+    assert request.attributes["rpc.method"] == "ModelInfer"
+    assert request.attributes["rpc.grpc.status_code"] == 0
+    assert request.attributes["ffn.request_id"] == "grpc-client-1"
+    assert request.attributes["ffn.model_name"] == "demo"
+    assert answered["traceparent"] == f"00-{trace_id}-{request.span_id}-01"
+    stages = {span.name for span in mine if span.parent_span_id == request.span_id}
+    assert stages == set(STAGES)
+    assert len(request.links) == 1  # the batch it rode in
+
+
+async def test_a_grpc_call_gets_an_id_of_the_servers_unless_it_sent_a_valid_one(server: ServerProcess) -> None:
+    x = np.ones((1, D), np.float32)
+    async with stub(server.grpc_target) as client:
+        for metadata in ((), (("x-request-id", "has space"),), (("x-request-id", "x" * 201),)):
+            call = client.ModelInfer(infer_request(x), metadata=metadata, timeout=60)
+            response = await call  # a bad id never costs the request
+            np.testing.assert_allclose(output_of(response), demo_reference(x), rtol=1e-4, atol=1e-4)
+            assert GENERATED.fullmatch(dict(await call.trailing_metadata())["x-request-id"]), metadata
+
+
+async def test_a_failed_grpc_call_carries_its_id_and_is_traced_with_its_error(
+    server: ServerProcess, receiver: OtlpReceiver
+) -> None:
+    async with stub(server.grpc_target) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await client.ModelInfer(
+                infer_request(np.ones((1, 3), np.float32)), metadata=(("x-request-id", "grpc-fails"),), timeout=60
+            )
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert trailers(failed.value)["x-request-id"] == "grpc-fails"
+    assert trailers(failed.value)["ffn-error-type"] == "invalid_input"
+    spans = await asyncio.to_thread(receiver.wait_for, lambda spans: by_request_id(spans, "grpc-fails") is not None)
+    request = by_request_id(spans, "grpc-fails")
+    assert request is not None and request.name == GRPC_REQUEST
+    assert request.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert request.attributes["error.type"] == "invalid_input"
+    assert request.status_code != 2  # the caller's mistake is not the server span's error
+
+
+async def test_each_message_of_a_grpc_stream_is_a_traced_request_named_after_the_call(
+    server: ServerProcess, receiver: OtlpReceiver
+) -> None:
+    sent = {name: np.random.default_rng(i).standard_normal((2, D)).astype(np.float32) for i, name in enumerate("ab")}
+    async with stub(server.grpc_target) as client:
+        call = client.ModelStreamInfer(metadata=(("x-request-id", "grpc-stream"),), timeout=60)
+        for name, x in sent.items():
+            await call.write(infer_request(x, request_id=name))
+        await call.done_writing()
+        answers = {answer.infer_response.id: answer async for answer in call}
+        assert dict(await call.trailing_metadata())["x-request-id"] == "grpc-stream"
+    for name, x in sent.items():
+        assert answers[name].error_message == ""
+        np.testing.assert_allclose(output_of(answers[name].infer_response), demo_reference(x), rtol=1e-4, atol=1e-4)
+    ids = ["grpc-stream.1", "grpc-stream.2"]
+    spans = await asyncio.to_thread(receiver.wait_for, lambda spans: all(by_request_id(spans, i) for i in ids))
+    for request_id in ids:
+        request = by_request_id(spans, request_id)
+        assert request is not None and request.attributes["rpc.method"] == "ModelStreamInfer"

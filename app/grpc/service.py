@@ -19,15 +19,19 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 from grpc.aio import ServicerContext as Context
 from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
+from app import request_context
 from app.engine.service import ServedModel
+from app.errors import drop_frames
 from app.grpc import codec
+from app.grpc.calls import Call
 from app.grpc.malformed import Malformed
-from app.grpc.status import refuse
+from app.grpc.status import grpc_error, log_if_internal, set_status
 from app.grpc.stream import StreamInfer
 from app.grpc.wire import InferMessage
 from app.protocol import mc_parameters
@@ -47,7 +51,7 @@ from app.protocol.v2.codec import OUTPUT_NAME, STD_OUTPUT_NAME
 PROTOCOL = "grpc"  # the protocol label of ffn_requests_total
 
 Request = TypeVar("Request")
-Response = TypeVar("Response")
+Response = TypeVar("Response", bound=Message)
 
 
 def answered(
@@ -55,16 +59,24 @@ def answered(
 ) -> Callable[[Any, Any, Context], Awaitable[Response | None]]:
     """A unary method whose request may be Malformed and whose errors are answered from the error table."""
 
-    async def wrapper(self: Any, request: Any, context: Context) -> Response | None:
-        try:
-            if isinstance(request, Malformed):
-                raise request.error
-            return await method(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:
-            refuse(context, exc)  # inside the block, whose end drops `exc`: no frame outlives the call
-        return None
+    async def wrapper(self: InferenceServicer, request: Any, context: Context) -> Response | None:
+        with Call(context, self._state.tracing, method.__name__) as call:
+            if isinstance(request, InferMessage):
+                call.trace(request.request.model_name)
+            try:
+                if isinstance(request, Malformed):
+                    raise request.error
+                response = await method(self, request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # answered inside the block, whose end drops `exc`: no frame outlives the call
+                log_if_internal(exc)
+                error = grpc_error(exc)
+                drop_frames(exc)
+                set_status(context, error, call.answered(error))
+                return None
+            context.set_trailing_metadata(call.answered(None, response.ByteSize() if call.traced else 0))
+            return response
 
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
@@ -92,7 +104,7 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     def __init__(self, state: ServiceState) -> None:
         self._state = state
         self._engine = state.engine
-        self._stream = StreamInfer(self._infer, max_rows=state.settings.max_batch_rows)
+        self._stream = StreamInfer(self._infer, max_rows=state.settings.max_batch_rows, tracing=state.tracing)
 
     # ----- health and metadata --------------------------------------------------------------
 
@@ -173,12 +185,15 @@ class InferenceServicer(GRPCInferenceServiceServicer):
             decoded = codec.decode(
                 message, served.d_model, self._state.shared_memory, settings.max_queue_rows, settings.max_body_bytes
             )
+            request_context.decoded(decoded.shape, decoded.dtype.name)
             deadline = self._deadline(decoded.timeout_us, context)
             asked = mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)
             if asked is None:
                 output = await served.infer(decoded.rows, deadline=deadline)
+                request_context.resumed()  # a traced request's encode stage starts here
                 return codec.encode(served, decoded, {OUTPUT_NAME: output})
             result = await served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+            request_context.resumed()
             answers = {OUTPUT_NAME: result.mean, STD_OUTPUT_NAME: result.std}
             return codec.encode(served, decoded, answers, mc_parameters.echoed(asked))
 

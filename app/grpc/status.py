@@ -9,6 +9,7 @@ clients read one (gRFC A6, `grpc-retry-pushback-ms`), beside HTTP's `retry-after
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -58,6 +59,13 @@ def log_if_internal(exc: BaseException) -> None:
         log.error("unhandled error in a gRPC call", exc_info=exc)
 
 
+def set_status(context: grpc.aio.ServicerContext, error: GrpcError, trailers: Sequence[tuple[str, str]] = ()) -> None:
+    """End the call (once its method returns) with `error`'s code, message and trailers, and `trailers` after them."""
+    context.set_code(error.code)
+    context.set_details(error.details)
+    context.set_trailing_metadata((*error.trailers, *trailers))
+
+
 def refuse(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Set the call's status to the table's for `exc` (a bug is logged, and answered INTERNAL); the method then returns.
 
@@ -68,6 +76,4 @@ def refuse(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     log_if_internal(exc)
     error = grpc_error(exc)
     drop_frames(exc)
-    context.set_code(error.code)
-    context.set_details(error.details)
-    context.set_trailing_metadata(error.trailers)
+    set_status(context, error)

@@ -13,16 +13,22 @@ cancels, they are dropped (their rows leave the queue uncomputed).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from app.errors import drop_frames
+from app.grpc.calls import REQUEST_ID_KEY, Call, call_request_id, metadata_of
 from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal
 from app.grpc.wire import InferMessage
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.tracing.spans import Tracing
 
 Infer = Callable[[InferMessage, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
 
@@ -58,19 +64,26 @@ def rows_claimed(message: InferMessage | Malformed, limit: int) -> int:
 class StreamInfer:
     """Serves ModelStreamInfer calls with `infer`, the unary infer's own path."""
 
-    def __init__(self, infer: Infer, *, max_rows: int) -> None:
+    def __init__(self, infer: Infer, *, max_rows: int, tracing: Tracing | None = None) -> None:
         self._infer = infer
         self._max_rows = max_rows
+        self._tracing = tracing
 
     async def serve(self, context: grpc.aio.ServicerContext) -> None:
         budget = RowBudget(self._max_rows)
         writing = asyncio.Lock()  # one write at a time on a call
         in_flight: set[asyncio.Task[None]] = set()
+        metadata = metadata_of(context)
+        call_id = call_request_id(metadata)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, call_id),))
         try:
-            while (request := await context.read()) is not grpc.aio.EOF:
+            for n in itertools.count(1):
+                if (request := await context.read()) is grpc.aio.EOF:
+                    break
                 rows = rows_claimed(request, self._max_rows)
                 await budget.take(rows)
-                task = asyncio.create_task(self._answer(request, rows, context, budget, writing))
+                call = Call(context, self._tracing, "ModelStreamInfer", metadata=metadata, request_id=f"{call_id}.{n}")
+                task = asyncio.create_task(self._answer(request, call, rows, context, budget, writing))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             while in_flight:  # half-closed: answer what was sent before ending the stream
@@ -80,23 +93,36 @@ class StreamInfer:
                 task.cancel()
 
     async def _answer(
-        self, request: Any, rows: int, context: grpc.aio.ServicerContext, budget: RowBudget, writing: asyncio.Lock
+        self,
+        request: InferMessage | Malformed,
+        call: Call,
+        rows: int,
+        context: grpc.aio.ServicerContext,
+        budget: RowBudget,
+        writing: asyncio.Lock,
     ) -> None:
         try:
-            try:
-                if isinstance(request, Malformed):  # a message of this stream that did not parse
-                    raise request.error
-                response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log_if_internal(exc)
-                error = grpc_error(exc)
-                fields = request.request if isinstance(request, InferMessage) else pb.ModelInferRequest()
-                infer_response = pb.ModelInferResponse(id=fields.id, model_name=fields.model_name)
-                # The error_type a unary call gets in its trailers: a stream's answers have none of their own.
-                infer_response.parameters["error_type"].string_param = error.error_type
-                response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)
+            with call:
+                if isinstance(request, InferMessage):
+                    call.trace(request.request.model_name)
+                try:
+                    if isinstance(request, Malformed):  # a message of this stream that did not parse
+                        raise request.error
+                    answer = await self._infer(request, context)
+                    call.answered(None, answer.ByteSize() if call.traced else 0)
+                    response = pb.ModelStreamInferResponse(infer_response=answer)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log_if_internal(exc)
+                    error = grpc_error(exc)
+                    drop_frames(exc)
+                    call.answered(error)
+                    fields = request.request if isinstance(request, InferMessage) else pb.ModelInferRequest()
+                    infer_response = pb.ModelInferResponse(id=fields.id, model_name=fields.model_name)
+                    # The error_type a unary call gets in its trailers: a stream's answers have none of their own.
+                    infer_response.parameters["error_type"].string_param = error.error_type
+                    response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)
             async with writing:
                 await context.write(response)
         finally:
