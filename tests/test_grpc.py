@@ -438,3 +438,18 @@ def test_error_kinds_each_have_a_grpc_code() -> None:
     for error, kind in ERRORS.items():
         assert kind.grpc in grpc.StatusCode.__members__, error  # a plain name: app.protocol imports no grpc
         assert kind.grpc not in ("OK", "UNKNOWN"), error
+
+
+async def test_each_door_names_its_own_way_to_the_models_in_a_not_found_message(
+    batching_server: ServerProcess,
+) -> None:
+    # The engine's error says what is missing; the hint is the door's: a gRPC client is never told to GET a path.
+    async with httpx.AsyncClient(base_url=batching_server.url, timeout=60) as http:
+        answer = await http.get("/v2/models/nope")
+    assert answer.status_code == 404
+    assert answer.json()["error"] == "model 'nope' is not served here; GET /v1/models lists the models"
+    async with stub(batching_server.grpc_target) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.ModelMetadata(pb.ModelMetadataRequest(name="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert info.value.details() == "model 'nope' is not served here; RepositoryIndex lists the models"

@@ -14,7 +14,16 @@ class EngineError(ServiceError):
 
 
 class ModelNotFound(EngineError):
-    """No model of that name (or version) is served."""
+    """No model of that name (or version) is served; `unloaded`: it was, until an unload.
+
+    The message says what is missing; each door adds where to look (its own path or method).
+    """
+
+    def __init__(self, message: str, *, name: str, unloaded: bool = False, version: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.unloaded = unloaded
+        self.version = version
 
 
 class RequestTooLarge(EngineError):
@@ -46,7 +55,9 @@ class ModelError(EngineError):
 
 
 class ModelControlOff(EngineError):
-    """A load or unload while the models are fixed at start (model_control = none)."""
+    """A load or unload while the models are fixed at start (`setting`: model_control = none)."""
+
+    setting = "model_control"
 
 
 class LoadFailed(EngineError):

@@ -126,7 +126,7 @@ class Lifecycle:
         if name in self._registry.unloaded:
             return {"version": self._registry.unloaded[name].version, "retire_s": 0.0}
         if name not in self._registry.models:
-            raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload")
+            raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload", name=name)
         served = self._registry.unload(name)
         log.info("model %s version %d unloaded; finishing what it admitted", name, served.version)
         return {"version": served.version, "retire_s": await self._retire(served)}

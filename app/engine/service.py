@@ -77,10 +77,12 @@ class Engine:
         if served is None:
             if name in self._registry.unloaded:
                 raise unloaded_error(name)
-            raise ModelNotFound(f"model {name[:100]!r} is not served here; GET /v1/models lists the models")
+            raise ModelNotFound(f"model {name[:100]!r} is not served here", name=name)
         if version is not None and version != str(served.version):
             raise ModelNotFound(
-                f"model {name[:100]!r} has no version {version[:32]!r}; the version served is {served.version}"
+                f"model {name[:100]!r} has no version {version[:32]!r}; the version served is {served.version}",
+                name=name,
+                version=version,
             )
         return served
 
@@ -198,7 +200,7 @@ class Engine:
         """Unload `name` in every serving process: {"name", "version" (the one unloaded), "workers"}."""
         self._check_control()
         if name not in self._registry.models and name not in self._registry.unloaded:
-            raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload")
+            raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload", name=name)
         replies = await asyncio.shield(self._control.broadcast(UNLOAD_MODEL, {"name": name}, sticky=model_key(name)))
         return _outcome(name, "unload", replies)
 
@@ -242,10 +244,7 @@ class Engine:
 
     def _check_control(self) -> None:
         if self.settings.model_control != "explicit":
-            raise ModelControlOff(
-                "model control is off (model_control = none): the models are fixed at start; "
-                "start with --model-control explicit (FFN_MODEL_CONTROL=explicit) to load and unload them"
-            )
+            raise ModelControlOff("model control is off (model_control = none): the models are fixed at start")
         if self._draining:
             raise Unavailable("the server is draining before shutdown: nothing is loaded or unloaded")
 

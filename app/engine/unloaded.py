@@ -13,9 +13,7 @@ if TYPE_CHECKING:
 
 def unloaded_error(name: str) -> ModelNotFound:
     """Infer, metadata and the rest for an unloaded model: 404, as Triton answers ("no available versions")."""
-    return ModelNotFound(
-        f"model {name[:100]!r} is unloaded; POST /v2/repository/models/{name[:100]}/load serves it again"
-    )
+    return ModelNotFound(f"model {name[:100]!r} is unloaded", name=name, unloaded=True)
 
 
 class UnloadedModel:

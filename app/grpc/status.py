@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from app.errors import ServiceError, drop_frames
-from app.protocol.errors import INTERNAL, kind_of
+from app.errors import drop_frames
+from app.protocol.errors import INTERNAL, kind_of, message_of
 
 log = logging.getLogger("ffn_serve")
 
@@ -42,7 +42,7 @@ def grpc_error(exc: BaseException) -> GrpcError:
             grpc.StatusCode.INTERNAL, "internal server error", ((ERROR_TYPE_KEY, INTERNAL.error_type),), "internal"
         )
     code = grpc.StatusCode[kind.grpc]
-    message = exc.message if isinstance(exc, ServiceError) else str(exc)
+    message = message_of(exc, "grpc") if isinstance(exc, Exception) else str(exc)
     trailers = [(ERROR_TYPE_KEY, kind.error_type)]
     retry_after = kind.headers(exc).get("Retry-After") if isinstance(exc, Exception) else None
     if retry_after is not None:

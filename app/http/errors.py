@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from app import request_context
 from app.errors import ServiceError
-from app.protocol.errors import INTERNAL, ClientDisconnected, ErrorKind, InvalidInput
+from app.protocol.errors import INTERNAL, ClientDisconnected, ErrorKind, InvalidInput, message_of
 from app.protocol.errors import kind_of as protocol_kind_of
 
 log = logging.getLogger("ffn_serve")
@@ -68,8 +68,7 @@ def error_response(exc: Exception) -> Response:
     kind = kind_of(exc)
     if kind is INTERNAL:
         return raw_error_response(500, "internal", "internal server error")
-    message = exc.message if isinstance(exc, ServiceError) else str(exc)
-    return raw_error_response(kind.status, kind.error_type, message, kind.headers(exc))
+    return raw_error_response(kind.status, kind.error_type, message_of(exc, "http"), kind.headers(exc))
 
 
 def install_error_handlers(app: FastAPI) -> None:

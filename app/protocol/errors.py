@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from app.control import Unanswered
 from app.engine import errors as engine
@@ -169,3 +170,28 @@ def kind_of(exc: Exception) -> ErrorKind:
 def error_type_of(exc: BaseException) -> str:
     """The error_type a request that failed with `exc` is counted under."""
     return kind_of(exc).error_type if isinstance(exc, Exception) else INTERNAL.error_type
+
+
+Door = Literal["http", "grpc"]
+
+
+def message_of(exc: Exception, door: Door) -> str:
+    """What the client reads for `exc` through `door`: the error's message, and where to go next on that door.
+
+    Errors carry data (which model, which setting); the hint that names a path or a method is the
+    door's, so that a gRPC client is never told to GET an HTTP path.
+    """
+    message = exc.message if isinstance(exc, ServiceError) else str(exc)
+    hint = _hint(exc, door)
+    return f"{message}; {hint}" if hint else message
+
+
+def _hint(exc: Exception, door: Door) -> str | None:
+    if isinstance(exc, engine.ModelNotFound) and exc.version is None:
+        if exc.unloaded:
+            load = f"POST /v2/repository/models/{exc.name[:100]}/load" if door == "http" else "RepositoryModelLoad"
+            return f"{load} serves it again"
+        return "GET /v1/models lists the models" if door == "http" else "RepositoryIndex lists the models"
+    if isinstance(exc, engine.ModelControlOff):
+        return "start the server with --model-control explicit (FFN_MODEL_CONTROL=explicit) to load and unload them"
+    return None
