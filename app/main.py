@@ -9,16 +9,14 @@ from contextlib import asynccontextmanager
 from app import __version__
 from app.control import Control
 from app.engine.registry import Registry
-from app.engine.service import Engine, ServedModel
+from app.engine.service import Engine
 from app.http import ops
 from app.http.docs_assets import serve_docs_offline
+from app.http.edge import Edge, GuardMiddleware, JsonCORSMiddleware, route_templates
 from app.http.endpoints import ServiceApp, register
 from app.http.errors import install_error_handlers
-from app.http.guard import GuardMiddleware, JsonCORSMiddleware
 from app.http.native import routes as native
 from app.http.openapi import document_validation_errors_as_400
-from app.http.request_ids import RequestIds
-from app.http.request_timer import RequestTimer, route_templates
 from app.http.v2 import routes as v2
 from app.metrics import Metrics
 from app.protocol.admission import HeldBytes
@@ -68,12 +66,11 @@ def create_app(
     async def lifespan(app: ServiceApp) -> AsyncIterator[None]:
         await engine.start()
 
-        def prepare(served: ServedModel) -> None:
-            state.count_from_zero(served.name)
-            if tracing is not None:  # each copy's batches are traced
-                served.set_observer(tracing.observer(served))
-
-        engine.on_serving(prepare)  # the copies loaded now, and each that a load puts in service later
+        # The copies loaded now, and each that a load puts in service later: a name's series from zero,
+        # each copy's batches traced.
+        engine.on_serving(lambda served: state.outcomes.count_from_zero(served.name), once_per_name=True)
+        if tracing is not None:
+            engine.on_serving(tracing.observe)
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
@@ -124,12 +121,9 @@ def create_app(
                 "tracestate",
             ],
         )
-    # The whole request, the guard's and CORS's answers included.
-    hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
-    app.add_edge_middleware(
-        RequestTimer, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot)
-    )
     # Outermost, in front of FastAPI's stack and Starlette's error middleware in it: every answer,
-    # an unexpected 500's included, carries the request's id (app/http/request_ids.py).
-    app.add_edge_middleware(RequestIds)
+    # an unexpected 500's included, carries the request's id, and the whole request is timed, the
+    # guard's and CORS's answers included (app/http/edge.py).
+    hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
+    app.add_edge_middleware(Edge, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot))
     return app

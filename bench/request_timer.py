@@ -54,7 +54,7 @@ async def per_call_us(app, scope: Scope, calls: int) -> float:
 def timer_over(app):
     # Imported here: the multiprocess case must set PROMETHEUS_MULTIPROC_DIR before prometheus_client
     # builds a histogram's values, which happens per child at .labels().
-    from app.http.request_timer import RequestTimer, route_templates
+    from app.http.edge import Edge, route_templates
     from app.main import ENDPOINTS, create_app
     from app.settings import Settings
 
@@ -66,7 +66,7 @@ def timer_over(app):
         buckets=LATENCY_BUCKETS,
         registry=CollectorRegistry(),
     )
-    return RequestTimer(app, histogram=histogram, routes=routes)
+    return Edge(app, histogram=histogram, routes=routes)
 
 
 async def measure(args: argparse.Namespace) -> list[tuple[str, float, float]]:

@@ -75,7 +75,7 @@ STAGES: list[Rule] = [
     ("write", frozenset({"RequestResponseCycle.send", "Response.__call__"}), ()),
     (
         "metrics",
-        frozenset({"ServiceState.count", "Batcher._count_pass", "count_failure"}),
+        frozenset({"Counting.__exit__", "Outcomes.counter", "Batcher._count_pass", "count_failure"}),
         ("prometheus_client/",),
     ),
     (
@@ -128,7 +128,7 @@ STAGES: list[Rule] = [
         "edge: guard, fast path, handler",
         frozenset(),
         (
-            "app/http/guard.py",
+            "app/http/edge.py",
             "app/http/endpoints.py",
             "app/http/native/routes.py",
             "app/http/v2/routes.py",

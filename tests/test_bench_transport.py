@@ -81,7 +81,7 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
             "thread (2): ffn-cpu_0;Thread.run (threading.py:982);_worker (concurrent/futures/thread.py:81) 4",
             f"thread (1): MainThread;{handler};Response.__call__ (starlette/responses.py:169);"
             "RequestResponseCycle.send (uvicorn/protocols/http/httptools_impl.py:524) 6",
-            f"thread (1): MainThread;{handler};ServiceState.count (app/protocol/state.py:34);"
+            f"thread (1): MainThread;{handler};Counting.__exit__ (app/protocol/admission.py:140);"
             "Counter.inc (prometheus_client/metrics.py:300) 1",
             f"thread (1): MainThread;{handler} 2",
             "thread (1): MainThread;Runner.run (asyncio/runners.py:118) 9",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from app.engine.buckets import bucket_for, bucket_sizes, chunk_slices, fewest_rows, relative_error, tolerance
+from app.engine.graphs import bucket_for, bucket_sizes, chunk_slices, fewest_rows, relative_error, tolerance
 
 
 @pytest.mark.parametrize(

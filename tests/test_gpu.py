@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.engine.buckets import relative_error
+from app.engine.graphs import relative_error
 from app.engine.runner import ModelRunner, set_tf32
 from app.engine.staging import InFlight
 from app.settings import ModelSpec, Settings

@@ -281,7 +281,7 @@ async def test_a_websocket_upgrade_meets_the_key_check_and_is_never_upgraded(ser
 
 
 async def test_pipelined_model_requests_are_each_answered_right_in_order(server: ServerProcess) -> None:
-    # Pipelined requests start on their connection's turn (app/http/transport/pipelining.py), past the
+    # Pipelined requests start on their connection's turn (app/http/transport/budgets.py), past the
     # MAX_UNANSWERED parsed at a time: 60 of them, of 1 to 5 rows, through the whole model path.
     xs = [np.random.default_rng(i).standard_normal((1 + i % 5, 512)).astype("<f4") for i in range(60)]
     reader, writer = await asyncio.open_connection(HOST, server.port)

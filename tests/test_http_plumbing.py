@@ -1,4 +1,4 @@
-"""app/http/body.py's request plumbing on its own: body reads and client hang-ups, with hand-made ASGI messages."""
+"""app/http/endpoints.py's request plumbing on its own: body reads and client hang-ups, with hand-made ASGI messages."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from starlette.requests import Request
 
-from app.http.body import ON_DISCONNECT, read_body, unless_disconnected
+from app.http.endpoints import read_body, unless_disconnected
+from app.http.transport.protocol import ON_DISCONNECT
 from app.protocol.errors import ClientDisconnected, PayloadTooLarge
 from app.protocol.native import decode_raw
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.http.transport.pipelining import PipelineTurns
+from app.http.transport.budgets import PipelineTurns
 
 
 class FakeConnection:

@@ -1,6 +1,6 @@
 """Probes: server health and model readiness answer KServe's bodies, and need no API key.
 
-The rule (app/http/guard.py, docs/api.md): the probes, GET /v2/health/live, /v2/health/ready and
+The rule (app/http/edge.py, docs/api.md): the probes, GET /v2/health/live, /v2/health/ready and
 /v2/models/{name}[/versions/{v}]/ready, need no key, because Kubernetes, load balancers, KServe
 and tritonclient's is_* methods probe without one; every other route needs it. Checked with the
 clients themselves against a real server that has a key: tritonclient (which reads the status

@@ -30,8 +30,7 @@ from uvicorn.server import ServerState
 
 from app import cli
 from app.http.transport import uvicorn_members
-from app.http.transport.connections import ConnectionBudget
-from app.http.transport.pipelining import PipelineTurns
+from app.http.transport.budgets import ConnectionBudget, PipelineTurns
 from app.http.transport.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
 from app.settings import Settings
 from ffn_client.http1 import Response, build_request, read_response

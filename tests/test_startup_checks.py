@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from app.http.guard import GuardMiddleware
+from app.http.edge import GuardMiddleware
 from app.main import ENDPOINTS
 from app.settings import ROUTE_WORDS
 from ffn_client.testing import start_server

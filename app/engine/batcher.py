@@ -87,6 +87,7 @@ class Batcher:
         max_queue_rows: int = 16384,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
+        instruments: ModelInstruments | None = None,
         launch: Launch | None = None,
         max_in_flight: int = 1,
         monte_carlo: StartMonteCarlo | None = None,
@@ -94,6 +95,7 @@ class Batcher:
         """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time.
 
         `monte_carlo` starts a Monte Carlo request's passes; without it, such requests are refused.
+        `instruments`: the model's, bound already (every copy of a name shares them); else `metrics`'.
         """
         if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or max_in_flight < 1:
             raise ValueError("max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s >= 0")
@@ -110,9 +112,8 @@ class Batcher:
         # One slot per batch in flight: the collector takes a batch only when it holds one.
         self._slots = asyncio.Semaphore(max_in_flight if launch is not None else 1)
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._metrics = metrics or Metrics()
         self._ceiling = max_batch_rows  # lowered after out-of-memory
-        self._instruments = self._metrics.for_model(name)
+        self._instruments = instruments or (metrics or Metrics()).for_model(name)
         self._instruments.batch_ceiling.set(self._ceiling)
         self._queue = WorkQueue(on_work=self._instruments.queue_rows.set)
         self._plain_went_last = False  # whose turn it is when rows and a Monte Carlo request both wait
@@ -162,7 +163,7 @@ class Batcher:
         for task in running:
             task.cancel()  # each fails its own batch's entries as it ends
         await asyncio.gather(*running, return_exceptions=True)
-        self._queue.fail_all(Unavailable("the server is shutting down"))
+        self._queue.fail_all(lambda: Unavailable("the server is shutting down"))
 
     # ----- public API ------------------------------------------------------------------------
 
@@ -368,7 +369,8 @@ class Batcher:
             "model %s: %s; this model refuses work until the server restarts", self.name, self.failure, exc_info=error
         )
         self._accepting = False
-        self._queue.fail_all(ModelError(self.failure))
+        failure = self.failure
+        self._queue.fail_all(lambda: ModelError(failure))
         if self.on_failure is not None:
             self.on_failure(self.failure)
 

@@ -80,7 +80,29 @@ class Lifecycle:
         self._at_start = {spec.name for spec in self._settings.served_models()}
         self._retiring: set[ServedModel] = set()
         self.closed = False  # draining: no new copy enters service
-        self.prepare: Callable[[ServedModel], None] | None = None  # called on a new copy before it serves
+        # Called on a new copy before it serves: every copy's, and those for a name's first copy only.
+        self.prepare: list[Callable[[ServedModel], None]] = []
+        self.prepare_name: list[Callable[[ServedModel], None]] = []
+        self._prepared_names: set[str] = set()
+
+    def add_hook(
+        self, prepare: Callable[[ServedModel], None], *, once_per_name: bool, serving: list[ServedModel]
+    ) -> None:
+        """Run `prepare` on the copies `serving` now, and on each later copy (a name's first only, if `once_per_name`)."""
+        (self.prepare_name if once_per_name else self.prepare).append(prepare)
+        for served in serving:
+            if once_per_name:
+                self._prepared_names.add(served.name)
+            prepare(served)
+
+    def prepared(self, served: ServedModel) -> None:
+        """Run the hooks for a copy about to serve: every copy's, and a new name's."""
+        for prepare in self.prepare:
+            prepare(served)
+        if served.name not in self._prepared_names:
+            self._prepared_names.add(served.name)
+            for prepare in self.prepare_name:
+                prepare(served)
 
     async def apply_load(self, args: dict[str, Any]) -> dict[str, Any]:
         """LOAD_MODEL: {"spec": a ModelSpec as JSON, "source": a WeightsFile's args or None} -> version, timings."""
@@ -100,8 +122,7 @@ class Lifecycle:
         if self.closed:  # a drain began while it was built: it would only have to drain at once
             await served.retire(0)
             raise Unavailable(f"model {spec.name!r}: version {version} not loaded: the server is shutting down")
-        if self.prepare is not None:
-            self.prepare(served)
+        self.prepared(served)
         started = time.perf_counter()
         previous = self._registry.serve(served)
         timings.switch_s = time.perf_counter() - started

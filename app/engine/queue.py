@@ -164,11 +164,17 @@ class WorkQueue:
         entry.passes = None  # its hidden layer and accumulators are freed now, not when its waiter goes
         self.release(entry)
 
-    def fail_all(self, error: Exception) -> None:
-        """Empty the queue, answering `error` to every entry still waiting; stop the deadline timer."""
+    def fail_all(self, make_error: Callable[[], Exception]) -> None:
+        """Empty the queue, answering one `make_error()` to every entry still waiting; stop the deadline timer.
+
+        The error is made only when an entry waits: a queue stopped empty (every reload's old copy) makes none.
+        """
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper, self._reaper_at = None, math.inf
+        if not self._plain and not self._monte_carlo:
+            return
+        error = make_error()
         while self._plain:
             fail(self._pop_plain(), error)
         while self._monte_carlo:

@@ -21,9 +21,9 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
-from app.engine.status import READY, UNLOADED, ModelState, ModelStatus
+from app.engine.status import DRAINING, READY, UNLOADED, WARMING, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, unloaded_error
-from app.metrics import Metrics
+from app.metrics import Metrics, ModelInstruments
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.dtypes import DTYPES, DType
@@ -72,7 +72,7 @@ class ServedModel:
         self._in_service = False
         self._retired = False
         self._warming: asyncio.Future[list[int]] | None = None  # the warm-up on its thread, while it runs
-        self._status = ModelStatus(ModelState.LOADING, "warming up")  # its weights are loaded already
+        self._status = WARMING  # its weights are loaded already
         batcher.on_failure = lambda reason: self._set_status(ModelStatus(ModelState.UNAVAILABLE, reason))
 
     # ----- what it is ------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class ServedModel:
 
     def draining(self) -> None:
         if self._status.state is not ModelState.UNAVAILABLE:
-            self._set_status(ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown"))
+            self._set_status(DRAINING)
 
     def unloaded(self) -> None:
         """Unloaded: listed UNAVAILABLE ("unloaded"), and a request still on its way here answers 404."""
@@ -314,6 +314,7 @@ class Registry:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self._instruments: dict[str, ModelInstruments] = {}
         self.models: dict[str, ServedModel] = {}
         self.unloaded: dict[str, UnloadedModel] = {}
         self.executors: dict[str, ThreadPoolExecutor] = {}
@@ -348,7 +349,7 @@ class Registry:
             max_wait_s=s.max_wait_ms / 1000.0,
             max_queue_rows=s.max_queue_rows,
             executor=executor,
-            metrics=self.metrics,
+            instruments=self.instruments(spec.name),
             # Staged: the next batch is launched while the last one computes (double-buffered).
             launch=runner.launch if runner.staged else None,
             max_in_flight=2,
@@ -365,6 +366,13 @@ class Registry:
             source=source,
             inline_forward_s=s.inline_forward_us / 1e6,
         )
+
+    def instruments(self, name: str) -> ModelInstruments:
+        """A model's instruments, bound once per name: every copy a reload builds uses the same series."""
+        bound = self._instruments.get(name)
+        if bound is None:
+            bound = self._instruments[name] = self.metrics.for_model(name)
+        return bound
 
     def executor(self, device: torch.device) -> ThreadPoolExecutor:
         """The one thread that runs `device`'s work, shared by every model on it."""

@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from app.engine.buckets import bucket_sizes, chunk_slices, relative_error, tolerance
-from app.engine.graphs import BucketedForward
+from app.engine.graphs import BucketedForward, bucket_sizes, chunk_slices, relative_error, tolerance
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.staging import CudaStaging, HostStaging, Pending, Ready, copy_rows
 from ffn_core import FeedForward, FusedGatedFeedForward, MonteCarloPasses

@@ -32,7 +32,7 @@ from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
 from app.engine.loop_watch import LoopWatch
 from app.engine.registry import Registry, ServedModel
 from app.engine.repository import changes, identify, spec_from_config
-from app.engine.status import READY, ModelState, ModelStatus
+from app.engine.status import DRAINING, READY, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, unloaded_error
 from app.settings import ModelSpec, Settings, configured_models
 from app.settings_problems import SettingsError
@@ -93,12 +93,11 @@ class Engine:
         """The models unloaded while serving: listed (UNAVAILABLE, "unloaded"), but not served."""
         return list(self._registry.unloaded.values())
 
-    def on_serving(self, prepare: Callable[[ServedModel], None]) -> None:
+    def on_serving(self, prepare: Callable[[ServedModel], None], *, once_per_name: bool = False) -> None:
         """Call `prepare(served)` for every copy serving now and for each one a load puts in service,
-        before it takes any request (the edge's metrics and tracing hooks)."""
-        for served in self.models():
-            prepare(served)
-        self._lifecycle.prepare = prepare
+        before it takes any request (the tracing's hook); `once_per_name`: for a name's first copy only
+        (what outlives a reload: the doors' series of that name)."""
+        self._lifecycle.add_hook(prepare, once_per_name=once_per_name, serving=self.models())
 
     def listed(self) -> list[ServedModel | UnloadedModel]:
         """Every model a list shows (GET /v1/models, the repository index): served, then unloaded."""
@@ -113,7 +112,7 @@ class Engine:
         nothing to serve), so that a load can still reach it through a load balancer.
         """
         if self._draining:
-            return ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown")
+            return DRAINING
         models = self.models()
         if not self._started or not (models or self._registry.unloaded):
             return ModelStatus(ModelState.LOADING, "models are still loading")

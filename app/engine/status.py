@@ -11,7 +11,7 @@ read it from here, so they cannot disagree. The names are Triton's repository st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -27,11 +27,14 @@ class ModelStatus:
 
     state: ModelState
     reason: str = ""
+    # Read by every request (check_serving): a value set once, not a property computed each time.
+    ready: bool = field(init=False, compare=False)
 
-    @property
-    def ready(self) -> bool:
-        return self.state is ModelState.READY
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ready", self.state is ModelState.READY)
 
 
 READY = ModelStatus(ModelState.READY)
+WARMING = ModelStatus(ModelState.LOADING, "warming up")  # a copy whose weights are loaded
+DRAINING = ModelStatus(ModelState.UNAVAILABLE, "draining before shutdown")
 UNLOADED = ModelStatus(ModelState.UNAVAILABLE, "unloaded")

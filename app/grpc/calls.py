@@ -1,6 +1,6 @@
 """A gRPC call's identity and trace: what RequestIds and the fast path give an HTTP request, for the gRPC door.
 
-Every call of the inference service runs in a RequestContext (app/request_context.py) whose id is
+Every call of the inference service runs in a RequestContext (app/protocol/identity.py) whose id is
 the client's `x-request-id` metadata when it follows the protocol core's rule, else one of the
 server's (app/protocol/identity.py), so that log lines name it as they name an HTTP request's.
 Its answer carries that id in the trailing metadata, with the error's type and retry hint when it
@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from app.grpc.status import GrpcError
-from app.protocol.identity import REQUEST_ID_HEADER, request_id_from
-from app.request_context import CURRENT, RequestContext
+from app.protocol.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, request_id_from
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import RequestTrace, Tracing

@@ -91,7 +91,7 @@ def decode(
         values = _typed(tensor, shape, rows, d_model, dtype)
     else:
         values = _raw(message, tensor, shape, rows, d_model, dtype)
-    monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
+    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
     output_bytes = rows * d_model * dtype.itemsize
     outputs: dict[str, None] = {}
     in_shared_memory: dict[str, SharedMemorySpan] = {}

@@ -25,7 +25,6 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
-from app import request_context
 from app.engine.service import ServedModel
 from app.errors import drop_frames
 from app.grpc import codec
@@ -34,7 +33,7 @@ from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal, set_status
 from app.grpc.stream import StreamInfer
 from app.grpc.wire import InferMessage
-from app.protocol import mc_parameters
+from app.protocol import identity, mc_parameters
 from app.protocol.admission import deadline_from
 from app.protocol.state import ServiceState
 from app.protocol.v2 import (
@@ -179,21 +178,26 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     async def _infer_held(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
         request = message.request
         served = self._engine.model(request.model_name, _version(request.model_version))
-        with self._state.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):
+        with self._state.outcomes.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):
             served.check_serving()
             settings = self._state.settings
             decoded = codec.decode(
                 message, served.d_model, self._state.shared_memory, settings.max_queue_rows, settings.max_body_bytes
             )
-            request_context.decoded(decoded.shape, decoded.dtype.name)
+            identity.decoded(decoded.shape, decoded.dtype.name)
             deadline = self._deadline(decoded.timeout_us, context)
-            asked = mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)
+            # Most requests carry no parameters: then none asks for Monte Carlo dropout.
+            asked = (
+                mc_parameters.from_json(decoded.parameters, served, self._state.settings.max_mc_passes)
+                if decoded.parameters
+                else None
+            )
             if asked is None:
                 output = await served.infer(decoded.rows, deadline=deadline)
-                request_context.resumed()  # a traced request's encode stage starts here
+                identity.resumed()  # a traced request's encode stage starts here
                 return codec.encode(served, decoded, {OUTPUT_NAME: output})
             result = await served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
-            request_context.resumed()
+            identity.resumed()
             answers = {OUTPUT_NAME: result.mean, STD_OUTPUT_NAME: result.std}
             return codec.encode(served, decoded, answers, mc_parameters.echoed(asked))
 
@@ -324,5 +328,5 @@ def _counted_if_cancelled(state: ServiceState, served: ServedModel, context: Con
         # time the call took to arrive: a cancellation that close to the deadline is the deadline.
         near = remaining is not None and remaining <= DEADLINE_SKEW_S
         outcome = "deadline_exceeded" if near else "client_closed_request"
-        state.metrics.requests.labels(model=served.name, outcome=outcome, protocol=PROTOCOL).inc()
+        state.outcomes.counter(served.name, outcome, PROTOCOL).inc()
         raise

@@ -1,4 +1,4 @@
-"""Endpoints declared once: method, path and handler feed both FastAPI and the fast path.
+"""Endpoints declared once (method, path and handler feed both FastAPI and the fast path), and what every handler reads.
 
 FastAPI's per-request machinery (matching through every route, dependency solving, its extra
 middleware) costs more than the rest of a small request's work. So the tensor routes
@@ -15,31 +15,41 @@ still go through all of them.
 
 The fast path is also where a tensor request's trace begins and ends (app/tracing/spans.py),
 when tracing is on: the route's template names the span, the path its model.
+
+Every handler reads its request through the plumbing at the end: its service state, its body
+(bounded, and held against the process's budget), and the client hanging up while it waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import drop_frames
 from app.http.errors import error_response
-from app.protocol.errors import INTERNAL, kind_of
+from app.http.transport.protocol import ON_DISCONNECT
+from app.protocol import identity
+from app.protocol.admission import Hold
+from app.protocol.errors import INTERNAL, ClientDisconnected, PayloadTooLarge, kind_of
+from app.protocol.fields import header_int
+from app.protocol.state import ServiceState
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import Tracing
 
 log = logging.getLogger("ffn_serve")
+T = TypeVar("T")
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -147,3 +157,101 @@ class FastPath:
             await response(scope, receive, send)
         finally:
             trace.end()
+
+
+# ----- the service state, as the routes reach it: `request.app.state.service`, set by create_app ---------
+
+
+def service_state(request: Request) -> ServiceState:
+    """The app's ServiceState (a plain function: the tensor routes skip FastAPI's dependencies)."""
+    state: ServiceState = request.app.state.service
+    return state
+
+
+async def _state_dependency(request: Request) -> ServiceState:
+    # async on purpose: FastAPI runs a sync dependency in a worker thread, a thread hop per request.
+    return service_state(request)
+
+
+StateDep = Annotated[ServiceState, Depends(_state_dependency)]
+
+
+# ----- a request's body, and its client hanging up ------------------------------------------------
+
+TIMEOUT_HEADER = "x-timeout-ms"
+
+
+async def read_body(request: Request, limit: int, hold: Hold | None = None) -> bytes:
+    """The whole body, refused with 413 as soon as it passes `limit`.
+
+    Content-Length is checked, and taken from the process's budget of held bytes (`hold`, 429
+    when spent), before reading; a chunked body is counted and taken as it streams in. (The
+    control routes' small bodies, bounded by their own limit, pass no `hold`.) A client that
+    hangs up is a 499, not a failure of ours; one that stalls mid-body is answered 408 by the
+    protocol (app/http/transport/protocol.py), which this read then sees as a hang-up. A body that came in
+    one piece (every small one) is that piece itself, not a copy; a larger one is joined once at
+    the end. Binary tensors are viewed in it without a copy, read-only.
+    """
+    declared = header_int(request.headers.get("content-length"), "Content-Length")
+    if declared is not None and declared > limit:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    if declared is not None and hold is not None:
+        hold.grow(declared)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+            if hold is not None and size > hold.size:
+                hold.resize(size)
+            if chunk:
+                chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection while sending its body") from None
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it if the client disconnects first (its queued rows are dropped).
+
+    Call only after the body has been read: the next ASGI message is then http.disconnect. Under
+    our protocol (app/http/transport/protocol.py), which calls the scope's ON_DISCONNECT callback when the
+    connection is lost, that is one callback and no task; under any other server, a task watches
+    for the disconnect message.
+    """
+    task = asyncio.current_task()
+    assert task is not None, "unless_disconnected must run inside a task; this is a bug."
+    scope = request.scope
+    gone = False
+
+    def hang_up() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
+
+    async def watch() -> None:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            hang_up()
+
+    watcher = None
+    if ON_DISCONNECT in scope:
+        scope[ON_DISCONNECT] = hang_up
+    else:
+        watcher = asyncio.ensure_future(watch())
+    try:
+        result = await work
+        identity.resumed()  # a traced request's encode stage starts here
+        return result
+    except asyncio.CancelledError:
+        if gone:
+            task.uncancel()
+            raise ClientDisconnected("the client closed the connection before the answer was ready") from None
+        raise
+    finally:
+        if watcher is None:
+            scope[ON_DISCONNECT] = None
+        else:
+            watcher.cancel()

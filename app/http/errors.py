@@ -17,8 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from app import request_context
 from app.errors import ServiceError
+from app.protocol import identity
 from app.protocol.errors import INTERNAL, ClientDisconnected, ErrorKind, InvalidInput, message_of
 from app.protocol.errors import kind_of as protocol_kind_of
 
@@ -45,14 +45,14 @@ def kind_of(exc: Exception) -> ErrorKind:
 def error_body(message: str, error_type: str, request_id: str | None = None) -> bytes:
     """The one JSON error shape: {"error": what was wrong, "error_type": its kind, "request_id": ...}.
 
-    `request_id`: the current request's (app/request_context.py) unless given; a fresh one for an
+    `request_id`: the current request's (app/protocol/identity.py) unless given; a fresh one for an
     answer given outside any request (the transport's own refusals). A V2 request's `id` is added
     as "id" once its body has been read. Clients that read "error" and "error_type" read on.
     """
     body: dict[str, str] = {"error": message, "error_type": error_type}
-    context = request_context.current()
+    context = identity.current()
     if request_id is None:
-        request_id = context.request_id if context is not None else request_context.new_request_id()
+        request_id = context.request_id if context is not None else identity.new_request_id()
     body["request_id"] = request_id
     if context is not None and context.v2_id is not None:
         body["id"] = context.v2_id

@@ -9,10 +9,9 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from app.engine.errors import Unavailable
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, StateDep
 from app.http.errors import error_response
 from app.http.openapi import error_responses
-from app.http.state import StateDep
 from app.protocol.v2.schemas import ServerLive, ServerReady
 
 HEALTH_PREFIX = "/v2/health/"  # the guard lets these through without a key: probes carry none

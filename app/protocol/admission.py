@@ -1,4 +1,4 @@
-"""Admission: the budgets a request takes, whichever door it came through: bytes held, and its deadline.
+"""Admission: the budgets a request takes, whichever door it came through (bytes held, its deadline), and its outcome.
 
 The bytes that a process's accepted, unanswered requests hold are bounded as one budget (`max_held_bytes`).
 
@@ -21,7 +21,9 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from app.protocol.errors import InvalidInput, TooManyBytesHeld
+from prometheus_client import Counter
+
+from app.protocol.errors import ERRORS, INTERNAL, InvalidInput, TooManyBytesHeld, error_type_of
 from app.protocol.fields import header_number
 
 
@@ -82,3 +84,61 @@ def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:
         if not 0 < ms <= 3_600_000:
             raise InvalidInput(f"timeout must be in (0, 3600000] milliseconds, got {ms:g}")
     return asyncio.get_running_loop().time() + ms / 1000.0
+
+
+# Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.
+OUTCOMES = ("ok", *sorted({kind.error_type for kind in ERRORS.values()} | {INTERNAL.error_type}))
+PROTOCOLS = ("http", "grpc")  # ffn_requests_total's protocol label: the two doors
+
+
+class Outcomes:
+    """Every request's outcome in ffn_requests_total{model, outcome, protocol}, counted once: ok or its error_type.
+
+    with state.outcomes.count(model, "grpc"):
+        ...  # the block's outcome: ok, or the error_type of what it raised
+    """
+
+    def __init__(self, requests: Counter) -> None:
+        self._requests = requests
+        # The children by (model, outcome, protocol), each looked up once (a lookup costs µs).
+        self._children: dict[tuple[str, str, str], Counter] = {}
+
+    def count_from_zero(self, model: str) -> None:
+        """Create the model's ffn_requests_total series for every outcome and door, at 0.
+
+        Labelled series appear on first use otherwise, and `increase()` over the first error of a
+        kind reads 0: an alert on it would never fire. (The model's histograms are created with it.)
+        """
+        for outcome in OUTCOMES:
+            for protocol in PROTOCOLS:
+                self.counter(model, outcome, protocol)
+
+    def count(self, model: str, protocol: str = "http") -> Counting:
+        """Count one request's outcome in ffn_requests_total{model, outcome, protocol}: ok or its error_type (`with`)."""
+        return Counting(self, model, protocol)
+
+    def counter(self, model: str, outcome: str, protocol: str = "http") -> Counter:
+        """The ffn_requests_total child of (model, outcome, protocol)."""
+        child = self._children.get((model, outcome, protocol))
+        if child is None:
+            child = self._requests.labels(model=model, outcome=outcome, protocol=protocol)
+            self._children[model, outcome, protocol] = child
+        return child
+
+
+class Counting:
+    """`with outcomes.count(model):` counts the block's outcome once: ok, or the error_type of what it raised."""
+
+    __slots__ = ("model", "outcomes", "protocol")
+
+    def __init__(self, outcomes: Outcomes, model: str, protocol: str) -> None:
+        self.outcomes, self.model, self.protocol = outcomes, model, protocol
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: object) -> None:
+        if error is None:
+            self.outcomes.counter(self.model, "ok", self.protocol).inc()
+        elif isinstance(error, Exception):
+            self.outcomes.counter(self.model, error_type_of(error), self.protocol).inc()

@@ -1,4 +1,4 @@
-"""Strict readers for the scalar fields a client sends: JSON members, and numeric headers and query values.
+"""Strict readers for the scalar fields a client sends: JSON members, numeric headers and query values, media types.
 
 Every protocol reads every parameter through these (one vocabulary), so each field has one documented type and
 anything else is InvalidInput (400) naming the field and what was sent: a boolean is not a
@@ -15,7 +15,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from app.protocol.errors import InvalidInput
+import orjson
+
+from app.protocol.errors import InvalidInput, UnsupportedMediaType
 from app.protocol.limits import MAX_INT_DIGITS, MAX_TEXT_INT
 
 # A plain decimal number as a header carries it: ASCII digits, an optional sign, fraction and exponent.
@@ -139,3 +141,26 @@ def header_int(value: str | None, name: str) -> int | None:
 def header_number(value: str | None, name: str) -> float | None:
     """A header holding a finite decimal number, around optional whitespace; None when absent."""
     return text_number(None if value is None else value.strip(" \t"), name)
+
+
+def media_type(content_type: str | None) -> str | None:
+    """The media type of a Content-Type header, lower-case and without parameters; None if absent."""
+    if not content_type:
+        return None
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def refuse_content_encoding(content_encoding: str | None) -> None:
+    """Bodies are read uncompressed: any Content-Encoding but identity is 415."""
+    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(
+            f"Content-Encoding {content_encoding[:64]!r} is not supported; send the body uncompressed"
+        )
+
+
+def loads_json(body: bytes | bytearray | memoryview) -> object:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        # orjson refuses NaN/Infinity literals and nesting deeper than 1024.
+        raise InvalidInput(f"malformed JSON: {exc}") from None

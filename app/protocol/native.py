@@ -25,14 +25,13 @@ import torch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
 from app.protocol.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
+from app.protocol.fields import loads_json, media_type, refuse_content_encoding
 from app.protocol.limits import NPY_MAX_HEADER
-from app.protocol.media import media_type, refuse_content_encoding
 from app.protocol.tensors import (
     MAX_RANK,
     check_json_counts,
     check_shape,
     json_numbers_to_array,
-    loads_json,
     raw_bytes,
     to_wire_dtype,
     view_rows,

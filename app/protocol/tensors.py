@@ -16,7 +16,6 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
-import orjson
 import torch
 
 from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
@@ -117,14 +116,6 @@ def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_mod
             f"JSON body holds more than {MAX_JSON_OBJECTS} objects or {MAX_JSON_STRINGS} strings "
             "(its '{' and '\"' characters, counted before parsing); a request needs a few dozen"
         )
-
-
-def loads_json(body: bytes | bytearray | memoryview) -> object:
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        # orjson refuses NaN/Infinity literals and nesting deeper than 1024.
-        raise InvalidInput(f"malformed JSON: {exc}") from None
 
 
 def json_numbers_to_array(

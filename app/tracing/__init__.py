@@ -5,7 +5,7 @@
 - spans.py: the spans themselves and their export; imported, with the OpenTelemetry SDK, only when on.
 
 The edge calls in at two places only (app/http/endpoints.py: FastPath, and the stage marks of
-app/request_context.py); the engine reports batches through its observer hook (app/engine/observe.py).
+app/protocol/identity.py); the engine reports batches through its observer hook (app/engine/observe.py).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from app import __version__
 from app.engine.observe import Entry
 from app.engine.service import ServedModel
-from app.request_context import RequestContext, current
+from app.protocol.identity import RequestContext, current
 from app.tracing.config import Export
 from app.tracing.trace_settings import Policy, TraceSettings
 
@@ -116,6 +116,10 @@ class Tracing:
 
     def observer(self, served: ServedModel) -> ModelObserver:
         return ModelObserver(self, served)
+
+    def observe(self, served: ServedModel) -> None:
+        """Trace the batches of `served` (each copy of a model its own observer)."""
+        served.set_observer(self.observer(served))
 
     def send_now(self) -> None:
         """Export what has been collected, off the event loop (log_frequency's turn came)."""

@@ -6,14 +6,11 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app import request_context
 from app.engine.service import ServedModel
-from app.http.body import TIMEOUT_HEADER, read_body, unless_disconnected
-from app.http.endpoints import Endpoint
+from app.http.endpoints import TIMEOUT_HEADER, Endpoint, StateDep, read_body, service_state, unless_disconnected
 from app.http.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.http.openapi import error_responses
-from app.http.state import StateDep, service_state
-from app.protocol import mc_parameters
+from app.protocol import identity, mc_parameters
 from app.protocol import native as codec
 from app.protocol.admission import deadline_from
 from app.protocol.errors import InvalidInput
@@ -25,7 +22,7 @@ async def transform(name: str, request: Request) -> Response:
     # handler on small requests. The headers are read by hand and documented in _TRANSFORM_DOC.
     state = service_state(request)
     served = state.engine.model(name)
-    with state.count(name):
+    with state.outcomes.count(name):
         served.check_serving()
         asked = parameters = None
         if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
@@ -53,7 +50,7 @@ async def transform(name: str, request: Request) -> Response:
                 state.settings.max_queue_rows,
             )
             del body  # binary rows are a view of it: those bytes stay held, and counted
-            request_context.decoded(decoded.shape, decoded.dtype.name)
+            identity.decoded(decoded.shape, decoded.dtype.name)
             if encoding_in == "json":  # the body is gone, parsed into a tensor of its own
                 hold.resize(decoded.rows.nbytes)
             if asked is not None:

@@ -13,7 +13,7 @@ is parsed and when. Each connection:
 - has at most MAX_UNANSWERED requests parsed and not yet answered (pipelined): past that, what it
   sent stays unparsed, and reading stays paused, until answers have gone out; and once an answer
   has gone out, the next pipelined request starts (and what waited is parsed) on the connection's
-  turn, one connection a turn of the event loop across the process (app/http/transport/pipelining.py), so
+  turn, one connection a turn of the event loop across the process (app/http/transport/budgets.py), so
   that pipelining connections, however many, cannot fill every turn of the loop;
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does);
@@ -23,7 +23,7 @@ is parsed and when. Each connection:
   pay for; the timers run only while a body is incomplete, so a request that arrives in one piece,
   the common case, never arms them;
 - is dropped when an answer's unsent bytes make no progress for `send_timeout_s`, which frees them;
-- counts against the process's connection cap (app/http/transport/connections.py): past `max_connections`
+- counts against the process's connection cap (app/http/transport/budgets.py): past `max_connections`
   open ones, the connection idle longest is closed to make room, or else the new one gets 503
   `too_many_connections`; at most half the cap may be connections still sending their request;
 - once the server drains (`close_connections`), answers with `Connection: close`, and is closed
@@ -32,7 +32,7 @@ is parsed and when. Each connection:
   between two writes would leave a head without its body, which a proxy can no longer retry.
 
 It also tells a request that its client left, through the callback the request left in its
-scope under ON_DISCONNECT (app/http/body.py: unless_disconnected), so that no task per request
+scope under ON_DISCONNECT (app/http/endpoints.py: unless_disconnected), so that no task per request
 has to wait for the disconnect message.
 
 An upgrade request (WebSocket, h2c) is answered as a plain HTTP request and the connection closed
@@ -66,16 +66,17 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.errors import ServiceError
-from app.http.body import ON_DISCONNECT
 from app.http.errors import error_body
-from app.http.transport.connections import ConnectionBudget
-from app.http.transport.pipelining import PipelineTurns
+from app.http.transport.budgets import ConnectionBudget, PipelineTurns
 from app.protocol.errors import HeaderTooLarge, InvalidInput, RequestTimeout, TooManyConnections, kind_of
-from app.request_context import new_request_id
+from app.protocol.identity import new_request_id
 from app.settings import Settings
 
 log = logging.getLogger("ffn_serve")
 
+# A scope key set (to None) by this protocol: the app stores a callback under it, which is called,
+# with no argument, when the connection is lost before the answer is complete (unless_disconnected).
+ON_DISCONNECT = "ffn.on_disconnect"
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
 LINGER_BYTES = 1024 * 1024  # ... and how much at most: then reading stops until the close
 # While draining, an idle connection is closed once quiet this long: a client that has just read
@@ -400,7 +401,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.budget.idle(self)
 
     def take_turn(self) -> None:
-        """This connection's turn (app/http/transport/pipelining.py): start its next pipelined request, parse what waited."""
+        """This connection's turn (app/http/transport/budgets.py): start its next pipelined request, parse what waited."""
         if self.transport.is_closing():
             return
         if self._completion_deferred:

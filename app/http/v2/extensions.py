@@ -14,9 +14,8 @@ from typing import Any
 from starlette.responses import Response
 
 from app.engine.service import ServedModel
-from app.http.endpoints import Endpoint, Handler
+from app.http.endpoints import Endpoint, Handler, StateDep
 from app.http.openapi import error_responses
-from app.http.state import StateDep
 from app.http.v2 import log_settings, system_shared_memory, trace_extension
 from app.protocol.state import ServiceState
 from app.protocol.v2 import statistics

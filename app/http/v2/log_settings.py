@@ -7,14 +7,11 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from app.http.body import read_body
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, read_body, service_state
 from app.http.openapi import error_responses
-from app.http.state import service_state
 from app.protocol.errors import InvalidInput
-from app.protocol.fields import json_type
+from app.protocol.fields import json_type, loads_json
 from app.protocol.limits import LOG_SETTINGS_BYTES
-from app.protocol.tensors import loads_json
 from app.protocol.v2.log_settings import FORMATS, log_settings
 
 

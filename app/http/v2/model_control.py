@@ -6,10 +6,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.http.body import read_body
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, read_body, service_state
 from app.http.openapi import error_responses
-from app.http.state import service_state
 from app.protocol.limits import MODEL_CONTROL_BYTES
 from app.protocol.v2.model_control import check_unload, load_config, parameters_of_body
 

@@ -8,15 +8,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app import request_context
 from app.engine.errors import Unavailable
-from app.http.body import read_body, unless_disconnected
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, StateDep, read_body, service_state, unless_disconnected
 from app.http.errors import error_response
 from app.http.openapi import error_responses, inline_defs
-from app.http.state import StateDep, service_state
 from app.http.v2 import extensions, model_control
-from app.protocol import mc_parameters
+from app.protocol import identity, mc_parameters
 from app.protocol.admission import deadline_from
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
@@ -37,7 +34,7 @@ def _model_ready(state: ServiceState, name: str, version: str | None) -> Respons
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     state: ServiceState = service_state(request)
     served = state.engine.model(name, version)
-    with state.count(name):
+    with state.outcomes.count(name):
         served.check_serving()
         header_length = request.headers.get(codec.HEADER_LENGTH)
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
@@ -59,10 +56,15 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             if not decoded.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
                 hold.resize(decoded.rows.nbytes)
             del body  # a binary input is a view of the body: those bytes stay held, and counted
-            request_context.decoded(decoded.shape, decoded.dtype.name)
+            identity.decoded(decoded.shape, decoded.dtype.name)
             timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
             deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
-            asked = mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
+            # Most requests carry no parameters: then none asks for Monte Carlo dropout.
+            asked = (
+                mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
+                if decoded.parameters
+                else None
+            )
             if asked is None:
                 output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
                 content, headers = codec.encode(name, served.version, decoded, {codec.OUTPUT_NAME: output})

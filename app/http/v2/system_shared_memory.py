@@ -7,12 +7,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.http.body import read_body
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, StateDep, read_body, service_state
 from app.http.openapi import error_responses
-from app.http.state import StateDep, service_state
+from app.protocol.fields import loads_json
 from app.protocol.limits import SHARED_MEMORY_BYTES
-from app.protocol.tensors import loads_json
 from app.protocol.v2.system_shared_memory import (
     cuda_shared_memory,
     regions_of,

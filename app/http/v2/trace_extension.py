@@ -9,12 +9,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from app.http.body import read_body
-from app.http.endpoints import Endpoint
+from app.http.endpoints import Endpoint, StateDep, read_body, service_state
 from app.http.openapi import error_responses
-from app.http.state import StateDep, service_state
+from app.protocol.fields import loads_json
 from app.protocol.limits import TRACE_SETTINGS_BYTES
-from app.protocol.tensors import loads_json
 from app.protocol.v2.trace_extension import settings_of, update_settings
 from app.tracing.trace_settings import LEVELS, MODE, OFF
 

@@ -21,11 +21,20 @@ from typing import Any
 import orjson
 import torch
 
-from app import request_context
-from app.protocol import mc_parameters, tensors
+from app.protocol import identity, mc_parameters, tensors
 from app.protocol.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
-from app.protocol.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
-from app.protocol.media import media_type, refuse_content_encoding
+from app.protocol.fields import (
+    bool_field,
+    header_int,
+    int_field,
+    list_field,
+    loads_json,
+    media_type,
+    number_field,
+    object_field,
+    refuse_content_encoding,
+    str_field,
+)
 from app.protocol.shared_memory import Region, SharedMemoryRegions, turned_off
 from ffn_core.dtypes import BY_V2, DType
 
@@ -89,11 +98,11 @@ def decode(
     json_end = _json_length(header_length, len(body))
     json_part = memoryview(body)[:json_end] if json_end < len(body) else body
     tensors.check_json_counts(json_part, max_rows, d_model)
-    document = tensors.loads_json(json_part)
+    document = loads_json(json_part)
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
-    request_context.named(request_id)  # from here on, an error answer carries the request's `id` too
+    identity.named(request_id)  # from here on, an error answer carries the request's `id` too
     parameters = object_field(document, "parameters", "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     inputs = list_field(document, "inputs", "request")
@@ -123,7 +132,7 @@ def decode(
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
         values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
     binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
-    monte_carlo = mc_parameters.asks_for_monte_carlo(parameters)
+    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
     output_bytes = rows * d_model * dtype.itemsize
     outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
     return V2Request(

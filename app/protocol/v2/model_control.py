@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.protocol.errors import InvalidInput
-from app.protocol.fields import bool_field, object_field, str_field
-from app.protocol.tensors import loads_json
+from app.protocol.fields import bool_field, loads_json, object_field, str_field
 
 _FILES = (
     "file parameters (tritonclient's files=) are not supported: put the weights in the model "

@@ -1,5 +1,22 @@
-"""GuardMiddleware: checks that need no route, done before any route runs (pure ASGI, cheap).
+"""The edge of every HTTP request, in front of the routes: its id, its time, and the guard's checks (pure ASGI, cheap).
 
+**Edge**, the outermost layer (wrapped around Starlette's own error middleware, so that even an
+unexpected 500 carries what it adds), does two things with one wrapper of `send`:
+
+- The request's id: its RequestContext goes in the context variable that the error body, the
+  access log and the tracing read (app/protocol/identity.py), and `X-Request-Id` on the answer's
+  head. A client's id is kept when it follows the protocol core's rule, else replaced by a fresh
+  one: never an id that could forge a log line, and never a request refused for an optional header.
+- The request's whole time in ffn_http_request_seconds{protocol, route, status}: what a client
+  waits for, from the ASGI call (uvicorn has parsed the head) until the app has sent the last byte
+  of the answer, the body read, decoding, queueing, compute, encoding and the guard's refusals
+  included. Labels stay bounded whatever clients send: `route` is the matched endpoint's template
+  (`/v2/models/{name}/infer`, never the raw path), or `unmatched`; `protocol` is `native` (/v1),
+  `v2` (/v2, health included) or `http` (metrics, the API pages); `status` is the class, `2xx`,
+  `4xx` or `5xx`. Answers that uvicorn's protocol gives before the app is called (a malformed or
+  too slow head, too many connections) are not in it.
+
+**GuardMiddleware**, checks that need no route, done before any route runs:
 - A request head over `max_header_bytes` is refused with 431 (the protocol layer cuts off one
   still arriving; this catches a whole head that arrived at once).
 - A Transfer-Encoding other than plain `chunked` (`gzip, chunked`, ...) is refused with 501:
@@ -23,16 +40,94 @@ answered before it, and the guard's 401 carries the CORS headers a browser needs
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterable
 
+from prometheus_client import Histogram
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import BaseRoute, Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
 from app.http.ops import HEALTH_PREFIX, METRICS_PATH
 from app.protocol.errors import HeaderTooLarge, InvalidInput, NotFound, Unauthorized, UnsupportedTransferEncoding
-from app.protocol.identity import bearer_matches
+from app.protocol.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, bearer_matches, request_id_from
+
+UNMATCHED = "unmatched"
+_PROTOCOLS = (("/v1/", "native"), ("/v2", "v2"))
+
+
+def protocol_of(path: str) -> str:
+    """The protocol a path belongs to: native (/v1), v2 (/v2), or plain http."""
+    return next((name for prefix, name in _PROTOCOLS if path.startswith(prefix)), "http")
+
+
+def route_templates(routes: Iterable[BaseRoute], first: Iterable[str] = ()) -> list[tuple[re.Pattern[str], str]]:
+    """(pattern, template) for every route of the app, in routing order, the templates in `first` ahead.
+
+    `first`: the hot routes (the tensor routes), tried before the rest so that they cost one or
+    two matches. Putting them first changes no answer: no other template matches their paths.
+    """
+    found: list[tuple[re.Pattern[str], str]] = []
+    for route in routes:
+        pattern = getattr(route, "path_regex", None)
+        path = getattr(route, "path", None)
+        if pattern is None or path is None:
+            continue
+        found.append((pattern, f"{path}/{{path}}" if isinstance(route, Mount) else path))
+    hot = set(first)
+    return [entry for entry in found if entry[1] in hot] + [entry for entry in found if entry[1] not in hot]
+
+
+class Edge:
+    """Gives each HTTP request its RequestContext and X-Request-Id, and times it (see the module's docstring)."""
+
+    def __init__(self, app: ASGIApp, *, histogram: Histogram, routes: list[tuple[re.Pattern[str], str]]) -> None:
+        self.app = app
+        self._histogram = histogram
+        self._routes = routes
+        self._children: dict[tuple[str, str, int], Histogram] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        header, _ = request_id_from([value for name, value in scope["headers"] if name == REQUEST_ID_HEADER])
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (REQUEST_ID_HEADER, header)]
+            await send(message)
+
+        token = CURRENT.set(RequestContext(header.decode("ascii")))
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            status = status or 500  # Starlette's outermost layer answers 500 for what escapes
+            raise
+        finally:
+            CURRENT.reset(token)
+            if status:  # nothing sent and cancelled: the client left before any answer, nothing to time
+                self._child(scope["path"], status).observe(time.perf_counter() - started)
+
+    def _child(self, path: str, status: int) -> Histogram:
+        template = next((template for pattern, template in self._routes if pattern.match(path)), UNMATCHED)
+        # An unmatched path's protocol comes from the path itself; a template's is fixed.
+        protocol = protocol_of(path if template == UNMATCHED else template)
+        key = (protocol, template, status // 100)  # bounded: the routes (and unmatched) x 3 protocols x 5 classes
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._histogram.labels(
+                protocol=protocol, route=template, status=f"{status // 100}xx"
+            )
+        return child
+
 
 # Model readiness, the one probe outside /v2/health/. `[^/]+` as the route's own {name}: a path it
 # matches can only reach the model-ready route (Starlette does not resolve dot segments).
