@@ -102,6 +102,9 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
         ),
         {},
     ),
+    "kserve v1": ("POST", "/v1/models/demo:predict", orjson.dumps({"instances": x.tolist()}), {}),
+    "kserve v1 bad instances": ("POST", "/v1/models/demo:predict", orjson.dumps({"instances": [1.0, 2.0]}), {}),
+    "kserve v1 unknown model": ("POST", "/v1/models/nope:predict", orjson.dumps({"inputs": x.tolist()}), {}),
     "v2 bad datatype": (
         "POST",
         "/v2/models/demo/infer",
@@ -146,7 +149,7 @@ async def test_every_fast_endpoint_is_also_a_fastapi_route() -> None:
     routes = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
     for endpoint in ENDPOINTS:
         assert (endpoint.method, endpoint.path) in routes
-    assert sum(endpoint.fast for endpoint in ENDPOINTS) == 3  # transform, infer, versioned infer
+    assert sum(endpoint.fast for endpoint in ENDPOINTS) == 4  # transform, infer, versioned infer, KServe V1 predict
 
 
 async def test_the_fast_path_answers_in_front_of_fastapis_own_middleware(start_app, monkeypatch) -> None:

@@ -300,6 +300,9 @@ async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, sche
         ("GET", "/docs"),
         ("GET", "/v2/health/../../v1/models"),
         ("GET", "/v2/health/%2e%2e/%2e%2e/metrics"),
+        ("POST", "/v1/models/demo:predict"),
+        ("POST", "/v1/models/demo"),  # KServe V1's readiness is a GET too
+        ("GET", "/v1/models/demo/x"),
     ],
 )
 async def test_every_route_but_health_needs_the_key(server: ServerProcess, method: str, path: str) -> None:
@@ -309,7 +312,15 @@ async def test_every_route_but_health_needs_the_key(server: ServerProcess, metho
 
 
 @pytest.mark.parametrize(
-    "path", ["/v2/health/live", "/v2/health/ready", "/v2/models/demo/ready", "/v2/models/demo/versions/1/ready"]
+    "path",
+    [
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/demo/ready",
+        "/v2/models/demo/versions/1/ready",
+        "/",  # KServe V1's liveness
+        "/v1/models/demo",  # KServe V1's readiness
+    ],
 )
 async def test_probes_need_no_key(server: ServerProcess, path: str) -> None:
     """Server health and model readiness: what Kubernetes, KServe and tritonclient probe with, keyless."""

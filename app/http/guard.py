@@ -5,10 +5,10 @@
 - A Transfer-Encoding other than plain `chunked` (`gzip, chunked`, ...) is refused with 501:
   the body would otherwise be read with the coding silently ignored.
 - With an API key configured, every path but the probes needs `Authorization: Bearer <key>`,
-  compared in constant time. The probes are server health (`/v2/health/*`) and model readiness
-  (`GET /v2/models/{name}[/versions/{v}]/ready`): what Kubernetes, load balancers, KServe and
-  tritonclient's `is_server_live` / `is_server_ready` / `is_model_ready` send, often with no
-  key. They tell whether the server, or a model of that name, is ready, and nothing more.
+  compared in constant time. The probes are server health (`/v2/health/*`, and KServe V1's `/`)
+  and model readiness (`GET /v2/models/{name}[/versions/{v}]/ready`, KServe V1's
+  `GET /v1/models/{name}`): what Kubernetes, load balancers, KServe's SDK and tritonclient's
+  `is_server_live` / `is_server_ready` / `is_model_ready` send, often with no key. They tell whether the server, or a model of that name, is ready, and nothing more.
 - On the metrics port (`metrics_port`), only `/metrics` is served, and without the key: what a
   Prometheus scrape needs and nothing else (Triton's metrics port, TEI's Prometheus port).
 
@@ -34,15 +34,16 @@ from app.http.ops import HEALTH_PREFIX, METRICS_PATH
 from app.protocol.errors import HeaderTooLarge, InvalidInput, NotFound, Unauthorized, UnsupportedTransferEncoding
 from app.protocol.identity import bearer_matches
 
-# Model readiness, the one probe outside /v2/health/. `[^/]+` as the route's own {name}: a path it
-# matches can only reach the model-ready route (Starlette does not resolve dot segments).
-_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready")
+# Model readiness, the probes outside /v2/health/: V2's and KServe V1's. `[^/]+` as the routes' own
+# {name}: a path they match can only reach a model-ready route (Starlette does not resolve dot
+# segments), and `GET /v1/models` itself, the list, is not one of them.
+_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready|/v1/models/[^/]+")
 
 
 def is_probe(scope: Scope) -> bool:
     """Whether a request is a health or readiness probe, which needs no API key."""
     path: str = scope["path"]
-    if path.startswith(HEALTH_PREFIX):
+    if path.startswith(HEALTH_PREFIX) or path == "/":  # "/": KServe V1's liveness
         return True
     return scope["method"] in ("GET", "HEAD") and _MODEL_READY.fullmatch(path) is not None
 

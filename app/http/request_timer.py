@@ -7,8 +7,9 @@ Pure ASGI and cheap (a few route patterns tried in order, one observe): it is th
 layer of every request, the hot ones included.
 
 Labels stay bounded whatever clients send: `route` is the matched endpoint's template
-(`/v2/models/{name}/infer`, never the raw path), or `unmatched`; `protocol` is `native` (/v1),
-`v2` (/v2, health included) or `http` (metrics, the API pages); `status` is the class, `2xx`,
+(`/v2/models/{name}/infer`, never the raw path), or `unmatched`; `protocol` is `kserve_v1`
+(`/`, `/v1/models/{name}[:predict]`), `native` (the rest of /v1), `v2` (/v2, health included) or
+`http` (metrics, the API pages); `status` is the class, `2xx`,
 `4xx` or `5xx`. Answers that uvicorn's protocol gives before the app is called (a malformed or
 too slow head, too many connections) are not in it.
 """
@@ -25,10 +26,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 UNMATCHED = "unmatched"
 _PROTOCOLS = (("/v1/", "native"), ("/v2", "v2"))
+# KServe V1's liveness (/), readiness and predict (`{name}:predict`); the native routes go deeper.
+_KSERVE_V1 = re.compile(r"/|/v1/models/[^/]+")
 
 
 def protocol_of(path: str) -> str:
-    """The protocol a path belongs to: native (/v1), v2 (/v2), or plain http."""
+    """The protocol a path belongs to: kserve_v1 (/, /v1/models/{name}[:predict]), native (/v1), v2 (/v2), or http."""
+    if _KSERVE_V1.fullmatch(path):
+        return "kserve_v1"
     return next((name for prefix, name in _PROTOCOLS if path.startswith(prefix)), "http")
 
 
