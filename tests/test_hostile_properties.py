@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.errors import ServiceError
-from app.protocol import fields, native
+from app.protocol import content_coding, fields, native
 from app.protocol.admission import deadline_from
 from app.protocol.errors import kind_of
 from app.protocol.tensors import check_finite_output
@@ -148,7 +148,8 @@ def test_native_npy_any_bytes(body: bytes) -> None:
 def test_native_negotiation_any_headers(
     content_type: str | None, content_encoding: str | None, accept: str | None
 ) -> None:
-    decode_or_4xx(native.request_encoding, content_type, content_encoding)
+    decode_or_4xx(native.request_encoding, content_type)
+    decode_or_4xx(content_coding.request_coding, content_encoding)
     decode_or_4xx(native.response_encoding, accept)
 
 

@@ -8,9 +8,9 @@ server reflection, v1 and v1alpha (reflection.py), so grpcurl, Postman and grpc_
 without .proto files.
 
 Budgets, from the HTTP settings: a message is at most `max_body_bytes` (RESOURCE_EXHAUSTED,
-before it is parsed), metadata at most `max_header_bytes`, connections and calls in flight at
-most `max_connections` each per process; an infer request's non-tensor fields are bounded before
-parsing (wire.py). A request that does not parse is refused INVALID_ARGUMENT, never INTERNAL.
+before it is parsed; a compressed one is inflated no further), metadata at most
+`max_header_bytes`, connections and calls in flight at most `max_connections` each per process;
+an infer request's non-tensor fields are bounded before parsing (wire.py). A request that does not parse is refused INVALID_ARGUMENT, never INTERNAL.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class GrpcServer:
             interceptors=[ApiKeyInterceptor(key)] if key else [],
             options=[
                 ("grpc.so_reuseport", 1),
+                # Also the bound on a compressed message's inflated size: grpc core stops inflating
+                # past it ("Decompressed message larger than max", RESOURCE_EXHAUSTED), so a gRPC
+                # decompression bomb costs no memory (tests/test_compression.py).
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
                 ("grpc.max_send_message_length", -1),  # an answer is as large as its request's rows make it
                 ("grpc.max_metadata_size", settings.max_header_bytes),

@@ -23,7 +23,7 @@ import torch
 from app.engine.errors import Unavailable
 from app.engine.service import Engine
 from app.protocol.errors import InvalidInput, UnsupportedMediaType
-from app.protocol.media import media_type, refuse_content_encoding
+from app.protocol.media import media_type
 from app.protocol.native import FLOAT32, DecodedInput
 from app.protocol.tensors import check_json_counts, check_shape, json_numbers_to_array, loads_json, to_wire_dtype
 
@@ -32,9 +32,8 @@ FIELDS: tuple[Field, ...] = ("instances", "inputs")
 MEDIA_TYPE = "application/json"
 
 
-def check_content(content_type: str | None, content_encoding: str | None) -> None:
-    """V1 bodies are JSON: another media type (or a compressed body) is refused before it is read."""
-    refuse_content_encoding(content_encoding)
+def check_content(content_type: str | None) -> None:
+    """V1 bodies are JSON: another media type is refused before the body is read."""
     media = media_type(content_type)
     if media is not None and media != MEDIA_TYPE:
         raise UnsupportedMediaType(

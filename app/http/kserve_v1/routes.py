@@ -8,11 +8,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app import request_context
-from app.http.body import TIMEOUT_HEADER, read_body, unless_disconnected
+from app.http.body import TIMEOUT_HEADER, compressed, read_body, unless_disconnected
 from app.http.endpoints import Endpoint
 from app.http.openapi import error_responses
 from app.http.state import service_state
-from app.protocol import kserve_v1
+from app.protocol import content_coding, kserve_v1
 from app.protocol.admission import deadline_from
 
 READY_PATH = "/v1/models/{name}"  # probes: the guard lets them through without a key
@@ -27,10 +27,12 @@ async def predict(name: str, request: Request) -> Response:
     with state.count(name):
         served.check_serving()
         headers = request.headers
-        kserve_v1.check_content(headers.get("content-type"), headers.get("content-encoding"))
+        kserve_v1.check_content(headers.get("content-type"))
+        coding_in = content_coding.request_coding(headers.get("content-encoding"))
+        coding_out = content_coding.answer_coding(headers.get("accept-encoding"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
         with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold)
+            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
             # Looked up again: a reload may have swapped the copy while the body arrived.
             served = state.engine.model(name)
             decoded = kserve_v1.decode(body, served.d_model, state.settings.max_queue_rows)
@@ -38,8 +40,10 @@ async def predict(name: str, request: Request) -> Response:
             hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into a tensor of its own
             request_context.decoded(decoded.shape, decoded.dtype.name)
             output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
-            content = kserve_v1.encode(output, decoded)
-        return Response(content, media_type=kserve_v1.MEDIA_TYPE)
+            content, headers_out = await compressed(
+                kserve_v1.encode(output, decoded), {"content-type": kserve_v1.MEDIA_TYPE}, coding_out
+            )
+        return Response(content, headers=headers_out)
 
 
 async def server_live() -> Response:

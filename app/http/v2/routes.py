@@ -10,13 +10,13 @@ from starlette.responses import Response
 
 from app import request_context
 from app.engine.errors import Unavailable
-from app.http.body import read_body, unless_disconnected
+from app.http.body import compressed, read_body, unless_disconnected
 from app.http.endpoints import Endpoint
 from app.http.errors import error_response
 from app.http.openapi import error_responses, inline_defs
 from app.http.state import StateDep, service_state
 from app.http.v2 import extensions, model_control
-from app.protocol import mc_parameters
+from app.protocol import content_coding, mc_parameters
 from app.protocol.admission import deadline_from
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
@@ -42,9 +42,11 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         header_length = request.headers.get(codec.HEADER_LENGTH)
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
-        codec.check_content(content_type, request.headers.get("content-encoding"))
+        codec.check_content(content_type)
+        coding_in = content_coding.request_coding(request.headers.get("content-encoding"))
+        coding_out = content_coding.answer_coding(request.headers.get("accept-encoding"))
         with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold)
+            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
             served = state.engine.model(name, version)
@@ -73,6 +75,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
                 )
                 tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
                 content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
+            content, headers = await compressed(content, headers, coding_out)
         return Response(content, headers=headers)
 
 

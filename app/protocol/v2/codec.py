@@ -25,7 +25,7 @@ from app import request_context
 from app.protocol import mc_parameters, tensors
 from app.protocol.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
 from app.protocol.fields import bool_field, header_int, int_field, list_field, number_field, object_field, str_field
-from app.protocol.media import media_type, refuse_content_encoding
+from app.protocol.media import media_type
 from app.protocol.shared_memory import Region, SharedMemoryRegions, turned_off
 from ffn_core.dtypes import BY_V2, DType
 
@@ -64,9 +64,8 @@ class V2Request:
     shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
 
 
-def check_content(content_type: str | None, content_encoding: str | None) -> None:
-    """Refuse bodies of another media type, or compressed ones, before reading them."""
-    refuse_content_encoding(content_encoding)
+def check_content(content_type: str | None) -> None:
+    """Refuse bodies of another media type before reading them."""
     media = media_type(content_type)
     if media is not None and media not in MEDIA_TYPES:
         raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")
