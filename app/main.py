@@ -15,6 +15,7 @@ from app.http.docs_assets import serve_docs_offline
 from app.http.edge import Edge, GuardMiddleware, JsonCORSMiddleware, route_templates
 from app.http.endpoints import ServiceApp, register
 from app.http.errors import install_error_handlers
+from app.http.kserve_v1 import routes as kserve_v1
 from app.http.native import routes as native
 from app.http.openapi import document_validation_errors_as_400
 from app.http.v2 import routes as v2
@@ -27,7 +28,7 @@ from app.settings import Settings
 from app.tracing import TraceSettings, start_tracing
 from app.tracing.config import traces_export
 
-ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS]
+ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS, *kserve_v1.ENDPOINTS]
 
 
 def create_app(

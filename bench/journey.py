@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = (str(ROOT / "app") + os.sep, str(ROOT / "ffn_core") + os.sep)
 D_MODEL = 512  # the demo model's
 LIMITS = {"native binary": 14, "V2 JSON": 15, "gRPC ModelInfer": 14, "model reload": 18}
+# Answers uncompressed, as ffn_client asks: httpx's default Accept-Encoding would have them compressed.
+IDENTITY = {"accept-encoding": "identity"}
 RECORD_ENV = "FFN_JOURNEY_FILE"  # where the served process writes what it recorded
 # Timers that wake on their own whatever the requests do: the loop watch's tick, a worker's heartbeat.
 BACKGROUND = frozenset({"LoopWatch._tick", "Control.heartbeat"})
@@ -95,6 +97,7 @@ async def _native(server: Any) -> None:
 
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         headers = {"content-type": "application/octet-stream", "accept": "application/octet-stream"}
+        headers |= IDENTITY
         response = await client.post(
             "/v1/models/demo/transform", content=_rows(4).tobytes(), headers={**headers, "x-shape": f"4,{D_MODEL}"}
         )
@@ -107,7 +110,7 @@ async def _v2_json(server: Any) -> None:
     x = _rows(4)
     body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        response = await client.post("/v2/models/demo/infer", json=body)
+        response = await client.post("/v2/models/demo/infer", json=body, headers=IDENTITY)
         assert response.status_code == 200, response.text
 
 
@@ -127,7 +130,7 @@ async def _reload(server: Any) -> None:
     import httpx
 
     async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
-        response = await client.post("/v2/repository/models/demo/load", json={})
+        response = await client.post("/v2/repository/models/demo/load", json={}, headers=IDENTITY)
         assert response.status_code == 200, response.text
 
 

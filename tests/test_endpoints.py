@@ -7,7 +7,9 @@ body must be equal. The fast path must really be the one answering in the first 
 
 from __future__ import annotations
 
+import gzip
 import io
+import zlib
 
 import httpx
 import numpy as np
@@ -102,6 +104,26 @@ REQUESTS: dict[str, tuple[str, str, bytes, dict[str, str]]] = {
         ),
         {},
     ),
+    "kserve v1": ("POST", "/v1/models/demo:predict", orjson.dumps({"instances": x.tolist()}), {}),
+    "kserve v1 bad instances": ("POST", "/v1/models/demo:predict", orjson.dumps({"instances": [1.0, 2.0]}), {}),
+    "kserve v1 unknown model": ("POST", "/v1/models/nope:predict", orjson.dumps({"inputs": x.tolist()}), {}),
+    "native json gzip, answered deflate": (
+        "POST",
+        "/v1/models/demo/transform",
+        gzip.compress(orjson.dumps({"inputs": x.tolist()})),
+        {"content-type": "application/json", "content-encoding": "gzip", "accept-encoding": "deflate"},
+    ),
+    "v2 binary deflate, answered gzip": (
+        *_v2_binary(x, "/v2/models/demo/infer")[:2],
+        zlib.compress(_v2_binary(x, "/v2/models/demo/infer")[2]),
+        {**_v2_binary(x, "/v2/models/demo/infer")[3], "content-encoding": "deflate", "accept-encoding": "gzip"},
+    ),
+    "kserve v1 gzip bomb": (
+        "POST",
+        "/v1/models/demo:predict",
+        gzip.compress(bytes(8 << 20)),
+        {"content-type": "application/json", "content-encoding": "gzip"},
+    ),
     "v2 bad datatype": (
         "POST",
         "/v2/models/demo/infer",
@@ -117,12 +139,13 @@ COMPARED_HEADERS = (
     "retry-after",
     "x-mc-seed",
     "x-request-id",
+    "content-encoding",
 )
 
 
 @pytest.fixture
 async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
-    settings = Settings(max_batch_rows=64)
+    settings = Settings(max_batch_rows=64, max_body_bytes=4 << 20)  # the gzip bomb inflates past it
     fast, routed = await start_app(settings), await start_app(settings, fast_path=False)
     assert any(m.cls is FastPath for m in fast.app.edge_middleware)
     assert not any(m.cls is FastPath for m in routed.app.edge_middleware)
@@ -146,7 +169,7 @@ async def test_every_fast_endpoint_is_also_a_fastapi_route() -> None:
     routes = {(method, route.path) for route in app.routes for method in getattr(route, "methods", ())}
     for endpoint in ENDPOINTS:
         assert (endpoint.method, endpoint.path) in routes
-    assert sum(endpoint.fast for endpoint in ENDPOINTS) == 3  # transform, infer, versioned infer
+    assert sum(endpoint.fast for endpoint in ENDPOINTS) == 4  # transform, infer, versioned infer, KServe V1 predict
 
 
 async def test_the_fast_path_answers_in_front_of_fastapis_own_middleware(start_app, monkeypatch) -> None:

@@ -172,14 +172,13 @@ async def test_hostile_npy_is_400(server: ServerProcess, body: bytes) -> None:
 # ----- headers, framing, negotiation --------------------------------------------------------
 
 
-async def test_gzip_body_is_415(server: ServerProcess) -> None:
-    import gzip
-
-    body = gzip.compress(orjson.dumps({"inputs": [[0.0] * D_MODEL]}))
-    r = await send(server, "POST", V1, {**JSON, "Content-Encoding": "gzip"}, body)
-    assert_error(r, 415, "unsupported_media_type")
-    r = await send(server, "POST", V2, {**JSON, "Content-Encoding": "gzip"}, body)
-    assert_error(r, 415, "unsupported_media_type")
+@pytest.mark.parametrize("coding", ["br", "compress", "zstd", "gzip, deflate"])
+async def test_a_content_coding_other_than_gzip_or_deflate_is_415(server: ServerProcess, coding: str) -> None:
+    # gzip and deflate are read (tests/test_compression.py); any other coding is refused unread.
+    body = b"\x0b\x02\x80 not a body this server can read"
+    for path in (V1, V2, "/v1/models/demo:predict"):
+        r = await send(server, "POST", path, {**JSON, "Content-Encoding": coding}, body)
+        assert_error(r, 415, "unsupported_media_type")
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/xml", "multipart/form-data; boundary=x"])
@@ -300,6 +299,9 @@ async def test_the_bearer_scheme_is_case_insensitive(server: ServerProcess, sche
         ("GET", "/docs"),
         ("GET", "/v2/health/../../v1/models"),
         ("GET", "/v2/health/%2e%2e/%2e%2e/metrics"),
+        ("POST", "/v1/models/demo:predict"),
+        ("POST", "/v1/models/demo"),  # KServe V1's readiness is a GET too
+        ("GET", "/v1/models/demo/x"),
     ],
 )
 async def test_every_route_but_health_needs_the_key(server: ServerProcess, method: str, path: str) -> None:
@@ -309,7 +311,15 @@ async def test_every_route_but_health_needs_the_key(server: ServerProcess, metho
 
 
 @pytest.mark.parametrize(
-    "path", ["/v2/health/live", "/v2/health/ready", "/v2/models/demo/ready", "/v2/models/demo/versions/1/ready"]
+    "path",
+    [
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/demo/ready",
+        "/v2/models/demo/versions/1/ready",
+        "/",  # KServe V1's liveness
+        "/v1/models/demo",  # KServe V1's readiness
+    ],
 )
 async def test_probes_need_no_key(server: ServerProcess, path: str) -> None:
     """Server health and model readiness: what Kubernetes, KServe and tritonclient probe with, keyless."""

@@ -98,8 +98,11 @@ async def test_whole_requests_by_protocol_route_and_status_class(start_app) -> N
         (await client.get("/v1/models")).status_code,
         (await client.get("/v2/models/demo/ready")).status_code,
         (await client.get("/no/such/path/abc123")).status_code,
+        (await client.post("/v1/models/demo:predict", json={"instances": x.tolist()})).status_code,
+        (await client.get("/v1/models/demo")).status_code,
+        (await client.get("/")).status_code,
     ]
-    assert sent == [200, 200, 400, 404, 200, 200, 200, 404]
+    assert sent == [200, 200, 400, 404, 200, 200, 200, 404, 200, 200, 200]
     page = (await client.get("/metrics")).text
 
     def count(protocol: str, route: str, status: str) -> float:
@@ -112,13 +115,20 @@ async def test_whole_requests_by_protocol_route_and_status_class(start_app) -> N
     assert count("native", "/v1/models", "2xx") == 1
     assert count("v2", "/v2/models/{name}/ready", "2xx") == 1
     assert count("http", "unmatched", "4xx") == 1
+    assert count("kserve_v1", "/v1/models/{name}:predict", "2xx") == 1
+    assert count("kserve_v1", "/v1/models/{name}", "2xx") == 1
+    assert count("kserve_v1", "/", "2xx") == 1
     # Templates only: no raw path, model name or version reaches a label.
     labels = {value for key in samples(page, "ffn_http_request_seconds_count") for _, value in key}
     assert not any("demo" in value or "abc123" in value or "no-such-model" in value for value in labels)
     # Each request's whole time holds its time at the batcher.
     whole = sum(
         metric_value(page, "ffn_http_request_seconds_sum", protocol=protocol, route=route, status="2xx")
-        for protocol, route in (("v2", "/v2/models/{name}/infer"), ("native", "/v1/models/{name}/transform"))
+        for protocol, route in (
+            ("v2", "/v2/models/{name}/infer"),
+            ("native", "/v1/models/{name}/transform"),
+            ("kserve_v1", "/v1/models/{name}:predict"),
+        )
     )
     assert whole >= metric_value(page, "ffn_request_seconds_sum", model="demo") > 0
 

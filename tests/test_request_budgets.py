@@ -23,6 +23,7 @@ from tests.reference import assert_close, demo_reference
 
 V1 = "/v1/models/demo/transform"
 V2 = "/v2/models/demo/infer"
+KSERVE_V1 = "/v1/models/demo:predict"
 ROW = np.linspace(-1, 1, 512, dtype=np.float32).reshape(1, 512)
 StartApp = Callable[..., Awaitable[InProcessApp]]
 
@@ -65,7 +66,11 @@ async def test_a_json_body_is_dropped_once_parsed_and_its_tensor_held_until_answ
     r = await running.client.post(V2, content=v2_body(ROW) + b" " * (4 << 20))
     assert r.status_code == 200
     assert_close(np.asarray(r.json()["outputs"][0]["data"]).reshape(1, 512), demo_reference(ROW))
-    assert seen == [512 * 4, 512 * 4]  # one float32 row each: the 4 MiB bodies were let go
+    padded = orjson.dumps({"instances": ROW.tolist()}) + b" " * (4 << 20)
+    r = await running.client.post(KSERVE_V1, content=padded, headers={"content-type": "application/json"})
+    assert r.status_code == 200
+    assert_close(np.asarray(r.json()["predictions"]), demo_reference(ROW))
+    assert seen == [512 * 4] * 3  # one float32 row each: the 4 MiB bodies were let go
     assert running.app.state.service.held.held == 0
 
 

@@ -245,6 +245,19 @@ def check_health(client: Client, server: ServerProcess) -> None:
     assert client.is_model_ready("no-such-model") is False and client.is_model_ready("demo", "2") is False
 
 
+def check_cuda_shared_memory(client: Client, server: ServerProcess) -> None:
+    """No CUDA region is ever registered: none listed, a named one NOT_FOUND, unregistering done (perf_analyzer's)."""
+    assert client.get_cuda_shared_memory_status(as_json=True) == {}
+    assert len(client.get_cuda_shared_memory_status().regions) == 0
+    with pytest.raises(InferenceServerException) as info:
+        client.get_cuda_shared_memory_status("r")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert "no cuda shared memory region named 'r' is registered" in info.value.message()
+    client.unregister_cuda_shared_memory()  # all of them, as perf_analyzer's clean-up does
+    client.unregister_cuda_shared_memory("r")
+    assert client.get_cuda_shared_memory_status(as_json=True) == {}
+
+
 def check_plugins(client: Client, server: ServerProcess) -> None:
     """Registered, the plugin's metadata is sent; unregistered, it is not (a keyed server then refuses)."""
     fresh = Client(server.grpc_target)
@@ -426,17 +439,17 @@ WORKS: dict[str, Check] = {
     "get_system_shared_memory_status": check_system_shared_memory,
     "register_system_shared_memory": check_system_shared_memory,
     "unregister_system_shared_memory": check_system_shared_memory,
+    "get_cuda_shared_memory_status": check_cuda_shared_memory,
+    "unregister_cuda_shared_memory": check_cuda_shared_memory,
 }
 
 # ----- the methods of extensions this server does not implement: UNIMPLEMENTED, naming them -------
 
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
-    "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
         "cuda_shared_memory",
     ),
-    "unregister_cuda_shared_memory": (lambda c: c.unregister_cuda_shared_memory("r"), "cuda_shared_memory"),
 }
 
 # What calls the server, for the key check: every method but the client-side ones.
@@ -497,6 +510,8 @@ def without_key_calls() -> dict[str, Callable[[Client], Any]]:
         "get_system_shared_memory_status": lambda c: c.get_system_shared_memory_status(),
         "register_system_shared_memory": lambda c: c.register_system_shared_memory("r", "/k", 64),
         "unregister_system_shared_memory": lambda c: c.unregister_system_shared_memory(),
+        "get_cuda_shared_memory_status": lambda c: c.get_cuda_shared_memory_status(),
+        "unregister_cuda_shared_memory": lambda c: c.unregister_cuda_shared_memory(),
         "load_model": lambda c: c.load_model("demo"),
         "unload_model": lambda c: c.unload_model("demo"),
         **{name: call for name, (call, _) in REFUSED.items()},

@@ -2,7 +2,9 @@
 
 Each one either works, with its answer checked, or raises an InferenceServerException whose
 status is 400 and whose message names the extension this server does not implement. The
-server has system shared memory on; CUDA shared memory names itself and why (no GPU here). The
+server has system shared memory on; CUDA shared memory holds no region (status: none;
+unregister: nothing to do, as perf_analyzer's clean-up needs) and registering one names the
+extension and why (no GPU here). The
 table covers exactly the client's public methods (a new tritonclient method fails the test
 until it is placed), and docs/api.md's table must say the same.
 
@@ -293,6 +295,18 @@ def check_system_shared_memory(client: Client, server: ServerProcess) -> None:
             shm.destroy_shared_memory_region(handle)
 
 
+def check_cuda_shared_memory(client: Client, server: ServerProcess) -> None:
+    """No CUDA region is ever registered: all of them is an empty list, a named one 404, unregistering done."""
+    assert client.get_cuda_shared_memory_status() == []
+    with pytest.raises(InferenceServerException) as info:
+        client.get_cuda_shared_memory_status("r")
+    assert info.value.status() == "404"
+    assert "no cuda shared memory region named 'r' is registered" in info.value.message()
+    client.unregister_cuda_shared_memory()  # all of them, as perf_analyzer's clean-up does
+    client.unregister_cuda_shared_memory("r")
+    assert client.get_cuda_shared_memory_status() == []
+
+
 def check_plugins(client: Client, server: ServerProcess) -> None:
     """Without the plugin the key is missing (401); registered, it is sent; unregistered, missing again."""
     fresh = new_client(server, authorized=False)
@@ -349,17 +363,17 @@ WORKS: dict[str, Check] = {
     "get_system_shared_memory_status": check_system_shared_memory,
     "register_system_shared_memory": check_system_shared_memory,
     "unregister_system_shared_memory": check_system_shared_memory,
+    "get_cuda_shared_memory_status": check_cuda_shared_memory,
+    "unregister_cuda_shared_memory": check_cuda_shared_memory,
 }
 
 # ----- the methods of extensions this server does not implement: a 400 that names them ----------
 
 REFUSED: dict[str, tuple[Callable[[Client], Any], str]] = {
-    "get_cuda_shared_memory_status": (lambda c: c.get_cuda_shared_memory_status("r"), "cuda_shared_memory"),
     "register_cuda_shared_memory": (
         lambda c: c.register_cuda_shared_memory("r", b"aGFuZGxl", 0, 64),
         "cuda_shared_memory",
     ),
-    "unregister_cuda_shared_memory": (lambda c: c.unregister_cuda_shared_memory("r"), "cuda_shared_memory"),
 }
 
 

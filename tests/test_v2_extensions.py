@@ -214,11 +214,7 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/systemsharedmemory/region/r0/register", "system_shared_memory"),
     ("POST", "/v2/systemsharedmemory/region/r0/unregister", "system_shared_memory"),
     ("POST", "/v2/systemsharedmemory/unregister", "system_shared_memory"),
-    ("GET", "/v2/cudasharedmemory/status", "cuda_shared_memory"),
-    ("GET", "/v2/cudasharedmemory/region/r0/status", "cuda_shared_memory"),
     ("POST", "/v2/cudasharedmemory/region/r0/register", "cuda_shared_memory"),
-    ("POST", "/v2/cudasharedmemory/region/r0/unregister", "cuda_shared_memory"),
-    ("POST", "/v2/cudasharedmemory/unregister", "cuda_shared_memory"),
     ("POST", "/v2/models/plain/generate", "generate"),
     ("POST", "/v2/models/plain/generate_stream", "generate"),
     ("POST", "/v2/models/plain/versions/1/generate", "generate"),
@@ -236,6 +232,24 @@ async def test_unsupported_extension_route_is_a_named_400(
     service: InProcessApp, method: str, path: str, extension: str
 ) -> None:
     assert_unsupported(await service.client.request(method, path, json={}), extension)
+
+
+async def test_cuda_regions_are_none_so_status_lists_none_and_unregistering_has_nothing_to_do(
+    service: InProcessApp,
+) -> None:
+    """As Triton answers with no CUDA region registered; perf_analyzer's clean-up unregisters them all."""
+    client = service.client
+    status = await client.get("/v2/cudasharedmemory/status")
+    assert (status.status_code, status.json()) == (200, [])
+    for path in ("/v2/cudasharedmemory/unregister", "/v2/cudasharedmemory/region/r0/unregister"):
+        done = await client.post(path)
+        assert (done.status_code, done.content) == (200, b""), path
+    named = await client.get("/v2/cudasharedmemory/region/r0/status")
+    assert named.status_code == 404 and named.json()["error_type"] == "region_not_found"
+    assert named.json()["error"].startswith("no cuda shared memory region named 'r0' is registered: ")
+    bad = await client.post("/v2/cudasharedmemory/region/%20bad/unregister")
+    assert bad.status_code == 400 and bad.json()["error_type"] == "invalid_input"
+    assert "cuda_shared_memory" not in [e for e in (await client.get("/v2")).json()["extensions"]]
 
 
 SHARED_MEMORY = {"shared_memory_region": "r0", "shared_memory_byte_size": 64}

@@ -4,14 +4,15 @@ It runs in the same process and event loop as uvicorn (app/server.py starts it o
 started, and stops it after the drain), so its calls reach the same engine, the same batchers
 and the same metrics as HTTP requests: gRPC and HTTP rows share batches. It serves Triton's
 inference.GRPCInferenceService (app/grpc/service.py), grpc.health.v1.Health (health.py) and
-server reflection (grpcio-reflection), so grpcurl and grpc_health_probe work without .proto files.
+server reflection, v1 and v1alpha (reflection.py), so grpcurl, Postman and grpc_health_probe work
+without .proto files.
 
 Budgets, from the HTTP settings: a message is at most `max_body_bytes` (RESOURCE_EXHAUSTED,
-before it is parsed), metadata at most `max_header_bytes`, connections and calls in flight at
-most `max_connections` each per process; an infer request's non-tensor fields are bounded before
-parsing and its bytes held count against `max_held_bytes` (wire.py); any other method's message
-is at most its HTTP twin's body limit. A request that does not parse is refused
-INVALID_ARGUMENT, never INTERNAL.
+before it is parsed; a compressed one is inflated no further), metadata at most
+`max_header_bytes`, connections and calls in flight at most `max_connections` each per process;
+an infer request's non-tensor fields are bounded before parsing and its bytes held count against
+`max_held_bytes` (wire.py); any other method's message is at most its HTTP twin's body limit. A
+request that does not parse is refused INVALID_ARGUMENT, never INTERNAL.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from tritonclient.grpc.service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 
 from app.errors import ServiceError
-from app.grpc import wire
+from app.grpc import reflection, wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.malformed import Malformed
@@ -60,6 +60,9 @@ class GrpcServer:
             interceptors=[ApiKeyInterceptor(key)] if key else [],
             options=[
                 ("grpc.so_reuseport", 1),
+                # Also the bound on a compressed message's inflated size: grpc core stops inflating
+                # past it ("Decompressed message larger than max", RESOURCE_EXHAUSTED), so a gRPC
+                # decompression bomb costs no memory (tests/test_compression.py).
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
                 ("grpc.max_send_message_length", -1),  # an answer is as large as its request's rows make it
                 ("grpc.max_metadata_size", settings.max_header_bytes),
@@ -75,7 +78,7 @@ class GrpcServer:
             handlers = _tolerant_handlers(register, servicer, self._state.held)
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
-        reflection.enable_server_reflection((INFERENCE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        reflection.enable(server, (INFERENCE_SERVICE, HEALTH_SERVICE))
         server.add_insecure_port(self._address)  # RuntimeError when it cannot bind
         await server.start()
         self._server = server

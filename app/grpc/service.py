@@ -7,7 +7,7 @@ index (app/protocol/v2/extensions.py), load and unload (app/protocol/v2/model_co
 then Engine.load / Engine.unload), and every failure goes through the one error table
 (app/grpc/status.py). The methods of extensions this server does not implement answer
 UNIMPLEMENTED with the message their HTTP routes give; each is one method below, so serving
-one later (CUDA shared memory) means replacing that method.
+one later (registering CUDA shared memory) means replacing that method.
 """
 
 from __future__ import annotations
@@ -242,16 +242,22 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @answered
-    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
-        await system_shared_memory.cuda_shared_memory()
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        system_shared_memory.cuda_status(request.name or None)  # none registered: empty, or NOT_FOUND
+        return pb.CudaSharedMemoryStatusResponse()
 
     @answered
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        await system_shared_memory.cuda_shared_memory()
+        await system_shared_memory.cuda_register()
 
     @answered
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
-        await system_shared_memory.cuda_shared_memory()
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        system_shared_memory.cuda_unregister(request.name or None)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     @answered
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:

@@ -11,8 +11,9 @@ unexpected 500 carries what it adds), does two things with one wrapper of `send`
   waits for, from the ASGI call (uvicorn has parsed the head) until the app has sent the last byte
   of the answer, the body read, decoding, queueing, compute, encoding and the guard's refusals
   included. Labels stay bounded whatever clients send: `route` is the matched endpoint's template
-  (`/v2/models/{name}/infer`, never the raw path), or `unmatched`; `protocol` is `native` (/v1),
-  `v2` (/v2, health included) or `http` (metrics, the API pages); `status` is the class, `2xx`,
+  (`/v2/models/{name}/infer`, never the raw path), or `unmatched`; `protocol` is `kserve_v1`
+  (`/`, `/v1/models/{name}[:predict]`), `native` (the rest of /v1), `v2` (/v2, health included)
+  or `http` (metrics, the API pages); `status` is the class, `2xx`,
   `4xx` or `5xx`. Answers that uvicorn's protocol gives before the app is called (a malformed or
   too slow head, too many connections) are not in it.
 
@@ -22,10 +23,10 @@ unexpected 500 carries what it adds), does two things with one wrapper of `send`
 - A Transfer-Encoding other than plain `chunked` (`gzip, chunked`, ...) is refused with 501:
   the body would otherwise be read with the coding silently ignored.
 - With an API key configured, every path but the probes needs `Authorization: Bearer <key>`,
-  compared in constant time. The probes are server health (`/v2/health/*`) and model readiness
-  (`GET /v2/models/{name}[/versions/{v}]/ready`): what Kubernetes, load balancers, KServe and
-  tritonclient's `is_server_live` / `is_server_ready` / `is_model_ready` send, often with no
-  key. They tell whether the server, or a model of that name, is ready, and nothing more.
+  compared in constant time. The probes are server health (`/v2/health/*`, and KServe V1's `/`)
+  and model readiness (`GET /v2/models/{name}[/versions/{v}]/ready`, KServe V1's
+  `GET /v1/models/{name}`): what Kubernetes, load balancers, KServe's SDK and tritonclient's
+  `is_server_live` / `is_server_ready` / `is_model_ready` send, often with no key. They tell whether the server, or a model of that name, is ready, and nothing more.
 - On the metrics port (`metrics_port`), only `/metrics` is served, and without the key: what a
   Prometheus scrape needs and nothing else (Triton's metrics port, TEI's Prometheus port).
 
@@ -57,10 +58,14 @@ from app.protocol.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, be
 
 UNMATCHED = "unmatched"
 _PROTOCOLS = (("/v1/", "native"), ("/v2", "v2"))
+# KServe V1's liveness (/), readiness and predict (`{name}:predict`); the native routes go deeper.
+_KSERVE_V1 = re.compile(r"/|/v1/models/[^/]+")
 
 
 def protocol_of(path: str) -> str:
-    """The protocol a path belongs to: native (/v1), v2 (/v2), or plain http."""
+    """The protocol a path belongs to: kserve_v1 (/, /v1/models/{name}[:predict]), native (/v1), v2 (/v2), or http."""
+    if _KSERVE_V1.fullmatch(path):
+        return "kserve_v1"
     return next((name for prefix, name in _PROTOCOLS if path.startswith(prefix)), "http")
 
 
@@ -129,15 +134,16 @@ class Edge:
         return child
 
 
-# Model readiness, the one probe outside /v2/health/. `[^/]+` as the route's own {name}: a path it
-# matches can only reach the model-ready route (Starlette does not resolve dot segments).
-_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready")
+# Model readiness, the probes outside /v2/health/: V2's and KServe V1's. `[^/]+` as the routes' own
+# {name}: a path they match can only reach a model-ready route (Starlette does not resolve dot
+# segments), and `GET /v1/models` itself, the list, is not one of them.
+_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready|/v1/models/[^/]+")
 
 
 def is_probe(scope: Scope) -> bool:
     """Whether a request is a health or readiness probe, which needs no API key."""
     path: str = scope["path"]
-    if path.startswith(HEALTH_PREFIX):
+    if path.startswith(HEALTH_PREFIX) or path == "/":  # "/": KServe V1's liveness
         return True
     return scope["method"] in ("GET", "HEAD") and _MODEL_READY.fullmatch(path) is not None
 

@@ -17,7 +17,8 @@ The fast path is also where a tensor request's trace begins and ends (app/tracin
 when tracing is on: the route's template names the span, the path its model.
 
 Every handler reads its request through the plumbing at the end: its service state, its body
-(bounded, and held against the process's budget), and the client hanging up while it waits.
+(bounded, held against the process's budget, compressed ones inflated within it), its answer
+compressed when asked, and the client hanging up while it waits.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from app.http.errors import error_response
 from app.http.transport.protocol import ON_DISCONNECT
 from app.protocol import identity
 from app.protocol.admission import Hold
+from app.protocol.content_coding import STEP, Coding, Inflater, compress
 from app.protocol.errors import INTERNAL, ClientDisconnected, PayloadTooLarge, kind_of
 from app.protocol.fields import header_int
 from app.protocol.state import ServiceState
@@ -179,10 +181,14 @@ StateDep = Annotated[ServiceState, Depends(_state_dependency)]
 # ----- a request's body, and its client hanging up ------------------------------------------------
 
 TIMEOUT_HEADER = "x-timeout-ms"
+COMPRESS_IN_THREAD = 1 << 20  # answers this large are compressed off the event loop (zlib releases the GIL)
+AnswerBody = TypeVar("AnswerBody", bytes, bytes | memoryview)  # compressed, it is bytes: either way the same type
 
 
-async def read_body(request: Request, limit: int, hold: Hold | None = None) -> bytes:
-    """The whole body, refused with 413 as soon as it passes `limit`.
+async def read_body(
+    request: Request, limit: int, hold: Hold | None = None, coding: Coding | None = None
+) -> bytes | bytearray:
+    """The whole body, refused with 413 as soon as it passes `limit`; inflated first when `coding` says so.
 
     Content-Length is checked, and taken from the process's budget of held bytes (`hold`, 429
     when spent), before reading; a chunked body is counted and taken as it streams in. (The
@@ -191,10 +197,15 @@ async def read_body(request: Request, limit: int, hold: Hold | None = None) -> b
     protocol (app/http/transport/protocol.py), which this read then sees as a hang-up. A body that came in
     one piece (every small one) is that piece itself, not a copy; a larger one is joined once at
     the end. Binary tensors are viewed in it without a copy, read-only.
+
+    A compressed body (`coding`, from Content-Encoding) is inflated as it streams in, and its
+    inflated bytes are what `limit` and `hold` count (app/protocol/content_coding.py: Inflater).
     """
     declared = header_int(request.headers.get("content-length"), "Content-Length")
     if declared is not None and declared > limit:
         raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    if coding is not None:
+        return await _read_inflated(request, Inflater(coding, limit, hold))
     if declared is not None and hold is not None:
         hold.grow(declared)
     chunks: list[bytes] = []
@@ -211,6 +222,34 @@ async def read_body(request: Request, limit: int, hold: Hold | None = None) -> b
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection while sending its body") from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_inflated(request: Request, inflater: Inflater) -> bytearray:
+    """A compressed body inflated as it arrives, each piece counted and held before it is kept."""
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            for piece in inflater.feed(chunk):
+                body += piece
+                if len(piece) == STEP:  # a large body: let other requests run between its pieces
+                    await asyncio.sleep(0)
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection while sending its body") from None
+    inflater.finish()
+    return body
+
+
+async def compressed(
+    content: AnswerBody, headers: dict[str, str], coding: Coding | None
+) -> tuple[AnswerBody, dict[str, str]]:
+    """The answer in `coding` (from Accept-Encoding), with its Content-Encoding; as it is when `coding` is None."""
+    if coding is None:
+        return content, headers
+    if len(content) < COMPRESS_IN_THREAD:
+        body = compress(content, coding)
+    else:
+        body = await asyncio.to_thread(compress, content, coding)
+    return body, {**headers, "content-encoding": coding, "vary": "Accept-Encoding"}
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

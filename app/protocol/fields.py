@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -150,17 +150,57 @@ def media_type(content_type: str | None) -> str | None:
     return content_type.split(";", 1)[0].strip().lower()
 
 
-def refuse_content_encoding(content_encoding: str | None) -> None:
-    """Bodies are read uncompressed: any Content-Encoding but identity is 415."""
-    if content_encoding and content_encoding.strip().lower() not in ("", "identity"):
-        raise UnsupportedMediaType(
-            f"Content-Encoding {content_encoding[:64]!r} is not supported; send the body uncompressed"
-        )
-
-
 def loads_json(body: bytes | bytearray | memoryview) -> object:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         # orjson refuses NaN/Infinity literals and nesting deeper than 1024.
         raise InvalidInput(f"malformed JSON: {exc}") from None
+
+
+# ----- content codings, as Content-Encoding and Accept-Encoding name them (app/protocol/content_coding.py) -----
+
+Coding = Literal["gzip", "deflate"]
+CODINGS: dict[str, Coding] = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+ANSWER_CODINGS: tuple[Coding, ...] = ("gzip", "deflate")  # preferred first at equal q
+
+
+def request_coding(content_encoding: str | None) -> Coding | None:
+    """The body's coding from Content-Encoding: None when absent or identity; any coding but gzip or deflate is 415."""
+    if not content_encoding:
+        return None
+    value = content_encoding.strip().lower()
+    if value in ("", "identity"):
+        return None
+    coding = CODINGS.get(value)
+    if coding is None:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {content_encoding[:64]!r} is not supported; send the body as gzip, deflate or uncompressed"
+        )
+    return coding
+
+
+def answer_coding(accept_encoding: str | None) -> Coding | None:
+    """The coding to answer in: gzip or deflate, whichever Accept-Encoding rates higher (gzip at equal q), else None.
+
+    A coding named with q=0 is refused even where `*` would allow it; identity is always acceptable here.
+    """
+    if not accept_encoding:
+        return None
+    rated: dict[str, float] = {}
+    for item in accept_encoding.split(","):
+        name, *params = (part.strip().lower() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            if param.startswith("q="):
+                try:
+                    q = float(param[2:])
+                except ValueError:
+                    q = 0.0
+        rated[CODINGS.get(name, name)] = q if q == q else 0.0  # NaN: not acceptable
+    best: Coding | None = None
+    for coding in ANSWER_CODINGS:
+        q = rated.get(coding, rated.get("*", 0.0))
+        if q > 0 and (best is None or q > rated.get(best, rated.get("*", 0.0))):
+            best = coding
+    return best

@@ -25,7 +25,7 @@ import torch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
 from app.protocol.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
-from app.protocol.fields import loads_json, media_type, refuse_content_encoding
+from app.protocol.fields import loads_json, media_type
 from app.protocol.limits import NPY_MAX_HEADER
 from app.protocol.tensors import (
     MAX_RANK,
@@ -61,9 +61,8 @@ class DecodedInput:
 # ----- content negotiation ------------------------------------------------------------------
 
 
-def request_encoding(content_type: str | None, content_encoding: str | None) -> Encoding:
+def request_encoding(content_type: str | None) -> Encoding:
     """The body's encoding from Content-Type; no Content-Type is read as JSON."""
-    refuse_content_encoding(content_encoding)
     media = media_type(content_type)
     if media is None:
         return "json"

@@ -7,13 +7,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.engine.service import ServedModel
-from app.http.endpoints import TIMEOUT_HEADER, Endpoint, StateDep, read_body, service_state, unless_disconnected
+from app.http.endpoints import (
+    TIMEOUT_HEADER,
+    Endpoint,
+    StateDep,
+    compressed,
+    read_body,
+    service_state,
+    unless_disconnected,
+)
 from app.http.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.http.openapi import error_responses
 from app.protocol import identity, mc_parameters
 from app.protocol import native as codec
 from app.protocol.admission import deadline_from
 from app.protocol.errors import InvalidInput
+from app.protocol.fields import answer_coding, request_coding
 from ffn_core.dtypes import DTYPE_NAMES
 
 
@@ -31,11 +40,13 @@ async def transform(name: str, request: Request) -> Response:
             if asked is None:
                 raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {mc_parameters.PASSES}")
         headers = request.headers
-        encoding_in = codec.request_encoding(headers.get("content-type"), headers.get("content-encoding"))
+        encoding_in = codec.request_encoding(headers.get("content-type"))
         encoding_out = codec.response_encoding(headers.get("accept"))
+        coding_in = request_coding(headers.get("content-encoding"))
+        coding_out = answer_coding(headers.get("accept-encoding"))
         deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
         with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold)
+            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
             served = state.engine.model(name)
@@ -61,6 +72,7 @@ async def transform(name: str, request: Request) -> Response:
             else:
                 output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
                 content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+            content, answer_headers = await compressed(content, answer_headers, coding_out)
         return Response(content, headers=answer_headers)
 
 

@@ -9,12 +9,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.engine.errors import Unavailable
-from app.http.endpoints import Endpoint, StateDep, read_body, service_state, unless_disconnected
+from app.http.endpoints import Endpoint, StateDep, compressed, read_body, service_state, unless_disconnected
 from app.http.errors import error_response
 from app.http.openapi import error_responses, inline_defs
 from app.http.v2 import extensions, model_control
 from app.protocol import identity, mc_parameters
 from app.protocol.admission import deadline_from
+from app.protocol.fields import answer_coding, request_coding
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
 from app.protocol.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
@@ -39,9 +40,11 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         header_length = request.headers.get(codec.HEADER_LENGTH)
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
         content_type = request.headers.get("content-type") if header_length is None else None
-        codec.check_content(content_type, request.headers.get("content-encoding"))
+        codec.check_content(content_type)
+        coding_in = request_coding(request.headers.get("content-encoding"))
+        coding_out = answer_coding(request.headers.get("accept-encoding"))
         with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold)
+            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
             served = state.engine.model(name, version)
@@ -75,6 +78,7 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
                 )
                 tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
                 content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
+            content, headers = await compressed(content, headers, coding_out)
         return Response(content, headers=headers)
 
 

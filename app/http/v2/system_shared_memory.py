@@ -1,7 +1,8 @@
-"""The system shared-memory extension's HTTP routes, and CUDA shared memory's refusal (the extension: app/protocol/v2/system_shared_memory.py)."""
+"""The system shared-memory extension's HTTP routes, and CUDA shared memory's (the extension: app/protocol/v2/system_shared_memory.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -12,7 +13,9 @@ from app.http.openapi import error_responses
 from app.protocol.fields import loads_json
 from app.protocol.limits import SHARED_MEMORY_BYTES
 from app.protocol.v2.system_shared_memory import (
-    cuda_shared_memory,
+    cuda_register,
+    cuda_status,
+    cuda_unregister,
     regions_of,
     register_document,
     status,
@@ -46,6 +49,29 @@ async def unregister_all(state: StateDep) -> Response:
     return Response(status_code=200)
 
 
+async def cuda_all_status() -> list[dict[str, Any]]:
+    return cuda_status()
+
+
+async def cuda_region_status(region: str) -> list[dict[str, Any]]:
+    return cuda_status(region)
+
+
+async def cuda_register_region(region: str) -> Response:
+    await cuda_register()
+    return Response(status_code=200)  # not reached: registering is refused
+
+
+async def cuda_unregister_region(region: str) -> Response:
+    cuda_unregister(region)
+    return Response(status_code=200)
+
+
+async def cuda_unregister_all() -> Response:
+    cuda_unregister()
+    return Response(status_code=200)
+
+
 _TAGS = {"tags": ["v2 extensions"]}
 _STATUS = {
     "summary": "System shared-memory regions (system shared memory extension)",
@@ -53,12 +79,14 @@ _STATUS = {
     **_TAGS,
 }
 _CHANGE = {"response_class": Response, "responses": {200: {"content": {}}, **error_responses(400, 401, 503)}, **_TAGS}
-_CUDA_ROUTES = [
-    ("GET", "/v2/cudasharedmemory/status"),
-    ("GET", "/v2/cudasharedmemory/region/{region}/status"),
-    ("POST", "/v2/cudasharedmemory/region/{region}/register"),
-    ("POST", "/v2/cudasharedmemory/unregister"),
-    ("POST", "/v2/cudasharedmemory/region/{region}/unregister"),
+# Triton's clients call these (perf_analyzer's clean-up unregisters all CUDA regions), but they are no
+# extension of this server's (GET /v2 does not list it): kept out of the OpenAPI page.
+_CUDA_ROUTES: list[tuple[str, str, Callable[..., Awaitable[Any]]]] = [
+    ("GET", "/v2/cudasharedmemory/status", cuda_all_status),
+    ("GET", "/v2/cudasharedmemory/region/{region}/status", cuda_region_status),
+    ("POST", "/v2/cudasharedmemory/region/{region}/register", cuda_register_region),
+    ("POST", "/v2/cudasharedmemory/unregister", cuda_unregister_all),
+    ("POST", "/v2/cudasharedmemory/region/{region}/unregister", cuda_unregister_region),
 ]
 
 ENDPOINTS = [
@@ -113,8 +141,5 @@ ENDPOINTS = [
         unregister_all,
         openapi={**_CHANGE, "summary": "Unregister every system shared-memory region"},
     ),
-    *(
-        Endpoint(method, path, cuda_shared_memory, openapi={"include_in_schema": False})
-        for method, path in _CUDA_ROUTES
-    ),
+    *(Endpoint(method, path, handler, openapi={"include_in_schema": False}) for method, path, handler in _CUDA_ROUTES),
 ]

@@ -32,7 +32,6 @@ from app.protocol.fields import (
     media_type,
     number_field,
     object_field,
-    refuse_content_encoding,
     str_field,
 )
 from app.protocol.shared_memory import Region, SharedMemoryRegions, turned_off
@@ -73,9 +72,8 @@ class V2Request:
     shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
 
 
-def check_content(content_type: str | None, content_encoding: str | None) -> None:
-    """Refuse bodies of another media type, or compressed ones, before reading them."""
-    refuse_content_encoding(content_encoding)
+def check_content(content_type: str | None) -> None:
+    """Refuse bodies of another media type before reading them."""
     media = media_type(content_type)
     if media is not None and media not in MEDIA_TYPES:
         raise UnsupportedMediaType(f"Content-Type {media[:64]!r} is not supported; use one of {list(MEDIA_TYPES)}")

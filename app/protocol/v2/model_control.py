@@ -46,7 +46,7 @@ def _only(parameters: Mapping[str, Any], allowed: set[str]) -> None:
             raise InvalidInput(f"unknown parameter {key[:64]!r}; this request takes {', '.join(sorted(allowed))}")
 
 
-def parameters_of_body(body: bytes) -> dict[str, Any]:
+def parameters_of_body(body: bytes | bytearray) -> dict[str, Any]:
     """An HTTP body's `parameters` object ({} for an empty body); InvalidInput for anything else."""
     if not body.strip():
         return {}

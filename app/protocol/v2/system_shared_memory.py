@@ -9,7 +9,12 @@ Every worker must hold the same regions: a registration is checked here first (a
 mistake is a 400 before anything is applied), then broadcast as a control command sticky per
 registration (its name and a fresh id), so a worker started later opens it too; an
 unregistration is broadcast under the same key and forgets it. `status`, `register` and `unregister` are the whole extension, for each
-protocol's door to call. CUDA shared memory is answered with a 400 naming it and why.
+protocol's door to call.
+
+CUDA shared memory: no region can ever be registered here, so the requests that only read or
+clean up answer as Triton does for an empty set (all regions: an empty list; a named one: 404;
+unregister, named or all: done, nothing to do). perf_analyzer's clean-up unregisters all CUDA
+regions after every shared-memory run. Registering one is the 400 naming the extension and why.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 
 from app.protocol.broadcast import apply_everywhere
-from app.protocol.errors import InvalidInput, NotApplied, UnsupportedExtension
+from app.protocol.errors import InvalidInput, NotApplied, RegionNotFound, UnsupportedExtension
 from app.protocol.fields import int_field, json_type, str_field
 from app.protocol.shared_memory import SharedMemoryRegions, check_name, turned_off
 from app.protocol.state import ServiceState
@@ -119,11 +124,29 @@ async def register_document(state: ServiceState, region: str, document: object) 
     await register(state, region, key, offset or 0, byte_size)
 
 
-async def cuda_shared_memory() -> None:
-    """The CUDA shared-memory extension: a 400 that says why (no GPU, or CUDA IPC not served); both doors."""
-    why = (
-        "this server opens no CUDA IPC handles"
-        if torch.cuda.is_available()
-        else "this server has no GPU, and CUDA shared memory lives on one"
+def _no_cuda_regions() -> str:
+    """Why no CUDA region can be registered on this server."""
+    if torch.cuda.is_available():
+        return "this server opens no CUDA IPC handles"
+    return "this server has no GPU, and CUDA shared memory lives on one"
+
+
+def cuda_status(name: str | None = None) -> list[dict[str, Any]]:
+    """CUDA regions' status: none is ever registered, so all of them is [] and a named one a 404 (both as Triton)."""
+    if name is None:
+        return []
+    raise RegionNotFound(
+        f"no cuda shared memory region named {check_name(name)!r} is registered: {_no_cuda_regions()}, so none ever is"
     )
+
+
+def cuda_unregister(name: str | None = None) -> None:
+    """Unregister a CUDA region, or all: none is registered, so done with nothing to do (an unknown name is no error)."""
+    if name is not None:
+        check_name(name)
+
+
+async def cuda_register() -> None:
+    """Registering a CUDA region: a 400 that says why (no GPU, or CUDA IPC not served); both doors."""
+    why = _no_cuda_regions()
     raise UnsupportedExtension("cuda_shared_memory", f"{why}; use system shared memory (system_shared_memory)")

@@ -1,0 +1,154 @@
+"""KServe V1 handlers: predict (instances -> predictions) and model readiness (the semantics: app/protocol/kserve_v1.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.http.endpoints import TIMEOUT_HEADER, Endpoint, compressed, read_body, service_state, unless_disconnected
+from app.http.openapi import error_responses
+from app.protocol import identity, kserve_v1
+from app.protocol.admission import deadline_from
+from app.protocol.fields import answer_coding, request_coding
+
+READY_PATH = "/v1/models/{name}"  # probes: the guard lets them through without a key
+LIVE_PATH = "/"
+_ALIVE = b'{"status":"alive"}'
+
+
+async def predict(name: str, request: Request) -> Response:
+    # Only `request` and the path, as the other tensor routes (app/http/native/routes.py says why).
+    state = service_state(request)
+    served = state.engine.model(name)
+    with state.outcomes.count(name):
+        served.check_serving()
+        headers = request.headers
+        kserve_v1.check_content(headers.get("content-type"))
+        coding_in = request_coding(headers.get("content-encoding"))
+        coding_out = answer_coding(headers.get("accept-encoding"))
+        deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
+        with state.held.request() as hold:
+            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
+            # Looked up again: a reload may have swapped the copy while the body arrived.
+            served = state.engine.model(name)
+            decoded = kserve_v1.decode(body, served.d_model, state.settings.max_queue_rows)
+            del body
+            hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into a tensor of its own
+            identity.decoded(decoded.shape, decoded.dtype.name)
+            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+            content, headers_out = await compressed(
+                kserve_v1.encode(output, decoded), {"content-type": kserve_v1.MEDIA_TYPE}, coding_out
+            )
+        return Response(content, headers=headers_out)
+
+
+async def server_live() -> Response:
+    """KServe's model server answers its root so: the V1 liveness its SDK reads (`is_server_live`)."""
+    return Response(_ALIVE, media_type=kserve_v1.MEDIA_TYPE)
+
+
+async def model_ready(name: str, request: Request) -> Response:
+    return Response(kserve_v1.model_ready(service_state(request).engine, name), media_type=kserve_v1.MEDIA_TYPE)
+
+
+_INSTANCES: dict[str, Any] = {
+    "oneOf": [
+        {"type": "array", "items": {"type": "array", "items": {"type": "number"}}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
+    ],
+    "description": "One instance per element: a list of d_model numbers, or [seq, d_model].",
+}
+_PREDICT_DOC: dict[str, Any] = {
+    "summary": "Run the FFN (KServe V1: instances in, predictions out)",
+    "response_model": None,
+    "responses": {
+        200: {
+            "description": "One prediction per instance, each of its instance's shape.",
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["predictions"],
+                        "properties": {"predictions": {**_INSTANCES, "description": "One per instance."}},
+                    }
+                }
+            },
+        },
+        **error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507),
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {
+                            "instances": _INSTANCES,
+                            "inputs": {**_INSTANCES, "description": "As instances."},
+                        },
+                        "additionalProperties": False,
+                        "minProperties": 1,
+                        "maxProperties": 1,
+                    }
+                }
+            },
+        }
+    },
+    "tags": ["kserve v1"],
+}
+
+ENDPOINTS = [
+    Endpoint("POST", "/v1/models/{name}:predict", predict, fast=True, openapi=_PREDICT_DOC),
+    Endpoint(
+        "GET",
+        LIVE_PATH,
+        server_live,
+        openapi={
+            "summary": "Liveness, KServe V1: the process answers (a probe: needs no API key)",
+            "response_class": Response,
+            "responses": {
+                200: {
+                    "description": "Alive.",
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["status"],
+                                "properties": {"status": {"type": "string", "enum": ["alive"]}},
+                            }
+                        }
+                    },
+                }
+            },
+            "tags": ["kserve v1"],
+        },
+    ),
+    Endpoint(
+        "GET",
+        READY_PATH,
+        model_ready,
+        openapi={
+            "summary": "Model readiness, KServe V1 (a probe: needs no API key)",
+            "response_class": Response,
+            "responses": {
+                200: {
+                    "description": "The model is ready.",
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["name", "ready"],
+                                "properties": {"name": {"type": "string"}, "ready": {"type": "boolean"}},
+                            }
+                        }
+                    },
+                },
+                **error_responses(404, 503),
+            },
+            "tags": ["kserve v1"],
+        },
+    ),
+]

@@ -1,0 +1,72 @@
+"""Triton's perf_analyzer (NVIDIA's, nobody here wrote it) against a real ffn-serve with system shared memory.
+
+Its shared-memory runs register regions for the inputs and outputs and, when they end,
+unregister every system and every CUDA region; a server that refuses the CUDA half made every
+such run end with "Unable to unregister all shared memory regions" (issue 31, item 6). Both
+protocols, a fixed count of requests (no stability windows to wait for on a busy machine), its
+inputs zeros (its random bytes hold NaN, which the service refuses).
+
+perf_analyzer is taken from the PATH, or from scripts/perf-analyzer.sh's folder once that script
+has fetched it (`bash scripts/perf-analyzer.sh --version`); the tests skip, saying so, where
+neither is there: they never download it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ffn_client.testing import ServerProcess, start_server
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "perf-analyzer.sh"
+REQUESTS = 40
+
+
+def perf_analyzer() -> list[str]:
+    """The command that runs perf_analyzer here, without downloading anything; skip when there is none."""
+    if shutil.which("perf_analyzer"):
+        return ["perf_analyzer"]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    home = Path(os.environ.get("PERF_ANALYZER_HOME", cache / "perf-analyzer"))
+    fetched = home / "pa" / "perf_analyzer" / "bin" / "perf_analyzer"
+    loader = home / "tx" / "usr" / "lib" / "x86_64-linux-gnu" / "ld-linux-x86-64.so.2"
+    if fetched.exists() and loader.exists():
+        return ["bash", str(SCRIPT)]
+    pytest.skip(f"perf_analyzer is not installed: `bash scripts/perf-analyzer.sh --version` fetches it into {home}")
+
+
+@pytest.fixture(scope="module")
+def command() -> list[str]:
+    return perf_analyzer()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with start_server(env={"FFN_SHARED_MEMORY": "true", "FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning"}) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_shared_memory_run_ends_clean(command: list[str], server: ServerProcess, protocol: str) -> None:
+    address = f"127.0.0.1:{server.port if protocol == 'http' else server.grpc_port}"
+    argv = [
+        *command,
+        *("-m", "demo", "-u", address, "-i", protocol),
+        *("--shared-memory", "system", "--input-data", "zero", "--shape", "input:1,512"),
+        *("--concurrency-range", "1", "--request-count", str(REQUESTS)),
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "Unable to unregister" not in output, output
+    assert f"Successful request count: {REQUESTS}" in output, output  # its reading of the server's statistics
+    # What it registered it unregistered, system regions and (none) CUDA ones alike.
+    assert httpx.get(f"{server.url}/v2/systemsharedmemory/status").json() == []
+    assert httpx.get(f"{server.url}/v2/cudasharedmemory/status").json() == []
