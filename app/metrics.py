@@ -44,6 +44,11 @@ LATENCY_BUCKETS = (
 # A load takes from tens of milliseconds (a small FFN on the CPU) to minutes (a large one read from a slow disk).
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# ffn_model_loads_total's model label for every load of a name no [[models]] table names (a load
+# refused for a name a client made up): one value for all of them, so refusals never add series.
+# No model can have it: a name starts with a letter or a digit.
+OTHER_MODELS = "(other)"
+LOAD_OUTCOMES = ("ok", "failed")
 
 
 def multiprocess_folder() -> Path | None:
@@ -172,7 +177,9 @@ class Metrics:
         )
         self.model_loads = Counter(
             "ffn_model_loads",
-            "Loads and reloads applied while serving, by outcome (ok, failed); with workers, one per worker.",
+            "Loads and reloads while serving, by outcome (ok, failed): a load refused before any worker read "
+            "its file counts once, one applied counts in each worker; a name no [[models]] table names is "
+            f"counted as {OTHER_MODELS!r}.",
             ["model", "outcome"],
             registry=r,
         )
@@ -196,6 +203,12 @@ class Metrics:
         self.worker_restarts = Counter(
             "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r
         )
+
+    def loads_from_zero(self, model: str) -> None:
+        """Create `model`'s load series at 0, so that `increase()` sees its first failed load (an alert on it fires)."""
+        for outcome in LOAD_OUTCOMES:
+            self.model_loads.labels(model=model, outcome=outcome)
+        self.model_load_seconds.labels(model=model)
 
     def render(self) -> bytes:
         """The Prometheus text of `merged`."""

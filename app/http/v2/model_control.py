@@ -10,12 +10,16 @@ from app.http.body import read_body
 from app.http.endpoints import Endpoint
 from app.http.openapi import error_responses
 from app.http.state import service_state
-from app.protocol.v2.model_control import MAX_BODY_BYTES, check_unload, load_config, parameters_of_body
+from app.protocol.v2 import model_control
+from app.protocol.v2.model_control import MAX_BODY_BYTES, check_unload, parameters_of_body
 
 
 async def load(name: str, request: Request) -> dict[str, Any]:
-    config = load_config(parameters_of_body(await read_body(request, MAX_BODY_BYTES)))
-    return await service_state(request).engine.load(name, config)
+    return await model_control.load(service_state(request).engine, name, _parameters(request))
+
+
+async def _parameters(request: Request) -> dict[str, Any]:
+    return parameters_of_body(await read_body(request, MAX_BODY_BYTES))
 
 
 async def unload(name: str, request: Request) -> dict[str, Any]:
