@@ -9,13 +9,21 @@ each gauge merges as its `multiprocess_mode` says. One process: `merged` is `reg
 from __future__ import annotations
 
 import os
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from app.collectors import BuildInfoCollector, GpuMemoryCollector, ProcessesCollector
+
+if TYPE_CHECKING:
+    from app.triton_metrics import TritonNames
 
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -51,6 +59,27 @@ OTHER_MODELS = "(other)"
 LOAD_OUTCOMES = ("ok", "failed")
 
 
+# Samples that are a moment, not an amount: a model's figure is the latest of them, not their sum.
+LATEST_SAMPLES = frozenset({"ffn_last_inference_timestamp_seconds"})
+
+
+def samples_by_model(families: Iterable[Metric]) -> defaultdict[str, defaultdict[str, float]]:
+    """model -> sample name (`ffn_queue_seconds_sum`, ...) -> value: summed over every other label
+    (outcome, protocol, and with workers each worker's), but the latest for a moment. Buckets are left out."""
+    by_model: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for family in families:
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None or sample.name.endswith("_bucket"):
+                continue
+            values = by_model[model]
+            if sample.name in LATEST_SAMPLES:
+                values[sample.name] = max(values[sample.name], sample.value)
+            else:
+                values[sample.name] += sample.value
+    return by_model
+
+
 def multiprocess_folder() -> Path | None:
     """The folder shared by the worker processes' metrics, or None in a single process."""
     folder = os.environ.get(MULTIPROCESS_VARIABLE)
@@ -68,6 +97,8 @@ class Metrics:
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # Triton's names (nv_inference_*, nv_gpu_*) written after the ffn_* series; None: off (triton_metrics).
+    triton: TritonNames | None = None
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -211,8 +242,12 @@ class Metrics:
         self.model_load_seconds.labels(model=model)
 
     def render(self) -> bytes:
-        """The Prometheus text of `merged`."""
-        return generate_latest(self.merged)
+        """The Prometheus text of `merged`, then Triton's names of the same samples when they are on."""
+        families = list(self.merged.collect())  # read once: with workers, every worker's files
+        text = generate_latest(_Collected(families))
+        if self.triton is None:
+            return text
+        return text + self.triton.render(families).encode()
 
     def for_model(self, model: str) -> ModelInstruments:
         """The instruments with the model's label bound once (a label lookup per use costs µs)."""
@@ -229,6 +264,16 @@ class Metrics:
             batch_ceiling=self.batch_ceiling.labels(model=model),
             oom_splits=self.oom_splits.labels(model=model),
         )
+
+
+class _Collected(Collector):
+    """Families already collected, as generate_latest reads a registry."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 @dataclass(frozen=True)

@@ -274,6 +274,12 @@ class Settings(BaseSettings):
         "regions (/dev/shm) and infer with tensors in them, sending no tensor bytes over the socket. A region may "
         "be any object this server's user can open: give the API key to trusted local clients only.",
     )
+    triton_metrics: bool = Field(
+        default=True,
+        description="Also write Triton's metric names on /metrics (nv_inference_* per model and version, nv_gpu_* per "
+        "GPU), computed from the ffn_* series at each scrape; --no-triton-metrics (FFN_TRITON_METRICS=false) leaves "
+        "them out.",
+    )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
     model_control: Literal["none", "explicit"] = Field(
         default="none",

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.exposition import samples_as_written
 
 PROMTOOL = shutil.which("promtool")
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,11 +37,10 @@ def input_series(pages: list[str], names: Iterable[str]) -> list[dict[str, str]]
     wanted = set(names)
     values: dict[str, list[str]] = {}
     for index, page in enumerate(pages):
-        for family in text_string_to_metric_families(page):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    series = values.setdefault(_selector(sample.name, sample.labels), ["_"] * len(pages))
-                    series[index] = repr(float(sample.value))
+        for name, labels, value in samples_as_written(page):
+            if name in wanted:
+                series = values.setdefault(_selector(name, labels), ["_"] * len(pages))
+                series[index] = repr(value)
     return [{"series": series, "values": " ".join(v)} for series, v in sorted(values.items())]
 
 

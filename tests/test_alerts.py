@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import yaml
 
@@ -24,21 +25,35 @@ from tests.promtool import ALERT_RULES, PROMTOOL, born_at_first_increase, input_
 
 pytestmark = [pytest.mark.server, pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")]
 
-WATCHED = ("ffn_model_loads_total",)
+WATCHED = ("ffn_model_loads_total", "nv_inference_request_failure")
+D = 16
 
 
 @pytest.fixture(scope="module")
 def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """/metrics of a real server: fresh, quiet, then after one failed load of `m` and one of a made-up name."""
+    """/metrics of a real server: fresh, quiet, then after one failed load of `m`, one of a made-up name
+    and one failed request (more rows than the queue holds)."""
     folder = tmp_path_factory.mktemp("repository")
-    write_ffn(folder / "m.safetensors", 1, d_model=16)
+    write_ffn(folder / "m.safetensors", 1, d_model=D)
     (folder / "ffn.toml").write_text('[[models]]\nname = "m"\nweights = "m.safetensors"\n')
-    env = {"FFN_LOG_LEVEL": "warning", "FFN_MODEL_CONTROL": "explicit"}
+    env = {
+        "FFN_LOG_LEVEL": "warning",
+        "FFN_MODEL_CONTROL": "explicit",
+        "FFN_MAX_BATCH_ROWS": "16",
+        "FFN_MAX_QUEUE_ROWS": "64",
+    }
     with start_server(env=env, config=folder / "ffn.toml") as server:
         pages = [httpx.get(f"{server.url}/metrics").text for _ in range(2)]
         missing = {"parameters": {"config": json.dumps({"weights": "gone.safetensors"})}}
         assert httpx.post(f"{server.url}/v2/repository/models/m/load", json=missing).status_code == 400
         assert httpx.post(f"{server.url}/v2/repository/models/made-up/load").status_code == 400
+        too_many = np.zeros((65, D), np.float32)
+        refused = httpx.post(
+            f"{server.url}/v1/models/m/transform",
+            content=too_many.tobytes(),
+            headers={"content-type": "application/octet-stream", "x-shape": f"65,{D}"},
+        )
+        assert refused.status_code == 413, refused.text
         pages.append(httpx.get(f"{server.url}/metrics").text)
     yield pages
 
@@ -96,3 +111,22 @@ def test_a_failed_load_fires_at_its_first_failure(scrapes: list[str], tmp_path: 
     result = run_rule_tests(tmp_path, [as_served, born_late])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_a_failed_request_fires_at_its_first_failure(scrapes: list[str], tmp_path: Path) -> None:
+    series = input_series(scrapes, WATCHED)
+    failures = {s["series"]: s["values"] for s in series if s["series"].startswith("nv_inference_request_failure")}
+    assert failures == {'nv_inference_request_failure{model="m",version="1"}': "0.0 0.0 1.0"}
+    firing = {"severity": "warning", "model": "m", "version": "1"}
+    as_served = {
+        "interval": "1m",
+        "input_series": series,
+        "alert_rule_test": [alert("FfnInferenceFailed", "1m"), alert("FfnInferenceFailed", "2m", firing)],
+    }
+    born_late = {
+        "interval": "1m",
+        "input_series": born_at_first_increase(series),
+        "alert_rule_test": [alert("FfnInferenceFailed", "2m")],
+    }
+    result = run_rule_tests(tmp_path, [as_served, born_late])
+    assert result.returncode == 0, result.stdout + result.stderr
