@@ -560,12 +560,12 @@ async def test_loads_of_one_model_apply_in_order_and_other_models_do_not_wait(
     reads: list[str] = []
     read = lifecycle.read_weights
 
-    def held_first(spec: Any) -> Any:
+    def held_first(spec: Any, path: Any = None) -> Any:
         reads.append(spec.name)
         if reads.count("m") == 1 and spec.name == "m":
             entered.set()
             assert release.wait(60), "the test never let the read go"
-        return read(spec)
+        return read(spec, path)
 
     monkeypatch.setattr(lifecycle, "read_weights", held_first)
     try:
@@ -592,10 +592,10 @@ async def test_a_load_when_draining_is_refused_and_a_drain_during_a_load_serves_
     entered, release = threading.Event(), threading.Event()
     read = lifecycle.read_weights
 
-    def held(spec: Any) -> Any:
+    def held(spec: Any, path: Any = None) -> Any:
         entered.set()
         assert release.wait(60)
-        return read(spec)
+        return read(spec, path)
 
     monkeypatch.setattr(lifecycle, "read_weights", held)
     loading = asyncio.create_task(load(service.client))

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -238,7 +239,7 @@ def _read(spec: ModelSpec, source: WeightsFile | None) -> FeedForward:
     """The weights into host memory, from the file the load was asked for (checked before and after reading)."""
     if source is not None:
         source.check()
-    model = read_weights(spec)
+    model = read_weights(spec, None if source is None else Path(source.path))  # the very file the load found
     if source is not None:
         source.check()
     return model
