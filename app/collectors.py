@@ -1,4 +1,4 @@
-"""Scrape-time collectors: build info, every server process's resources, and GPU memory.
+"""Scrape-time collectors: build info, every server process's resources, GPU memory; the GPUs' readings.
 
 They are read when /metrics is rendered, not counted as requests pass, so they cost nothing
 between scrapes. With worker processes each scrape lists every process (the supervisor and each
@@ -12,7 +12,8 @@ import functools
 import json
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import ProcessCollector
@@ -84,6 +85,15 @@ class ProcessesCollector(Collector):
         return list(merged.values())
 
 
+def devices_in_use() -> list[int]:
+    """The CUDA devices where this process already holds memory: reading them creates no CUDA context."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return [index for index in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(index) > 0]
+
+
 class GpuMemoryCollector(Collector):
     """`ffn_gpu_memory_used_bytes` and `_total_bytes` per device this process computes on.
 
@@ -95,16 +105,54 @@ class GpuMemoryCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         import torch
 
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        devices = devices_in_use()
+        if not devices:
             return []
         used = GaugeMetricFamily(
             "ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.", labels=["device"]
         )
         total = GaugeMetricFamily("ffn_gpu_memory_total_bytes", "GPU memory of the device.", labels=["device"])
-        for index in range(torch.cuda.device_count()):
-            if torch.cuda.memory_reserved(index) == 0:
-                continue
+        for index in devices:
             free, capacity = torch.cuda.mem_get_info(index)
             used.add_metric([f"cuda:{index}"], capacity - free)
             total.add_metric([f"cuda:{index}"], capacity)
         return [used, total]
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU's figures at a scrape, as the nv_gpu_* series show them."""
+
+    uuid: str  # "GPU-<uuid>", as nvidia-smi -L and Triton write it
+    utilization: float | None  # 0.0 to 1.0 over NVML's last sample period; None: NVML could not say
+    used_bytes: int  # device-wide: every process's memory on it
+    total_bytes: int
+    power_watts: float | None  # None: NVML could not say
+
+
+def read_gpus() -> list[GpuReading]:
+    """Triton's figures of each GPU this process computes on (`devices_in_use`), for the nv_gpu_* series."""
+    import torch
+
+    readings = []
+    for index in devices_in_use():
+        free, capacity = torch.cuda.mem_get_info(index)
+        readings.append(
+            GpuReading(
+                uuid=f"GPU-{torch.cuda.get_device_properties(index).uuid}",
+                utilization=_from_nvml(torch.cuda.utilization, index, 100.0),  # percent
+                used_bytes=capacity - free,
+                total_bytes=capacity,
+                power_watts=_from_nvml(torch.cuda.power_draw, index, 1000.0),  # milliwatts
+            )
+        )
+    return readings
+
+
+def _from_nvml(read: Callable[[int], float], index: int, per_unit: float) -> float | None:
+    """An NVML figure through torch (which maps CUDA's device index to NVML's); None when NVML cannot
+    give it: nvidia-ml-py missing, a driver without NVML, or a device that does not report it."""
+    try:
+        return read(index) / per_unit
+    except Exception:  # pynvml's NVMLError, ModuleNotFoundError, RuntimeError: the series is left out
+        return None

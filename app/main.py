@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from app import __version__
+from app.collectors import read_gpus
 from app.control import Control
 from app.engine.registry import Registry
 from app.engine.service import Engine
@@ -27,6 +28,7 @@ from app.protocol.v2 import log_settings, system_shared_memory, trace_extension
 from app.settings import Settings
 from app.tracing import TraceSettings, start_tracing
 from app.tracing.config import traces_export
+from app.triton_metrics import TritonNames
 
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS, *kserve_v1.ENDPOINTS]
 
@@ -54,6 +56,10 @@ def create_app(
     tracing = start_tracing(export, trace_settings)
     regions = SharedMemoryRegions() if settings.shared_memory else None
     held = HeldBytes(settings.max_held_bytes)
+    if settings.triton_metrics:  # the models served now, each at its version, whichever loads happened
+        registry.metrics.triton = TritonNames(
+            versions=lambda: {served.name: served.version for served in engine.models()}, gpus=read_gpus
+        )
     state = ServiceState(
         settings, engine, registry.metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
     )

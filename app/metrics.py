@@ -9,13 +9,21 @@ each gauge merges as its `multiprocess_mode` says. One process: `merged` is `reg
 from __future__ import annotations
 
 import os
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from app.collectors import BuildInfoCollector, GpuMemoryCollector, ProcessesCollector
+
+if TYPE_CHECKING:
+    from app.triton_metrics import TritonNames
 
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -44,6 +52,32 @@ LATENCY_BUCKETS = (
 # A load takes from tens of milliseconds (a small FFN on the CPU) to minutes (a large one read from a slow disk).
 LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# ffn_model_loads_total's model label for every load of a name no [[models]] table names (a load
+# refused for a name a client made up): one value for all of them, so refusals never add series.
+# No model can have it: a name starts with a letter or a digit.
+OTHER_MODELS = "(other)"
+LOAD_OUTCOMES = ("ok", "failed")
+
+
+# Samples that are a moment, not an amount: a model's figure is the latest of them, not their sum.
+LATEST_SAMPLES = frozenset({"ffn_last_inference_timestamp_seconds"})
+
+
+def samples_by_model(families: Iterable[Metric]) -> defaultdict[str, defaultdict[str, float]]:
+    """model -> sample name (`ffn_queue_seconds_sum`, ...) -> value: summed over every other label
+    (outcome, protocol, and with workers each worker's), but the latest for a moment. Buckets are left out."""
+    by_model: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for family in families:
+        for sample in family.samples:
+            model = sample.labels.get("model")
+            if model is None or sample.name.endswith("_bucket"):
+                continue
+            values = by_model[model]
+            if sample.name in LATEST_SAMPLES:
+                values[sample.name] = max(values[sample.name], sample.value)
+            else:
+                values[sample.name] += sample.value
+    return by_model
 
 
 def multiprocess_folder() -> Path | None:
@@ -63,6 +97,8 @@ class Metrics:
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # Triton's names (nv_inference_*, nv_gpu_*) written after the ffn_* series; None: off (triton_metrics).
+    triton: TritonNames | None = None
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -172,7 +208,9 @@ class Metrics:
         )
         self.model_loads = Counter(
             "ffn_model_loads",
-            "Loads and reloads applied while serving, by outcome (ok, failed); with workers, one per worker.",
+            "Loads and reloads while serving, by outcome (ok, failed): a load refused before any worker read "
+            "its file counts once, one applied counts in each worker; a name no [[models]] table names is "
+            f"counted as {OTHER_MODELS!r}.",
             ["model", "outcome"],
             registry=r,
         )
@@ -197,9 +235,19 @@ class Metrics:
             "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r
         )
 
+    def loads_from_zero(self, model: str) -> None:
+        """Create `model`'s load series at 0, so that `increase()` sees its first failed load (an alert on it fires)."""
+        for outcome in LOAD_OUTCOMES:
+            self.model_loads.labels(model=model, outcome=outcome)
+        self.model_load_seconds.labels(model=model)
+
     def render(self) -> bytes:
-        """The Prometheus text of `merged`."""
-        return generate_latest(self.merged)
+        """The Prometheus text of `merged`, then Triton's names of the same samples when they are on."""
+        families = list(self.merged.collect())  # read once: with workers, every worker's files
+        text = generate_latest(_Collected(families))
+        if self.triton is None:
+            return text
+        return text + self.triton.render(families).encode()
 
     def for_model(self, model: str) -> ModelInstruments:
         """The instruments with the model's label bound once (a label lookup per use costs µs)."""
@@ -216,6 +264,16 @@ class Metrics:
             batch_ceiling=self.batch_ceiling.labels(model=model),
             oom_splits=self.oom_splits.labels(model=model),
         )
+
+
+class _Collected(Collector):
+    """Families already collected, as generate_latest reads a registry."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ imports torch, so a mistake is reported before the server and torch are imported
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import stat
@@ -41,6 +42,11 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # statistics): a model so named could never be reached. tests/test_settings.py derives them
 # from the endpoint tables.
 ROUTE_WORDS = frozenset({"stats"})
+# A Hub repository id: a name, or org/name (letters, digits, '-', '_', '.'); a revision: a branch,
+# tag or commit hash, refs/pr/N included.
+HF_REPO_PATTERN = r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$"
+HF_REVISION_PATTERN = r"^[A-Za-z0-9_.-][A-Za-z0-9_./-]*$"
+HUB_EXTRA = "pip install 'ffn-serve[hub]'"
 MAX_CONFIG_BYTES = 1024 * 1024  # a config file is settings and a few [[models]] tables, never this large
 
 
@@ -51,10 +57,26 @@ class ModelSpec(BaseModel):
 
     name: str = Field(pattern=MODEL_NAME_PATTERN, description="Name in URLs; letters, digits, '_', '.', '-'.")
     weights: Path | None = Field(
-        default=None, description="Weights file, relative to the config file. None: the built-in demo weights."
+        default=None,
+        description="Weights file, relative to the config file. None (and no hf_model): the built-in demo weights.",
     )
-    format: Literal["native", "torch", "bert", "gpt2", "llama"] = Field(
-        default="native", description="native safetensors, a torch state dict, or one layer of a checkpoint family."
+    hf_model: str | None = Field(
+        default=None,
+        max_length=96,
+        pattern=HF_REPO_PATTERN,
+        description="A Hugging Face Hub repository (org/name) instead of a weights file: its model.safetensors "
+        "through huggingface_hub's cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN); needs the hub extra.",
+    )
+    revision: str | None = Field(
+        default=None,
+        max_length=255,
+        pattern=HF_REVISION_PATTERN,
+        description="The hf_model's revision: a branch, tag or commit. Unset: main.",
+    )
+    format: Literal["native", "torch", "bert", "gpt2", "llama"] | None = Field(
+        default=None,
+        description="native safetensors, a torch state dict, or one layer of a checkpoint family. Unset: native "
+        "for a weights file, the family the hf_model's config.json names (model_type).",
     )
     layer: int | None = Field(default=None, ge=0, description="Layer index, for the bert, gpt2 and llama formats.")
     activation: Literal["relu", "gelu", "gelu_tanh", "silu", "identity"] | None = Field(
@@ -71,6 +93,20 @@ class ModelSpec(BaseModel):
         lt=1.0,
         description="Dropout rate of Monte Carlo dropout requests; unset: the file's (native files store it).",
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if self.hf_model is None:
+            if self.revision is not None:
+                raise ValueError("revision is the revision of an hf_model; this table names none")
+            return self
+        if self.weights is not None:
+            raise ValueError("a table names weights or hf_model, not both")
+        if self.format == "torch":
+            raise ValueError("an hf_model is read from its model.safetensors; format 'torch' is for local files")
+        if importlib.util.find_spec("huggingface_hub") is None:
+            raise ValueError(f"hf_model needs huggingface_hub, which is not installed: {HUB_EXTRA}")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -273,6 +309,12 @@ class Settings(BaseSettings):
         description="Turn on the system shared-memory extension: clients on this host register POSIX shared-memory "
         "regions (/dev/shm) and infer with tensors in them, sending no tensor bytes over the socket. A region may "
         "be any object this server's user can open: give the API key to trusted local clients only.",
+    )
+    triton_metrics: bool = Field(
+        default=True,
+        description="Also write Triton's metric names on /metrics (nv_inference_* per model and version, nv_gpu_* per "
+        "GPU), computed from the ffn_* series at each scrape; --no-triton-metrics (FFN_TRITON_METRICS=false) leaves "
+        "them out.",
     )
     models: list[ModelSpec] = Field(default_factory=list, description="Models to serve; empty = the built-in demo.")
     model_control: Literal["none", "explicit"] = Field(

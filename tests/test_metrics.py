@@ -81,6 +81,13 @@ def test_a_fresh_server_has_every_series_at_zero() -> None:
     for name in PER_MODEL:
         assert samples(page, name) == {(("model", "demo"),): 0.0}, name
     assert samples(page, "ffn_request_seconds_bucket")[(("le", "+Inf"), ("model", "demo"))] == 0.0
+    # Loads: both outcomes of the configured model, and the one label every other name's refusals share.
+    assert samples(page, "ffn_model_loads_total") == {
+        (("model", "demo"), ("outcome", "ok")): 0.0,
+        (("model", "demo"), ("outcome", "failed")): 0.0,
+        (("model", "(other)"), ("outcome", "failed")): 0.0,
+    }
+    assert samples(page, "ffn_model_load_seconds_count") == {(("model", "demo"),): 0.0}
 
 
 async def test_whole_requests_by_protocol_route_and_status_class(start_app) -> None:

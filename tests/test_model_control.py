@@ -88,6 +88,7 @@ async def test_with_model_control_none_load_and_unload_are_a_400_naming_the_sett
         assert response.json()["error_type"] == "model_control_off"
         assert "model_control" in response.json()["error"] and "--model-control explicit" in response.json()["error"]
     assert "model_repository" not in (await service.client.get("/v2")).json()["extensions"]
+    assert await metric(service.client, "ffn_model_loads_total", model="m", outcome="failed") == 1  # the refused load
     y, version = await infer(service.client, rows(2, 0))
     assert matches(y, a, rows(2, 0)) and version == "1"
 
@@ -406,12 +407,68 @@ async def test_a_failing_load_keeps_the_old_copy_serving_and_names_the_file_and_
     assert "broken.safetensors" in error and fragment in error, error
     if writer is not None:  # a missing file is refused before any worker hears of it
         assert error.startswith("model 'm': version 2 not loaded: ") and error.endswith("version 1 keeps serving")
-        assert await metric(service.client, "ffn_model_loads_total", model="m", outcome="failed") == 1
+    assert await metric(service.client, "ffn_model_loads_total", model="m", outcome="failed") == 1  # refused too
+    assert await metric(service.client, "ffn_model_loads_total", model="m", outcome="ok") == 0
     x = rows(2, 5)
     y, version = await infer(service.client, x)
     assert matches(y, a, x) and version == "1"
     assert (await service.client.get("/v2/models/m/ready")).status_code == 200
     assert await metric(service.client, "ffn_model_state", model="m", state="READY") == 1
+
+
+async def test_every_refused_load_is_counted_and_unknown_names_add_no_series(
+    start_app: StartApp, repository: Path
+) -> None:
+    """Refusals before any file is read (missing file, bad parameters, no table, a path out of the
+    repository) and failures in the worker (wrong shapes) all count as failed; names no table names
+    share one label, whatever a client makes up."""
+    write_ffn(repository / "a.safetensors", 1, d_model=D)
+    _shapes(repository / "shapes.safetensors")
+    service = await serve(start_app, repository)
+    client = service.client
+
+    async def failed(model: str) -> float:
+        return await metric(client, "ffn_model_loads_total", model=model, outcome="failed")
+
+    assert (await failed("m"), await failed("other"), await failed("(other)")) == (0, 0, 0)
+    refusals = [
+        ("m", {"parameters": {"config": json.dumps({"weights": "gone.safetensors"})}}),  # a missing file
+        ("m", {"parameters": {"weights": "a.safetensors"}}),  # an unknown parameter
+        ("other", {"parameters": {"config": json.dumps({"weights": "../x.safetensors"})}}),  # out of the repository
+        ("m", {"parameters": {"config": json.dumps({"weights": "shapes.safetensors"})}}),  # fails in the worker
+    ]
+    for name, body in refusals:
+        response = await client.post(f"/v2/repository/models/{name}/load", json=body)
+        assert response.status_code == 400, response.text
+    assert (await failed("m"), await failed("other")) == (3, 1)
+
+    made_up = [f"made-up-{i}" for i in range(5)]
+    for name in made_up[:2]:  # no table names them: refused before any worker hears of them
+        assert (await load(client, name)).status_code == 400
+    for name in made_up[2:4]:  # a config parameter's table, its file missing or of the wrong shapes
+        weights = "gone.safetensors" if name == made_up[2] else "shapes.safetensors"
+        assert (await load(client, name, {"weights": weights, "activation": "relu"})).status_code == 400
+    bad = await client.post(f"/v2/repository/models/{made_up[4]}/load", json={"parameters": {"config": 7}})
+    assert bad.status_code == 400
+    page = (await client.get("/metrics")).text
+    assert metric_value(page, "ffn_model_loads_total", model="(other)", outcome="failed") == 5
+    assert not any(name in page for name in made_up)
+    assert metric_value(page, "ffn_model_loads_total", outcome="failed") == 3 + 1 + 5
+
+
+async def test_a_model_first_loaded_while_serving_has_its_failures_counted_from_zero(
+    start_app: StartApp, repository: Path
+) -> None:
+    write_ffn(repository / "a.safetensors", 1, d_model=D)
+    write_ffn(repository / "b.safetensors", 2, d_model=D)
+    service = await serve(start_app, repository)
+    assert (await load(service.client, "extra", {"weights": "b.safetensors"})).status_code == 200
+    page = (await service.client.get("/metrics")).text
+    assert metric_value(page, "ffn_model_loads_total", model="extra", outcome="ok") == 1
+    assert 'ffn_model_loads_total{model="extra",outcome="failed"} 0.0' in page
+    # Served now, so its name is its label: a failure of its next load counts under it.
+    assert (await load(service.client, "extra", {"weights": "gone.safetensors"})).status_code == 400
+    assert await metric(service.client, "ffn_model_loads_total", model="extra", outcome="failed") == 1
 
 
 @pytest.mark.parametrize("where", ["placing the weights", "warm-up"])
@@ -503,12 +560,12 @@ async def test_loads_of_one_model_apply_in_order_and_other_models_do_not_wait(
     reads: list[str] = []
     read = lifecycle.read_weights
 
-    def held_first(spec: Any) -> Any:
+    def held_first(spec: Any, path: Any = None) -> Any:
         reads.append(spec.name)
         if reads.count("m") == 1 and spec.name == "m":
             entered.set()
             assert release.wait(60), "the test never let the read go"
-        return read(spec)
+        return read(spec, path)
 
     monkeypatch.setattr(lifecycle, "read_weights", held_first)
     try:
@@ -535,10 +592,10 @@ async def test_a_load_when_draining_is_refused_and_a_drain_during_a_load_serves_
     entered, release = threading.Event(), threading.Event()
     read = lifecycle.read_weights
 
-    def held(spec: Any) -> Any:
+    def held(spec: Any, path: Any = None) -> Any:
         entered.set()
         assert release.wait(60)
-        return read(spec)
+        return read(spec, path)
 
     monkeypatch.setattr(lifecycle, "read_weights", held)
     loading = asyncio.create_task(load(service.client))

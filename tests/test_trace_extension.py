@@ -95,7 +95,8 @@ async def test_tensors_level_describes_the_tensors_never_their_values(
     traced: InProcessApp, receiver: OtlpReceiver
 ) -> None:
     await post(traced, {"trace_level": ["TIMESTAMPS", "TENSORS"]})
-    answer = await infer(traced, headers={"X-Request-Id": "with-tensors"})
+    # Uncompressed answers (httpx asks for gzip by default): the span counts the bytes sent.
+    answer = await infer(traced, headers={"X-Request-Id": "with-tensors", "Accept-Encoding": "identity"})
     trace_id = answer.headers["traceparent"].split("-")[1]
     spans = await asyncio.to_thread(
         receiver.wait_for, lambda spans: {"decode", "encode"} <= {s.name for s in spans if s.trace_id == trace_id}
@@ -104,7 +105,30 @@ async def test_tensors_level_describes_the_tensors_never_their_values(
     assert stages["decode"].attributes["ffn.input.shape"] == [1, D]
     assert stages["decode"].attributes["ffn.input.dtype"] == "float32"
     assert stages["encode"].attributes["ffn.output.bytes"] == len(answer.content)
+    assert stages["encode"].attributes["ffn.output.content_type"] == answer.headers["content-type"]
+    assert answer.headers["content-type"] == "application/json"
     assert not any(isinstance(value, float) for span in stages.values() for value in span.attributes.values())
+
+    # Another encoding, the content type it answered with: a native .npy answer.
+    x = np.full((2, D), 0.5, np.float32)
+    npy = await traced.client.post(
+        "/v1/models/a/transform",
+        content=x.tobytes(),
+        headers={
+            "content-type": "application/octet-stream",
+            "x-shape": f"2,{D}",
+            "accept": "application/x-npy",
+            "accept-encoding": "identity",
+        },
+    )
+    assert npy.status_code == 200 and npy.headers["content-type"] == "application/x-npy"
+    npy_trace = npy.headers["traceparent"].split("-")[1]
+    spans = await asyncio.to_thread(
+        receiver.wait_for, lambda spans: any(s.trace_id == npy_trace and s.name == "encode" for s in spans)
+    )
+    (encode,) = [s for s in spans if s.trace_id == npy_trace and s.name == "encode"]
+    assert encode.attributes["ffn.output.content_type"] == "application/x-npy"
+    assert encode.attributes["ffn.output.bytes"] == len(npy.content)
 
 
 async def test_log_frequency_sends_every_n_traces_instead_of_waiting(

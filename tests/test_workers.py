@@ -38,6 +38,7 @@ from ffn_client.testing import (
     start_server,
     wait_for_metrics,
 )
+from tests.exposition import value_as_written
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
@@ -155,6 +156,10 @@ async def test_metrics_count_every_request_on_every_scrape(workers: tuple[Server
         ):
             labels = {"model": "demo", **({"outcome": "ok"} if name == "ffn_requests_total" else {})}
             delta = metric_value(page, name, **labels) - metric_value(before, name, **labels)
+            assert delta == expected, f"scrape {i}: {name} grew by {delta}, {expected} were sent"
+        # Triton's names, written from the same merged samples: as exact (rows computed = rows sent).
+        for name, expected in (("nv_inference_request_success", sent), ("nv_inference_count", rows)):
+            delta = value_as_written(page, name, model="demo", version="1") - value_as_written(before, name)
             assert delta == expected, f"scrape {i}: {name} grew by {delta}, {expected} were sent"
         assert metric_value(page, "ffn_queue_rows", model="demo") == 0  # a live-sum gauge, nothing waiting
         # The V2 statistics extension reads the same merged samples, whichever worker answers.

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry, ServedModel, place, read_weights
 from app.engine.repository import WeightsFile
 from app.engine.runner import resolve_device
+from app.metrics import OTHER_MODELS
 from app.settings import ModelSpec
 from ffn_core import FeedForward, WeightsError
 
@@ -78,6 +80,10 @@ class Lifecycle:
         self._metrics = registry.metrics
         # Version 1 is what a configured model serves from the start: its first load is version 2.
         self._at_start = {spec.name for spec in self._settings.served_models()}
+        self._loads_counted = set(self._at_start)  # the names whose load series exist (at 0 or more)
+        for name in self._at_start:
+            self._metrics.loads_from_zero(name)
+        self._metrics.model_loads.labels(model=OTHER_MODELS, outcome="failed")
         self._retiring: set[ServedModel] = set()
         self.closed = False  # draining: no new copy enters service
         # Called on a new copy before it serves: every copy's, and those for a name's first copy only.
@@ -105,7 +111,8 @@ class Lifecycle:
                 prepare(served)
 
     async def apply_load(self, args: dict[str, Any]) -> dict[str, Any]:
-        """LOAD_MODEL: {"spec": a ModelSpec as JSON, "source": a WeightsFile's args or None} -> version, timings."""
+        """LOAD_MODEL: {"spec": a ModelSpec as JSON, "source": a WeightsFile's args or None, "counted_as": the
+        model label of a failure (Engine.counted_as)} -> version, timings."""
         spec = ModelSpec.model_validate(args["spec"])
         source = WeightsFile.from_args(args.get("source"))
         version = command_number.get() + (1 if spec.name in self._at_start else 0)
@@ -114,7 +121,7 @@ class Lifecycle:
         try:
             served = await self._build(spec, source, version, current, timings)
         except LoadFailed as exc:
-            self._metrics.model_loads.labels(model=spec.name, outcome="failed").inc()
+            self._metrics.model_loads.labels(model=args.get("counted_as", spec.name), outcome="failed").inc()
             keeps = f"version {current.version} keeps serving" if current else "it is not served"
             message = f"model {spec.name!r}: version {version} not loaded: {exc.message}; {keeps}"
             log.error("%s", message)
@@ -126,6 +133,9 @@ class Lifecycle:
         started = time.perf_counter()
         previous = self._registry.serve(served)
         timings.switch_s = time.perf_counter() - started
+        if spec.name not in self._loads_counted:  # a model first loaded now: its failures from 0 too
+            self._loads_counted.add(spec.name)
+            self._metrics.loads_from_zero(spec.name)
         self._metrics.model_loads.labels(model=spec.name, outcome="ok").inc()
         self._metrics.model_load_seconds.labels(model=spec.name).observe(timings.to_serving_s)
         log.info(
@@ -253,7 +263,7 @@ def _read(spec: ModelSpec, source: WeightsFile | None) -> FeedForward:
     """The weights into host memory, from the file the load was asked for (checked before and after reading)."""
     if source is not None:
         source.check()
-    model = read_weights(spec)
+    model = read_weights(spec, None if source is None else Path(source.path))  # the very file the load found
     if source is not None:
         source.check()
     return model

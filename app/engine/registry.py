@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from app.engine.batcher import Batcher
 from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
-from app.engine.repository import Served, WeightsFile
+from app.engine.repository import Served, WeightsFile, weights_format, weights_path
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import DRAINING, READY, UNLOADED, WARMING, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, unloaded_error
@@ -113,7 +114,7 @@ class ServedModel:
         config = self._model.config
         count = sum(p.numel() for p in self._model.parameters())
         size = self.weight_bytes
-        source = str(self.spec.weights) if self.spec.weights else "built-in demo weights"
+        source = described_source(self.spec, self.source)
         return (
             f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
             f"on {self.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}"
@@ -139,7 +140,7 @@ class ServedModel:
             "dropout": self.dropout,
             "dtype": self.spec.dtype,
             "device": str(self.device),
-            "format": self.spec.format if self.spec.weights else "demo",
+            "format": "demo" if self.source is None else weights_format(self.spec, Path(self.source.path)),
             "ready": status.ready,
             "state": status.state.value,
             "reason": status.reason,
@@ -269,14 +270,25 @@ class ServedModel:
         return await self._batcher.submit_monte_carlo(rows, request, deadline=deadline)
 
 
-def read_weights(spec: ModelSpec) -> FeedForward:
-    """The spec's weights read into host memory, in its dtype (the built-in demo weights without a file)."""
+def described_source(spec: ModelSpec, source: WeightsFile | None = None) -> str:
+    """Where a model's weights come from, for the log: the file, the Hub repository (and its file), or the demo."""
+    if spec.hf_model is not None:
+        where = f"{spec.hf_model}@{spec.revision or 'main'} (Hugging Face Hub)"
+        return f"{where}, {source.path}" if source is not None else where
+    return str(spec.weights) if spec.weights else "built-in demo weights"
+
+
+def read_weights(spec: ModelSpec, path: Path | None = None) -> FeedForward:
+    """The spec's weights read into host memory, in its dtype: from `path` (where weights_path found them),
+    else from where the spec says; the built-in demo weights when it names no file and no hf_model."""
     dtype = DTYPES[spec.dtype].torch
-    if spec.weights is None:
+    if path is None:
+        path = weights_path(spec)
+    if path is None:
         return demo_ffn().to(dtype=dtype).requires_grad_(False)
     return load_ffn(
-        spec.weights,
-        format=spec.format,
+        path,
+        format=weights_format(spec, path),
         layer=spec.layer,
         activation=spec.activation,
         gated=spec.gated,
@@ -291,9 +303,9 @@ def place(model: FeedForward, device: torch.device, *, fuse: bool = False) -> Fe
     return fuse_gate(model) if fuse and isinstance(model, GatedFeedForward) else model
 
 
-def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False) -> FeedForward:
-    """The model's weights on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
-    return place(read_weights(spec), device, fuse=fuse)
+def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False, path: Path | None = None) -> FeedForward:
+    """The model's weights (from `path`, if given) on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
+    return place(read_weights(spec, path), device, fuse=fuse)
 
 
 def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
@@ -324,11 +336,12 @@ class Registry:
         s = self.settings
         set_tf32(s.tf32)
         for spec in s.served_models():
-            what = str(spec.weights) if spec.weights else "built-in demo weights"
+            what = described_source(spec)
             try:
                 device = resolve_device(spec.device)
-                source = None if spec.weights is None else WeightsFile.of(spec.weights)
-                model = load_weights(spec, device, fuse=s.fuse_gate)
+                path = weights_path(spec)
+                source = None if path is None else WeightsFile.of(path)
+                model = load_weights(spec, device, fuse=s.fuse_gate, path=path)
             except WeightsError as exc:  # its message already names the file
                 raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
             except (ValueError, OSError) as exc:

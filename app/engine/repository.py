@@ -1,4 +1,5 @@
-"""Where a load's weights come from: the model repository folder, a load's config, the file's identity.
+"""Where a model's weights come from: its file or its Hub repository's (weights_path), the model repository
+folder, a load's config, the file's identity.
 
 - A load's `config` parameter holds the keys of a `[[models]]` table as JSON; its weights path is
   relative to the model repository folder and must stay inside it (`..` and symlinks that leave
@@ -23,6 +24,8 @@ from pydantic import ValidationError
 
 from app.engine.errors import LoadFailed
 from app.settings import ModelSpec
+from ffn_core import WeightsError
+from ffn_core.hub import hub_format, hub_weights
 
 MAX_CONFIG_CHARS = 16 * 1024  # a [[models]] table is a few hundred characters
 
@@ -62,14 +65,37 @@ class WeightsFile:
         return None if args is None else cls(**args)
 
 
+def weights_path(spec: ModelSpec) -> Path | None:
+    """Where the spec's weights are: its file, or its hf_model's file in huggingface_hub's cache (fetched
+    first unless HF_HUB_OFFLINE; WeightsError if it cannot be had). None: the built-in demo weights."""
+    if spec.hf_model is not None:
+        return hub_weights(spec.hf_model, spec.revision, spec.layer, spec.format)
+    return spec.weights
+
+
+def weights_format(spec: ModelSpec, path: Path) -> str:
+    """How to read the weights at `path`: the table's format, else the family the hf_model's config.json
+    names, else native."""
+    if spec.format is not None:
+        return spec.format
+    return hub_format(path) if spec.hf_model is not None else "native"
+
+
 def identify(spec: ModelSpec) -> WeightsFile | None:
-    """The identity of the spec's weights file (None: the built-in demo weights); LoadFailed if unreadable."""
-    if spec.weights is None:
+    """The identity of the spec's weights file (None: the built-in demo weights); LoadFailed if unreadable.
+
+    An hf_model's file is found (or fetched) here, once, by the process that takes the load: every
+    worker then reads that very file."""
+    try:
+        path = weights_path(spec)
+    except WeightsError as exc:
+        raise LoadFailed(f"model {spec.name!r}: {exc}") from None
+    if path is None:
         return None
     try:
-        return WeightsFile.of(spec.weights)
+        return WeightsFile.of(path)
     except OSError as exc:
-        raise LoadFailed(f"model {spec.name!r}: cannot load {spec.weights}: {exc.strerror or exc}") from None
+        raise LoadFailed(f"model {spec.name!r}: cannot load {path}: {exc.strerror or exc}") from None
 
 
 def inside(repository: Path, relative: str) -> Path:
@@ -98,6 +124,11 @@ def spec_from_config(name: str, config: str, repository: Path | None) -> ModelSp
         raise LoadFailed("the config parameter must be a JSON object with the keys of a [[models]] table")
     if table.get("name", name) != name:
         raise LoadFailed(f"the config parameter names model {str(table['name'])[:100]!r}, the path {name!r}")
+    if table.get("hf_model") is not None:
+        raise LoadFailed(
+            "a load's config parameter names weights inside the model repository only; "
+            "a model from the Hub (hf_model) is a [[models]] table of the config file"
+        )
     weights = table.get("weights")
     if weights is not None:
         if not isinstance(weights, str):

@@ -14,7 +14,10 @@ Model control (model_control = explicit): `load` and `unload` (one call each, wh
 asks: V2 over HTTP, gRPC) resolve the model's table here, then broadcast the command to every
 serving process (app/control.py), which applies it (app/engine/lifecycle.py); the answer comes
 once all have, and names those that failed. `apply_config_file` is SIGHUP's: the config file
-read again, and what differs loaded or unloaded the same way.
+read again, and what differs loaded or unloaded the same way. Every load refused or failed is
+counted (ffn_model_loads_total{outcome="failed"}): here when refused before the broadcast, else
+by each worker that failed; under the model's name when a [[models]] table names it, else under
+one label for every other name (`counted_as`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from app.engine.registry import Registry, ServedModel
 from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import DRAINING, READY, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, unloaded_error
+from app.errors import ServiceError
+from app.metrics import OTHER_MODELS
 from app.settings import ModelSpec, Settings, configured_models
 from app.settings_problems import SettingsError
 
@@ -68,6 +73,8 @@ class Engine:
         self._control.register(UNLOAD_MODEL, self._lifecycle.apply_unload)
         self._config_lock = asyncio.Lock()  # one SIGHUP applied at a time
         self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
+        # The names [[models]] tables gave: at start, and each time the config file is read again.
+        self._named = {spec.name for spec in settings.served_models()}
 
     # ----- lookup ----------------------------------------------------------------------------
 
@@ -192,8 +199,23 @@ class Engine:
         it, the config file's table of that name, read again, else the table it was served with.
         LoadFailed names the file and why, and the workers that failed (they keep their copy).
         """
-        self._check_control()
-        return await self._load(self._table(name, config))
+        try:
+            self._check_control()
+            spec = self._table(name, config)
+        except ServiceError:
+            self.count_refused_load(name)
+            raise
+        return await self._load(spec)
+
+    def counted_as(self, name: str) -> str:
+        """The model label a failed load of `name` is counted under: the name when a [[models]] table
+        names it or it is served (or was), else one label for all others, so refusals add no series."""
+        known = name in self._named or name in self._registry.models or name in self._registry.unloaded
+        return name if known else OTHER_MODELS
+
+    def count_refused_load(self, name: str) -> None:
+        """Count a load of `name` refused before any worker heard of it (ffn_model_loads_total, failed)."""
+        self._registry.metrics.model_loads.labels(model=self.counted_as(name), outcome="failed").inc()
 
     async def unload(self, name: str) -> dict[str, Any]:
         """Unload `name` in every serving process: {"name", "version" (the one unloaded), "workers"}."""
@@ -219,6 +241,7 @@ class Engine:
             except SettingsError as exc:
                 log.error("SIGHUP: config file %s not applied: %s", path, "; ".join(exc.problems))
                 return
+            self._named.update(spec.name for spec in wanted)
             plan = changes({m.name: m.served for m in self.models()}, wanted)
             log.info("SIGHUP: config file %s read again: %s", path, plan.summary())
             specs = [*plan.added, *(spec for spec, _ in plan.changed)]
@@ -257,6 +280,7 @@ class Engine:
                 tables = configured_models(path)
             except SettingsError as exc:
                 raise LoadFailed(f"config file {path}: {'; '.join(exc.problems)}") from None
+            self._named.update(spec.name for spec in tables)
             for spec in tables:
                 if spec.name == name:
                     return spec
@@ -269,8 +293,17 @@ class Engine:
         )
 
     async def _load(self, spec: ModelSpec) -> dict[str, Any]:
-        source = identify(spec)  # the origin's check: a missing file is refused before any worker hears of it
-        args = {"spec": spec.model_dump(mode="json"), "source": None if source is None else source.as_args()}
+        try:
+            source = identify(spec)  # the origin's check: a missing file is refused before any worker hears of it
+        except LoadFailed:
+            self.count_refused_load(spec.name)
+            raise
+        # A worker that fails counts the failure itself, under the label decided here.
+        args = {
+            "spec": spec.model_dump(mode="json"),
+            "source": None if source is None else source.as_args(),
+            "counted_as": self.counted_as(spec.name),
+        }
         # Shielded: a client that hangs up does not cut a load short halfway through building its copy.
         replies = await asyncio.shield(
             self._control.broadcast(LOAD_MODEL, args, sticky=model_key(spec.name), timeout_s=LOAD_TIMEOUT_S)

@@ -303,9 +303,11 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
-        # The HTTP route's parameters and the engine's load: the same checks, errors and broadcast.
-        config = model_control.load_config(_repository_parameters(request.parameters))
-        await self._engine.load(request.model_name, config)
+        # The HTTP route's parameters and the engine's load: the same checks, errors, broadcast and counts.
+        async def parameters() -> dict[str, Any]:
+            return _repository_parameters(request.parameters)
+
+        await model_control.load(self._engine, request.model_name, parameters())
         return pb.RepositoryModelLoadResponse()  # Triton's answer is empty; the version is in the index
 
     @answered

@@ -9,12 +9,16 @@ from starlette.requests import Request
 from app.http.endpoints import Endpoint, read_body, service_state
 from app.http.openapi import error_responses
 from app.protocol.limits import MODEL_CONTROL_BYTES
-from app.protocol.v2.model_control import check_unload, load_config, parameters_of_body
+from app.protocol.v2 import model_control
+from app.protocol.v2.model_control import check_unload, parameters_of_body
 
 
 async def load(name: str, request: Request) -> dict[str, Any]:
-    config = load_config(parameters_of_body(await read_body(request, MODEL_CONTROL_BYTES)))
-    return await service_state(request).engine.load(name, config)
+    return await model_control.load(service_state(request).engine, name, _parameters(request))
+
+
+async def _parameters(request: Request) -> dict[str, Any]:
+    return parameters_of_body(await read_body(request, MODEL_CONTROL_BYTES))
 
 
 async def unload(name: str, request: Request) -> dict[str, Any]:

@@ -5,7 +5,7 @@ a `[[models]]` table (tritonclient's `load_model(name, config=...)`); an unload 
 `unload_dependents` (there are none here). Anything else is a 400 naming it, `file:` parameters
 (tritonclient's `files=`) included: weights are read from the model repository folder only.
 The work is the engine's (`Engine.load`, `Engine.unload`) and the parameters are read here
-(`load_config`, `check_unload`), so that both doors (the gRPC twins: app/grpc/service.py)
+(`load`, `load_config`, `check_unload`), so that both doors (the gRPC twins: app/grpc/service.py)
 answer alike; with `model_control = none` both answer 400 naming the setting.
 
 A success is 200 with a JSON body: the model, its version and each worker's reply (Triton's body
@@ -14,9 +14,11 @@ is empty; tritonclient reads only the status).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
+from app.engine.service import Engine
+from app.errors import ServiceError
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import bool_field, loads_json, object_field, str_field
 
@@ -24,6 +26,19 @@ _FILES = (
     "file parameters (tritonclient's files=) are not supported: put the weights in the model "
     "repository folder and name them in the config parameter's weights"
 )
+
+
+async def load(engine: Engine, name: str, parameters: Awaitable[Mapping[str, Any]]) -> dict[str, Any]:
+    """A load, whichever door: its parameters (`parameters`, the door's reading of them), then Engine.load.
+
+    A load refused for its parameters (or its body) counts as a failed load, as the engine's own refusals do.
+    """
+    try:
+        config = load_config(await parameters)
+    except ServiceError:
+        engine.count_refused_load(name)
+        raise
+    return await engine.load(name, config)
 
 
 def load_config(parameters: Mapping[str, Any]) -> str | None:

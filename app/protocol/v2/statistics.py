@@ -24,31 +24,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from app.engine.service import ServedModel
+from app.metrics import samples_by_model
 
-_LATEST = {"ffn_last_inference_timestamp_seconds"}
 _NOT_MEASURED = {"count": 0, "ns": 0}
 
 
 def model_stats(registry: CollectorRegistry, models: Iterable[ServedModel]) -> dict[str, list[dict[str, Any]]]:
     """{"model_stats": [...]}: one entry per model, version 1."""
-    samples = _samples_by_model(registry)
+    samples = samples_by_model(registry.collect())
     return {"model_stats": [_model_stat(served, samples[served.name]) for served in models]}
-
-
-def _samples_by_model(registry: CollectorRegistry) -> defaultdict[str, defaultdict[str, float]]:
-    """model -> sample name (`ffn_queue_seconds_sum`, ...) -> value."""
-    by_model: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for family in registry.collect():
-        for sample in family.samples:
-            model = sample.labels.get("model")
-            if model is None or sample.name.endswith("_bucket"):
-                continue
-            values = by_model[model]
-            if sample.name in _LATEST:
-                values[sample.name] = max(values[sample.name], sample.value)
-            else:
-                values[sample.name] += sample.value
-    return by_model
 
 
 def _duration(count: float, seconds: float) -> dict[str, int]:
