@@ -13,6 +13,7 @@ allowed).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -24,7 +25,7 @@ from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
 from app.logs import configure_logging
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.settings import Settings, command_line, load_settings, misspelt_variables
+from app.settings import GRPC_PORT_FIX, Settings, command_line, load_settings, misspelt_variables
 from app.settings_problems import SettingsError
 from app.tracing import config as tracing_config
 
@@ -87,7 +88,13 @@ def serve(settings: Settings) -> int:
         try:
             listeners.grpc = reserve(settings.host, settings.grpc_port)
         except OSError as exc:
-            log.error("cannot listen on %s:%d (gRPC): %s", settings.host, settings.grpc_port, exc.strerror or exc)
+            log.error(
+                "cannot listen on %s:%d (gRPC): %s%s",
+                settings.host,
+                settings.grpc_port,
+                exc.strerror or exc,
+                f": {GRPC_PORT_FIX}" if exc.errno == errno.EADDRINUSE else "",
+            )
             listeners.close()
             return EXIT_CANNOT_BIND
         # Port 0 is resolved once, here: every worker's gRPC server binds the port held.

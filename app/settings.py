@@ -41,6 +41,10 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 # statistics): a model so named could never be reached. tests/test_settings.py derives them
 # from the endpoint tables.
 ROUTE_WORDS = frozenset({"stats"})
+# What to do when the gRPC port is in the way (a collision here, or the port taken at start).
+GRPC_PORT_FIX = (
+    "give gRPC another port with --grpc-port N (FFN_GRPC_PORT), or turn it off with --no-grpc (FFN_GRPC=false)"
+)
 MAX_CONFIG_BYTES = 1024 * 1024  # a config file is settings and a few [[models]] tables, never this large
 
 
@@ -291,7 +295,9 @@ class Settings(BaseSettings):
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
         if self.grpc and self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
-            raise ValueError(f"grpc_port must differ from port and metrics_port (it is {self.grpc_port})")
+            raise ValueError(
+                f"grpc_port must differ from port and metrics_port (it is {self.grpc_port}): {GRPC_PORT_FIX}"
+            )
         return self
 
     @field_validator("model_repository")
