@@ -33,9 +33,9 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from app.cli import bind
 from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
+from app.preflight import bind
 from app.settings import Settings, read_config_file
 from ffn_client.testing import HOST, free_port
 

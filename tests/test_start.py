@@ -6,14 +6,20 @@ Real `ffn-serve` processes where the start itself is what is tested; the setting
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from app.settings import command_line, load_settings
 from app.settings_problems import SettingsError
+from ffn_client.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +51,69 @@ def test_a_port_that_is_grpcs_names_both_ways_out() -> None:
     # Each way out, as the line says it, is a valid start.
     assert load_settings(**command_line(["--port", "8001", "--grpc-port", "9001"])).grpc_port == 9001
     assert load_settings(**command_line(["--port", "8001", "--no-grpc"])).grpc is False
+
+
+# ----- item 7: what can be checked is checked before torch is imported --------------------------------
+
+# main() in a real process, which then says whether torch was imported: the checks that come before
+# it take a fraction of a second, torch seconds (over a minute on a loaded machine).
+MAIN_THEN_SAY = (
+    "import sys; from app.cli import main; code = main(sys.argv[1:]); "
+    "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)"
+)
+
+
+def start_refused(*args: str, expected: int) -> list[str]:
+    """ffn-serve with `args`, which must exit `expected` without importing torch; its error lines."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    result = subprocess.run(
+        [sys.executable, "-c", MAIN_THEN_SAY, *args, "--log-format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == expected, result.stderr[-3000:]
+    assert result.stdout == "no torch\n", result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stderr.splitlines()]
+    assert not any("loaded model" in r["message"] for r in records)
+    return [r["message"] for r in records if r["level"] == "error"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_found_before_torch_and_says_another_ffn_serve_may_be_there(workers: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        main = start_refused("--port", str(port), "--grpc-port", "0", "--workers", workers, expected=3)
+        grpc = start_refused("--port", str(free_port()), "--grpc-port", str(port), "--workers", workers, expected=3)
+        metrics = start_refused(
+            "--port", str(free_port()), "--grpc-port", "0", "--metrics-port", str(port), expected=3
+        )  # fmt: skip
+    assert main == [
+        f"cannot listen on 127.0.0.1:{port}: Address already in use: another ffn-serve may be running there; "
+        "stop it, or choose another port with --port N (FFN_PORT)"
+    ]
+    assert grpc == [
+        f"cannot listen on 127.0.0.1:{port} (gRPC): Address already in use: another ffn-serve may be running there; "
+        "give gRPC another port with --grpc-port N (FFN_GRPC_PORT), or turn it off with --no-grpc (FFN_GRPC=false)"
+    ]
+    assert metrics[0].endswith("choose another port with --metrics-port N (FFN_METRICS_PORT)"), metrics
+
+
+@pytest.mark.server
+def test_a_weights_file_that_cannot_be_read_is_found_before_torch(tmp_path: Path) -> None:
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "ffn.toml").write_text(
+        '[[models]]\nname = "demo"\n\n'
+        '[[models]]\nname = "gone"\nweights = "missing.safetensors"\n\n'
+        '[[models]]\nname = "folder"\nweights = "folder.safetensors"\n'
+    )
+    errors = start_refused("--config", str(tmp_path / "ffn.toml"), "--port", "0", "--grpc-port", "0", expected=1)
+    assert errors == [
+        f"model 'gone': cannot load {tmp_path / 'missing.safetensors'}: No such file or directory",
+        f"model 'folder': cannot load {tmp_path / 'folder.safetensors'}: it is a directory, not a regular file",
+    ]
