@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from app import __version__
-from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_START_FAILED
+from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.logs import configure_logging
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
 from app.settings import Settings, command_line, load_settings, misspelt_variables
 from app.settings_problems import SettingsError
+from app.starting import Starting, StartStopped
 from app.tracing import config as tracing_config
 
 log = logging.getLogger("ffn_serve")
@@ -56,6 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
+    # A SIGTERM or SIGINT from here until the server serves stops the start, exit 0 (app/starting.py).
+    with Starting() as starting:
+        try:
+            return _start(settings, starting)
+        except StartStopped as stopped:
+            log.info("%s: stopped before serving", stopped)
+            return EXIT_OK
+
+
+def _start(settings: Settings, starting: Starting) -> int:
     # Before torch, the models or a port: a uvicorn outside the pinned range fails here, in one line.
     from app.http.transport import uvicorn_members
 
@@ -70,30 +81,30 @@ def serve(settings: Settings) -> int:
     listeners = bind_listeners(settings)
     if listeners is None:
         return EXIT_CANNOT_BIND
-    problems = unreadable_weights(settings)
-    if problems:
-        for problem in problems:
-            log.error("%s", problem)
-        listeners.close()
-        return EXIT_START_FAILED
-    if listeners.grpc is not None:
-        # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
-        settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
-    # torch, which the banner reads and the server imports, takes seconds and some 200 MiB: a
-    # supervisor of workers, which computes nothing, never imports it.
-    log.info("ffn-serve %s, %s", __version__, _runtime(settings))
-    export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
-    if export is not None:
-        log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
-    if settings.workers > 1:
-        from app.supervisor import Supervisor
-
-        return Supervisor(settings, listeners).run()
-    from app.metrics import Metrics
-    from app.server import serve_here
-
     try:
-        return serve_here(settings, listeners, Metrics())
+        problems = unreadable_weights(settings)
+        if problems:
+            for problem in problems:
+                log.error("%s", problem)
+            return EXIT_START_FAILED
+        if listeners.grpc is not None:
+            # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
+            settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
+        # torch, which the banner reads and the server imports, takes seconds and some 200 MiB: a
+        # supervisor of workers, which computes nothing, never imports it.
+        log.info("ffn-serve %s, %s", __version__, _runtime(settings))
+        export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
+        if export is not None:
+            log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
+        if settings.workers > 1:
+            from app.supervisor import Supervisor
+
+            starting.end()  # the supervisor handles the signals from here, passing them to the workers
+            return Supervisor(settings, listeners).run()
+        from app.metrics import Metrics
+        from app.server import serve_here
+
+        return serve_here(settings, listeners, Metrics(), starting=starting)
     finally:
         listeners.close()
 

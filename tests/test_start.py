@@ -10,16 +10,19 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.settings import command_line, load_settings
 from app.settings_problems import SettingsError
 from ffn_client.testing import free_port
+from ffn_core import FFNConfig, build_ffn, save_ffn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,3 +120,95 @@ def test_a_weights_file_that_cannot_be_read_is_found_before_torch(tmp_path: Path
         f"model 'gone': cannot load {tmp_path / 'missing.safetensors'}: No such file or directory",
         f"model 'folder': cannot load {tmp_path / 'folder.safetensors'}: it is a directory, not a regular file",
     ]
+
+
+# ----- item 6: a signal while the models load stops the start ------------------------------------------
+
+
+def five_models(folder: Path) -> Path:
+    """A config of five models from one file (d_model 512, d_ff 8192): five reads, then five warm-ups."""
+    weights = folder / "wide.safetensors"
+    torch.manual_seed(0)
+    save_ffn(build_ffn(FFNConfig(d_model=512, d_ff=8192, activation="relu")), weights)
+    tables = "".join(f'[[models]]\nname = "m{i}"\nweights = "wide.safetensors"\n\n' for i in range(5))
+    config = folder / "ffn.toml"
+    config.write_text(tables)
+    return config
+
+
+STOP_AFTER = "m0"
+
+
+def signalled_while_loading(
+    config: Path, sig: signal.Signals, *, workers: int, sigint_ignored: bool
+) -> tuple[int, str]:
+    """Start ffn-serve on `config`, send `sig` once the first model is loaded; its exit code and log.
+
+    `sigint_ignored`: start it with SIGINT ignored, as a shell leaves a command it runs in the
+    background (`bash scripts/serve.sh &`).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    args = [
+        "--config",
+        str(config),
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--workers",
+        str(workers),
+        "--torch-threads",
+        "1",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+    )
+    assert process.stderr is not None
+    lines: list[str] = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if f"loaded model {STOP_AFTER}" in line:
+                process.send_signal(sig)
+                break
+        else:
+            raise AssertionError("the server ended before loading a model:\n" + "".join(lines))
+        # Generous: the models' warm-up under way on a thread finishes before the process ends.
+        lines.extend(process.communicate(timeout=180)[1])
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, "".join(lines)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("sig", "sigint_ignored"),
+    [(signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGTERM", "SIGINT-in-the-background"],
+)
+def test_a_signal_while_the_models_load_stops_the_start_with_exit_0(
+    tmp_path: Path, sig: signal.Signals, sigint_ignored: bool
+) -> None:
+    code, log = signalled_while_loading(five_models(tmp_path), sig, workers=1, sigint_ignored=sigint_ignored)
+    assert code == 0, log[-3000:]
+    assert "ready:" not in log and "Traceback" not in log, log[-3000:]
+    # Stopped where it was: loading (before it listens), or warming up once it listens (a drain).
+    assert f"received {sig.name} while starting: stopped before serving" in log or (
+        f"received {sig.name}: draining" in log
+    ), log[-3000:]
+
+
+@pytest.mark.server
+def test_a_signal_while_workers_load_stops_each_of_them_with_exit_0(tmp_path: Path) -> None:
+    code, log = signalled_while_loading(five_models(tmp_path), signal.SIGINT, workers=2, sigint_ignored=True)
+    assert code == 0, log[-3000:]
+    assert "received SIGINT: stopping 2 workers" in log, log[-3000:]
+    assert "ready:" not in log and "Traceback" not in log, log[-3000:]
+    # Each worker was loading or warming up, which it does before it accepts anything: a stopped start.
+    assert log.count("received SIGTERM while starting: stopped before serving") == 2, log[-3000:]
