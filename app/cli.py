@@ -24,7 +24,7 @@ from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.logs import configure_logging
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.settings import Settings, command_line, load_settings, misspelt_variables
+from app.settings import Settings, load_settings, misspelt_variables, parse_command
 from app.settings_problems import SettingsError
 from app.starting import Starting, StartStopped
 from app.tracing import config as tracing_config
@@ -34,11 +34,14 @@ log = logging.getLogger("ffn_serve")
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        settings = load_settings(**command_line(sys.argv[1:] if argv is None else argv))
+        command = parse_command(sys.argv[1:] if argv is None else argv)
+        settings = load_settings(**command.settings)
     except SettingsError as exc:
         for problem in exc.problems:
             print(f"ffn-serve: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if command.check:
+        return check(settings)
     if settings.workers > 1:
         try:
             check_metrics_dir(settings.metrics_dir)
@@ -54,6 +57,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in misspelt_variables():
         log.warning(warning)
     return serve(settings)
+
+
+def check(settings: Settings) -> int:
+    """--check: the models loaded, warmed up and asked once in this process (app/check.py); 0, or one line and 2."""
+    # Warnings only, unless a log level was asked for: the check's own lines are its output.
+    configure_logging(
+        settings.log_level if "log_level" in settings.model_fields_set else "warning", settings.log_format
+    )
+    for warning in misspelt_variables():
+        log.warning(warning)
+    from app.preflight import unreadable_weights
+
+    problems = unreadable_weights(settings)
+    if problems:
+        print(f"ffn-serve --check: {problems[0]}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    with Starting():
+        try:
+            from app.check import check as run_check  # torch and the engine
+
+            return run_check(settings)
+        except StartStopped as stopped:
+            print(f"ffn-serve --check: {stopped}: the check did not finish", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
 
 
 def serve(settings: Settings) -> int:

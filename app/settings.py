@@ -16,6 +16,7 @@ import os
 import stat
 import tomllib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -565,8 +566,21 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **options: Any) 
     return parser.add_argument(*names, **options)
 
 
+@dataclass(frozen=True)
+class Command:
+    """The command line: the settings given as flags, and what to do with them."""
+
+    settings: dict[str, Any]
+    check: bool = False  # --check: load, warm up and ask every model once, in-process, then exit (app/check.py)
+
+
 def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
-    """The settings given as flags in `argv` (only those given), from a parser built from Settings.
+    """The settings given as flags in `argv` (only those given): parse_command's settings."""
+    return parse_command(argv).settings
+
+
+def parse_command(argv: Sequence[str] | None) -> Command:
+    """The command line `argv`, from a parser built from Settings, and --check.
 
     `--help` and `--version` print and exit, as argparse does; a mistake (an unknown flag, a
     value missing or not among the choices) raises SettingsError, the nearest flag named.
@@ -578,6 +592,12 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
         "beats the file.",
     )
     parser.add_argument("--version", action="version", version=f"ffn-serve {__version__}")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="Smoke test: load every model, warm it up and answer one request per model in this process "
+        "(no port is bound), then exit 0, or print one line saying what failed and exit 2.",
+    )
     source: CliSettingsSource[Settings] = CliSettingsSource(
         Settings,
         root_parser=parser,
@@ -592,9 +612,9 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
     if extras:
         flags = [_flag(name) for name in Settings.model_fields]
         flags += [_flag("no_" + name) for name, f in Settings.model_fields.items() if f.annotation is bool]
-        raise SettingsError(unknown_arguments(extras, [*flags, "--help", "--version"]))
+        raise SettingsError(unknown_arguments(extras, [*flags, "--help", "--version", "--check"]))
     try:
-        return source(parsed_args=parsed)()
+        return Command(source(parsed_args=parsed)(), check=parsed.check)
     except SourceError as exc:
         raise SettingsError([str(exc)]) from None
     except RecursionError:
