@@ -79,4 +79,4 @@ async def _ask(served: ServedModel) -> str:
             f"model {served.name!r} answered {CHECK_ROWS} rows of standard normal input with {bad} of "
             f"{answer.numel()} values not finite (NaN or ±inf)"
         )
-    return f"{served.summary()}: warm, answered {CHECK_ROWS} rows, {list(answer.shape)}, finite"
+    return f"{served.summary()}: warm, answered {CHECK_ROWS} rows, {list(answer.shape)}, finite; {served.digest}"

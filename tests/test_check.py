@@ -4,6 +4,7 @@ or one line and exit 2. Real `ffn-serve --check` processes."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -64,9 +65,9 @@ def test_check_answers_once_per_model_binds_nothing_and_exits_0(tmp_path: Path) 
     lines = result.stdout.splitlines()
     assert len(lines) == 2, result.stdout
     assert lines[0].startswith("ffn-serve --check: demo: relu, d_model 512, d_ff 2048, float32 on ")
-    assert lines[0].endswith(": warm, answered 4 rows, [4, 512], finite")
+    assert re.search(r": warm, answered 4 rows, \[4, 512\], finite; sha256:[0-9a-f]{64}$", lines[0]), lines[0]
     assert lines[1].startswith(f"ffn-serve --check: small: relu, d_model {D_MODEL}, d_ff {D_FF}, float32 on ")
-    assert lines[1].endswith(f": warm, answered 4 rows, [4, {D_MODEL}], finite")
+    assert f": warm, answered 4 rows, [4, {D_MODEL}], finite; sha256:" in lines[1], lines[1]
     assert result.stderr == "", "warnings only, and there were none"
 
 

@@ -16,6 +16,7 @@ from app.http.state import StateDep, service_state
 from app.protocol import mc_parameters
 from app.protocol import native as codec
 from app.protocol.admission import deadline_from
+from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import InvalidInput
 from ffn_core.dtypes import DTYPE_NAMES
 
@@ -64,6 +65,7 @@ async def transform(name: str, request: Request) -> Response:
             else:
                 output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
                 content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+        answer_headers[DIGEST_HEADER] = served.digest
         return Response(content, headers=answer_headers)
 
 
