@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import gc
 import logging
@@ -84,10 +85,11 @@ class DrainingServer(uvicorn.Server):
             signal.signal(signal.SIGHUP, previous)
 
     def _hang_up(self, sig: int, frame: FrameType | None) -> None:
-        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop.
+        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop,
+        # in a context of its own (the interrupted code's may be a request's, whose id its lines would carry).
         loop = self._serving_loop
         if loop is not None and not self.should_exit:
-            loop.call_soon_threadsafe(self._apply_config_file)
+            loop.call_soon_threadsafe(self._apply_config_file, context=contextvars.Context())
 
     def _apply_config_file(self) -> None:
         task = asyncio.get_running_loop().create_task(self._engine.apply_config_file(), name="sighup")
@@ -111,6 +113,11 @@ class DrainingServer(uvicorn.Server):
             self._on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # The handler runs in the context of the Python code it interrupted, often a request's: its
+        # lines, and the drain it starts, belong to no request.
+        contextvars.Context().run(self._handle_exit, sig, frame)
+
+    def _handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self._stopping_start:
             super().handle_exit(sig, frame)  # a second signal: uvicorn's own way
             return

@@ -72,6 +72,26 @@ def test_dockerfile_passes_hadolint_where_installed() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def server_stage() -> str:
+    """The Dockerfile's last stage (the server image), its continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return text[text.rindex("\nFROM ") :]
+
+
+def test_the_image_carries_oci_labels_and_exposes_every_port_it_serves() -> None:
+    stage = server_stage()
+    labels = dict(re.findall(r'(org\.opencontainers\.image\.\w+)="([^"]*)"', stage))
+    assert {"title", "description", "version", "revision", "licenses"} == {k.rsplit(".", 1)[1] for k in labels}
+    assert labels["org.opencontainers.image.title"] == PYPROJECT["project"]["name"]
+    assert labels["org.opencontainers.image.licenses"] == PYPROJECT["project"]["license"]
+    version = re.search(r"^ARG VERSION=(\S+)$", stage, re.M)
+    assert version and version[1] == PYPROJECT["project"]["version"], "the label's default follows pyproject.toml"
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", stage, re.M)
+    ports = {int(p) for p in exposed.split()}
+    metrics = next(int(item.split("=")[1]) for item in SERVER["environment"] if item.startswith("FFN_METRICS_PORT="))
+    assert ports == {SERVICE_PORT, Settings.model_fields["grpc_port"].default, metrics}
+
+
 # --- the container's scripts, run as the image runs them ---------------------------------------
 
 
@@ -257,7 +277,12 @@ class ComposeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading Compose's `!reset` tag as the plain value it tags."""
 
 
-ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))  # type: ignore[arg-type]
+ComposeLoader.add_constructor(
+    "!reset",
+    lambda loader, node: (
+        loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_sequence(node)  # type: ignore[arg-type]
+    ),
+)
 
 
 COMPOSE = load_yaml(ROOT / "docker-compose.yml")

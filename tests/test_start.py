@@ -6,7 +6,9 @@ Real `ffn-serve` processes where the start itself is what is tested; the setting
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import re
 import shlex
@@ -212,3 +214,56 @@ def test_a_signal_while_workers_load_stops_each_of_them_with_exit_0(tmp_path: Pa
     assert "ready:" not in log and "Traceback" not in log, log[-3000:]
     # Each worker was loading or warming up, which it does before it accepts anything: a stopped start.
     assert log.count("received SIGTERM while starting: stopped before serving") == 2, log[-3000:]
+
+
+# ----- item 5: a signal's log lines and the drain it starts carry no request's id ---------------------
+
+
+async def test_a_signal_handled_inside_a_requests_context_logs_and_drains_outside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler runs in whatever context it interrupted: here, a request's, as under load."""
+    import uvicorn
+
+    from app import request_context
+    from app.http.transport.protocol import uvicorn_options
+    from app.main import create_app
+    from app.server import DrainingServer
+    from app.settings import Settings
+
+    settings = Settings(warmup=False)
+    app = create_app(settings)
+    engine = app.state.service.engine
+    config = uvicorn.Config(app, log_config=None, **uvicorn_options(settings))
+    config.load()
+    server = DrainingServer(config, engine)
+    server.started = True
+    seen: list[object] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(("log", record.getMessage(), request_context.current()))
+
+    async def drain() -> bool:
+        seen.append(("drain", request_context.current()))
+        return True
+
+    monkeypatch.setattr(engine, "drain", drain)
+    recorder = Recorder()
+    logger = logging.getLogger("ffn_serve")
+    level = logger.level
+    logger.addHandler(recorder)
+    logger.setLevel(logging.INFO)
+    try:
+        token = request_context.CURRENT.set(request_context.RequestContext("a-request-under-way"))
+        try:
+            server.handle_exit(signal.SIGTERM, None)
+        finally:
+            request_context.CURRENT.reset(token)
+        assert server._drain_task is not None
+        await asyncio.wait_for(server._drain_task, 30)
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+    assert seen[0][:2] == ("log", "received SIGTERM: draining (up to 20.0 s)") and seen[0][2] is None, seen
+    assert ("drain", None) in seen, seen
