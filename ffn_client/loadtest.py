@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             import ffn_client.grpc_load  # noqa: F401
         except ImportError as exc:
             return _problem(
-                f"--protocol {args.protocol} needs the grpc extra: pip install 'ffn-client[grpc]' ({exc})", EXIT_USAGE
+                f"--protocol {args.protocol} needs the grpc extra: pip install './client[grpc]' (from a checkout) ({exc})",
+                EXIT_USAGE,
             )
 
     open_loop = args.rate is not None or args.rate_range is not None
