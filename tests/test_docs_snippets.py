@@ -159,7 +159,10 @@ def test_the_block_runs(block: Block, server: ServerProcess, tmp_path: Path) -> 
             text = block.text.replace(":8000", f":{port}").replace(":8001", f":{grpc_port}")
             env = {"FFN_PORT": str(port), "FFN_GRPC_PORT": str(grpc_port)}
         # As a user's shell runs it: -e, without pipefail (`curl ... | head -c 120` ends curl with SIGPIPE).
-        result = run(["bash", "-e", "-c", text], server, ROOT, env=env)
+        # In a folder of its own (what it writes, such as curl's out.bin, stays out of the checkout),
+        # but for the scripts it runs from the checkout, as the README runs them.
+        cwd = ROOT if "scripts/" in text else tmp_path
+        result = run(["bash", "-e", "-c", text], server, cwd, env=env)
         assert result.returncode == 0, f"{block.name}:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     else:  # console: `$ ` lines are commands; the others, what they print
         check_console(block, text, server, tmp_path)
