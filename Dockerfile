@@ -43,6 +43,15 @@ USER 10001:10001
 # The server (the last stage: what `docker build` builds without --target).
 # hadolint ignore=DL3006
 FROM base-${VARIANT}
+# OCI annotations: what the image is, which release, from which commit (REVISION: `--build-arg
+# REVISION=$(git rev-parse HEAD)`; deploy/docker_check.py passes it). VERSION follows pyproject.toml.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="ffn-serve" \
+      org.opencontainers.image.description="A transformer's position-wise feed-forward network over HTTP and gRPC (KServe V2, Triton's protocol), micro-batched." \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="MIT"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -78,8 +87,9 @@ WORKDIR /home/ffn
 # unless FFN_PORT or the config file says otherwise; the health check follows either.
 ENV FFN_HOST=0.0.0.0 \
     MODELS_DIR=/models
-# 8000 HTTP, 8001 gRPC (FFN_GRPC_PORT; FFN_GRPC=false turns it off).
-EXPOSE 8000 8001
+# 8000 HTTP, 8001 gRPC (FFN_GRPC_PORT; FFN_GRPC=false turns it off), 8002 /metrics without the
+# API key where FFN_METRICS_PORT=8002 (compose and the manifests set it).
+EXPOSE 8000 8001 8002
 
 # Ready = every model loaded and warm; loading large weights can take a while, hence start-period.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["ffn-healthcheck"]

@@ -1,7 +1,8 @@
 """ffn-serve: read the settings, bind the address, then serve until SIGTERM drains it.
 
-The settings are read and checked first, and the server (with torch, seconds to import) only
-once they are valid: a mistake is one line per problem, at once. One process (`workers = 1`)
+The settings are read and checked first, then the ports bound and the weights files found
+readable (app/preflight.py), and the server (with torch, seconds to import) only once all of that
+holds: a mistake is one line per problem, at once. One process (`workers = 1`)
 loads the models and serves (app/server.py); with more, a supervisor (app/supervisor.py) runs
 that many worker processes on the sockets bound here.
 
@@ -15,17 +16,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 
 from app import __version__
-from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND
+from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.logs import configure_logging
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.settings import Settings, command_line, load_settings, misspelt_variables
+from app.settings import Settings, load_settings, misspelt_variables, parse_command
 from app.settings_problems import SettingsError
+from app.starting import Starting, StartStopped
 from app.tracing import config as tracing_config
 
 log = logging.getLogger("ffn_serve")
@@ -33,11 +34,14 @@ log = logging.getLogger("ffn_serve")
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        settings = load_settings(**command_line(sys.argv[1:] if argv is None else argv))
+        command = parse_command(sys.argv[1:] if argv is None else argv)
+        settings = load_settings(**command.settings)
     except SettingsError as exc:
         for problem in exc.problems:
             print(f"ffn-serve: {problem}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if command.check:
+        return check(settings)
     if settings.workers > 1:
         try:
             check_metrics_dir(settings.metrics_dir)
@@ -55,7 +59,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(settings)
 
 
+def check(settings: Settings) -> int:
+    """--check: the models loaded, warmed up and asked once in this process (app/check.py); 0, or one line and 2."""
+    # Warnings only, unless a log level was asked for: the check's own lines are its output.
+    configure_logging(
+        settings.log_level if "log_level" in settings.model_fields_set else "warning", settings.log_format
+    )
+    for warning in misspelt_variables():
+        log.warning(warning)
+    from app.preflight import unreadable_weights
+
+    problems = unreadable_weights(settings)
+    if problems:
+        print(f"ffn-serve --check: {problems[0]}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    with Starting():
+        try:
+            from app.check import check as run_check  # torch and the engine
+
+            return run_check(settings)
+        except StartStopped as stopped:
+            print(f"ffn-serve --check: {stopped}: the check did not finish", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
+
+
 def serve(settings: Settings) -> int:
+    # A SIGTERM or SIGINT from here until the server serves stops the start, exit 0 (app/starting.py).
+    with Starting() as starting:
+        try:
+            return _start(settings, starting)
+        except StartStopped as stopped:
+            log.info("%s: stopped before serving", stopped)
+            return EXIT_OK
+
+
+def _start(settings: Settings, starting: Starting) -> int:
     # Before torch, the models or a port: a uvicorn outside the pinned range fails here, in one line.
     from app.http.transport import uvicorn_members
 
@@ -63,68 +101,39 @@ def serve(settings: Settings) -> int:
     if mismatch is not None:
         print(f"ffn-serve: {mismatch}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
-    # Imported here, once the settings are valid. torch, which the server imports, takes seconds
-    # and some 200 MiB: a supervisor of workers, which computes nothing, never imports it.
-    from app.grpc.ports import reserve
-    from app.listeners import Listeners
+    # Before torch (seconds to import) and the models: a port in use, a weights file missing, in a moment.
+    from app.preflight import listeners as bind_listeners
+    from app.preflight import unreadable_weights
 
-    log.info("ffn-serve %s, %s", __version__, _runtime(settings))
-    export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
-    if export is not None:
-        log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
-    # Bound before the models load: a port in use is reported at once, not after a long load.
-    main_socket = _bind_or_none(settings.host, settings.port)
-    if main_socket is None:
+    listeners = bind_listeners(settings)
+    if listeners is None:
         return EXIT_CANNOT_BIND
-    listeners = Listeners(main_socket)
-    if settings.metrics_port is not None:
-        metrics_socket = _bind_or_none(settings.host, settings.metrics_port)
-        if metrics_socket is None:
-            listeners.main.close()
-            return EXIT_CANNOT_BIND
-        listeners.metrics = metrics_socket
-    if settings.grpc:
-        try:
-            listeners.grpc = reserve(settings.host, settings.grpc_port)
-        except OSError as exc:
-            log.error("cannot listen on %s:%d (gRPC): %s", settings.host, settings.grpc_port, exc.strerror or exc)
-            listeners.close()
-            return EXIT_CANNOT_BIND
-        # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
-        settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
-    if settings.workers > 1:
-        from app.supervisor import Supervisor
-
-        return Supervisor(settings, listeners).run()
-    from app.metrics import Metrics
-    from app.server import serve_here
-
     try:
-        return serve_here(settings, listeners, Metrics())
+        problems = unreadable_weights(settings)
+        if problems:
+            for problem in problems:
+                log.error("%s", problem)
+            return EXIT_START_FAILED
+        if listeners.grpc is not None:
+            # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
+            settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
+        # torch, which the banner reads and the server imports, takes seconds and some 200 MiB: a
+        # supervisor of workers, which computes nothing, never imports it.
+        log.info("ffn-serve %s, %s", __version__, _runtime(settings))
+        export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
+        if export is not None:
+            log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
+        if settings.workers > 1:
+            from app.supervisor import Supervisor
+
+            starting.end()  # the supervisor handles the signals from here, passing them to the workers
+            return Supervisor(settings, listeners).run()
+        from app.metrics import Metrics
+        from app.server import serve_here
+
+        return serve_here(settings, listeners, Metrics(), starting=starting)
     finally:
         listeners.close()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port, not yet listening; uvicorn listens on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-def _bind_or_none(host: str, port: int) -> socket.socket | None:
-    try:
-        return bind(host, port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
-        return None
 
 
 def _runtime(settings: Settings) -> str:

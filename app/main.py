@@ -124,6 +124,7 @@ def create_app(
                 "X-MC-Dropout",
                 "X-MC-Seed",
                 "X-Request-Id",
+                "X-Model-Digest",
                 "traceparent",
                 "tracestate",
             ],

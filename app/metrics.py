@@ -206,6 +206,16 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",
         )
+        # The identity of what each model serves: 1 per (model, version, digest) served now. With
+        # workers, 1 where any live worker serves it: two digests at 1 for one model is a mix.
+        self.model_info = Gauge(
+            "ffn_model_info",
+            "1 for the version and digest (sha256 of the weights and their table) each model serves; "
+            "with workers, 1 where any live worker serves it.",
+            ["model", "version", "digest"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.model_loads = Counter(
             "ffn_model_loads",
             "Loads and reloads while serving, by outcome (ok, failed): a load refused before any worker read "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import gc
 import logging
@@ -32,6 +33,7 @@ from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
 from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
+from app.starting import Starting, StartStopped
 
 log = logging.getLogger("ffn_serve")
 
@@ -39,7 +41,8 @@ BACKLOG = 2048  # uvicorn's default
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains the batchers before shutting down.
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the batchers before shutting down, or, before
+    it serves, stops the start (exit 0).
 
     While draining the socket stays open: readiness answers 503 (so load balancers and
     Kubernetes take the pod out), new work gets 503, and every accepted request is answered,
@@ -62,6 +65,7 @@ class DrainingServer(uvicorn.Server):
         self._on_started = on_started
         self._grpc = grpc_server
         self._drain_task: asyncio.Task[None] | None = None
+        self._stopping_start = False  # a signal came before it served
         self.exit_code = EXIT_OK
         self._serving_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -81,10 +85,11 @@ class DrainingServer(uvicorn.Server):
             signal.signal(signal.SIGHUP, previous)
 
     def _hang_up(self, sig: int, frame: FrameType | None) -> None:
-        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop.
+        # A signal handler runs between two bytecodes of the loop's thread: hand the work to the loop,
+        # in a context of its own (the interrupted code's may be a request's, whose id its lines would carry).
         loop = self._serving_loop
         if loop is not None and not self.should_exit:
-            loop.call_soon_threadsafe(self._apply_config_file)
+            loop.call_soon_threadsafe(self._apply_config_file, context=contextvars.Context())
 
     def _apply_config_file(self) -> None:
         task = asyncio.get_running_loop().create_task(self._engine.apply_config_file(), name="sighup")
@@ -108,8 +113,21 @@ class DrainingServer(uvicorn.Server):
             self._on_started()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain_task is not None or not self.started:
-            super().handle_exit(sig, frame)  # second signal, or still starting: uvicorn's own way
+        # The handler runs in the context of the Python code it interrupted, often a request's: its
+        # lines, and the drain it starts, belong to no request.
+        contextvars.Context().run(self._handle_exit, sig, frame)
+
+    def _handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._stopping_start:
+            super().handle_exit(sig, frame)  # a second signal: uvicorn's own way
+            return
+        if not self.started:
+            # Still starting (a worker warming up before it accepts anything): stop the start, serve nothing.
+            log.info("received %s while starting: stopped before serving", signal.Signals(sig).name)
+            self._stopping_start = True
+            self.should_exit = True
+            if self._serving_loop is not None:
+                self._serving_loop.call_soon_threadsafe(self._engine.stop_starting)
             return
         log.info(
             "received %s: draining (up to %.1f s)", signal.Signals(sig).name, self._engine.settings.drain_timeout_s
@@ -162,13 +180,43 @@ def serve_here(
     metrics: Metrics,
     on_ready: Callable[[], None] | None = None,
     control: Control | None = None,
+    starting: Starting | None = None,
 ) -> int:
     """Load the models and serve on `listeners` until drained; the process's exit code.
 
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
     As a worker: accept nothing until warm (the port already serves through the other workers),
     then call `on_ready`. `control`: the worker's link to the others (app/control.py).
+    `starting`: the caller's SIGTERM/SIGINT guard of the start, if it began one (app/starting.py);
+    a signal before the server serves stops the start, exit 0.
     """
+    try:
+        with starting or Starting():  # until uvicorn's handlers take over
+            prepared = _prepare(settings, listeners, metrics, on_ready, control)
+    except StartStopped as stopped:
+        log.info("%s: stopped before serving", stopped)
+        return EXIT_OK
+    if isinstance(prepared, int):
+        return prepared
+    server = prepared
+    try:
+        server.run(sockets=listeners.all())
+    except SystemExit as exc:  # uvicorn's way out when the app's start-up (its lifespan) failed
+        if exc.code:
+            return EXIT_START_FAILED
+    if server.exit_code != EXIT_OK:
+        return server.exit_code
+    return EXIT_OK if server.started else EXIT_START_FAILED
+
+
+def _prepare(
+    settings: Settings,
+    listeners: Listeners,
+    metrics: Metrics,
+    on_ready: Callable[[], None] | None,
+    control: Control | None,
+) -> DrainingServer | int:
+    """The models loaded and the server built around them, ready to run; or the exit code of a failed start."""
     # Until the server runs (and reads the config file again on SIGHUP), a SIGHUP must not end the start.
     signal.signal(signal.SIGHUP, _hang_up_unless_serving)
     registry = Registry(settings, metrics)
@@ -213,14 +261,7 @@ def serve_here(
     gc.collect()
     gc.freeze()
     set_switch_interval(settings.gil_switch_interval_us)
-    try:
-        server.run(sockets=listeners.all())
-    except SystemExit as exc:  # uvicorn's way out when the app's start-up (its lifespan) failed
-        if exc.code:
-            return EXIT_START_FAILED
-    if server.exit_code != EXIT_OK:
-        return server.exit_code
-    return EXIT_OK if server.started else EXIT_START_FAILED
+    return server
 
 
 def set_switch_interval(microseconds: int) -> None:

@@ -17,6 +17,7 @@ import os
 import stat
 import tomllib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
@@ -47,6 +48,10 @@ ROUTE_WORDS = frozenset({"stats"})
 HF_REPO_PATTERN = r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$"
 HF_REVISION_PATTERN = r"^[A-Za-z0-9_.-][A-Za-z0-9_./-]*$"
 HUB_EXTRA = "pip install 'ffn-serve[hub]'"
+# What to do when the gRPC port is in the way (a collision here, or the port taken at start).
+GRPC_PORT_FIX = (
+    "give gRPC another port with --grpc-port N (FFN_GRPC_PORT), or turn it off with --no-grpc (FFN_GRPC=false)"
+)
 MAX_CONFIG_BYTES = 1024 * 1024  # a config file is settings and a few [[models]] tables, never this large
 
 
@@ -333,7 +338,9 @@ class Settings(BaseSettings):
         if self.metrics_port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port (both are {self.port})")
         if self.grpc and self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
-            raise ValueError(f"grpc_port must differ from port and metrics_port (it is {self.grpc_port})")
+            raise ValueError(
+                f"grpc_port must differ from port and metrics_port (it is {self.grpc_port}): {GRPC_PORT_FIX}"
+            )
         return self
 
     @field_validator("model_repository")
@@ -601,8 +608,21 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **options: Any) 
     return parser.add_argument(*names, **options)
 
 
+@dataclass(frozen=True)
+class Command:
+    """The command line: the settings given as flags, and what to do with them."""
+
+    settings: dict[str, Any]
+    check: bool = False  # --check: load, warm up and ask every model once, in-process, then exit (app/check.py)
+
+
 def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
-    """The settings given as flags in `argv` (only those given), from a parser built from Settings.
+    """The settings given as flags in `argv` (only those given): parse_command's settings."""
+    return parse_command(argv).settings
+
+
+def parse_command(argv: Sequence[str] | None) -> Command:
+    """The command line `argv`, from a parser built from Settings, and --check.
 
     `--help` and `--version` print and exit, as argparse does; a mistake (an unknown flag, a
     value missing or not among the choices) raises SettingsError, the nearest flag named.
@@ -614,6 +634,12 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
         "beats the file.",
     )
     parser.add_argument("--version", action="version", version=f"ffn-serve {__version__}")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="Smoke test: load every model, warm it up and answer one request per model in this process "
+        "(no port is bound), then exit 0, or print one line saying what failed and exit 2.",
+    )
     source: CliSettingsSource[Settings] = CliSettingsSource(
         Settings,
         root_parser=parser,
@@ -628,9 +654,9 @@ def command_line(argv: Sequence[str] | None) -> dict[str, Any]:
     if extras:
         flags = [_flag(name) for name in Settings.model_fields]
         flags += [_flag("no_" + name) for name, f in Settings.model_fields.items() if f.annotation is bool]
-        raise SettingsError(unknown_arguments(extras, [*flags, "--help", "--version"]))
+        raise SettingsError(unknown_arguments(extras, [*flags, "--help", "--version", "--check"]))
     try:
-        return source(parsed_args=parsed)()
+        return Command(source(parsed_args=parsed)(), check=parsed.check)
     except SourceError as exc:
         raise SettingsError([str(exc)]) from None
     except RecursionError:

@@ -57,6 +57,7 @@ from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.metrics_folder import metrics_folder
 from app.relay import Relay
 from app.settings import Settings
+from app.starting import Starting, StartStopped
 
 log = logging.getLogger("ffn_serve.supervisor")
 
@@ -363,9 +364,15 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
         started.set()  # from now on the event loop beats (app/engine/loop_watch.py)
         control.send_ready()
 
-    from app.server import serve_here  # torch and the web stack: in the workers only, never the supervisor
-
-    sys.exit(serve_here(settings, listeners, metrics, on_ready=ready, control=control))
+    # The supervisor's SIGTERM while this worker starts (it is stopping the service) stops the start: exit 0.
+    with Starting() as starting:
+        try:
+            from app.server import serve_here  # torch and the web stack: in the workers only, never the supervisor
+        except StartStopped as stopped:
+            log.info("%s: stopped before serving", stopped)
+            sys.exit(EXIT_OK)
+        code = serve_here(settings, listeners, metrics, on_ready=ready, control=control, starting=starting)
+    sys.exit(code)
 
 
 def _beat_until(control: Control, started: threading.Event) -> None:

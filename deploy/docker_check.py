@@ -8,16 +8,23 @@
 2. models: the entry script stops the start (exit 2, a message) on a model folder the container
    user cannot read and on one holding files but no config.toml; a folder with only a README
    serves `demo`.
-3. container: a model folder mounted read-only (weights written here, 0644), healthy, an answer
-   equal to numpy's, the documented `ffn-loadtest` command (the load-test image); `docker stop`
-   under load: exit 0, and every request written answered (200 or 503: none lost).
+3. container: a model folder mounted read-only (weights written here, 0644), `--check` exit 0,
+   healthy, an answer equal to numpy's carrying the model's digest, the documented `ffn-loadtest`
+   command (the load-test image); `docker stop` under load on the host network: exit 0, and every
+   request written answered (200 or 503: none lost).
+3b. published: the same stop on a port published with `-p` (Docker's proxy in front), counted the
+   same way: what the proxy does to new connections while the container stops.
 4. read_only: `--read-only` with 2 workers: without a writable folder, one line and exit 2; with a
    tmpfs at /tmp, or at FFN_METRICS_DIR, healthy, answers, merged metrics, exit 0.
 5. compose: docker-compose.yml as shipped (read-only root, tmpfs), `up --wait`, an answer, its
    `loadtest` service, exit codes 0; the GPU override keeps the load tester's image apart.
 6. balancer: docker-compose.yml with deploy/compose.lb.yml as shipped, 3 replicas of 2 workers,
    none published on the host; keep-alive clients through nginx while one replica is stopped
-   (a drain), one killed and one's worker crashes: every request answered 200, none lost.
+   (a drain), one killed, one's worker crashes, every replica restarted one at a time (the
+   rolling restart docs/deployment.md gives), and new weights rolled out (the file replaced,
+   SIGHUP to every replica through compose): every request answered 200, none lost, and every
+   replica reports the new digest. Then the documented load test through the balancer, after
+   which 3 replicas still run; then `compose down` under load, its losses counted.
 7. start_interval: deploy/compose.start-interval.yml on this engine (refused before Docker 25).
 
 Every load here counts requests without retrying (deploy/docker_load.py): a retry hides a loss.
@@ -65,6 +72,7 @@ from ffn_client.losses import Fates  # noqa: E402
 from ffn_client.testing import free_port, metric_value  # noqa: E402
 
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
+OCI_LABELS = ("title", "description", "version", "revision", "licenses")
 LOADTEST_IMAGE = "ffn-loadtest:cpu"  # docker-compose.yml's name for the `loadtest` stage
 # Creating or removing a container copies or deletes the whole image with the vfs storage driver:
 # minutes on a busy machine (docker run -d once took over 120 s here).
@@ -77,18 +85,22 @@ COMPOSE_FILES = {
 }
 
 
-def write_models(folder: Path) -> dict[str, np.ndarray]:
-    """A tiny native model and its config.toml in `folder`, readable by the container's user; its weights."""
+def write_models(folder: Path, seed: int = 7) -> dict[str, np.ndarray]:
+    """A tiny native model and its config.toml in `folder`, readable by the container's user; its weights.
+
+    The weights file is replaced in one step (written beside, then renamed over), as an operator rolls
+    out new weights under a running server."""
     from safetensors.numpy import save_file
 
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     weights = {
         "layer1.weight": rng.standard_normal((D_FF, D_MODEL)).astype(np.float32) / np.sqrt(D_MODEL),
         "layer1.bias": rng.standard_normal(D_FF).astype(np.float32),
         "layer2.weight": rng.standard_normal((D_MODEL, D_FF)).astype(np.float32) / np.sqrt(D_FF),
         "layer2.bias": rng.standard_normal(D_MODEL).astype(np.float32),
     }
-    save_file(weights, str(folder / "check.safetensors"))
+    save_file(weights, str(folder / ".check.safetensors.new"))
+    os.replace(folder / ".check.safetensors.new", folder / "check.safetensors")
     (folder / "config.toml").write_text(
         f'[[models]]\nname = "{CHECK_MODEL}"\nweights = "check.safetensors"\nformat = "native"\nactivation = "relu"\n'
     )
@@ -101,6 +113,24 @@ def share(folder: Path) -> None:
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
+
+
+def file_digest(folder: Path) -> str:
+    """The digest a server reports for the check model in `folder` (ffn_core/digest.py's construction)."""
+    from app.engine.registry import model_digest, read_weights
+    from app.settings import ModelSpec
+
+    spec = ModelSpec(name=CHECK_MODEL, weights=folder / "check.safetensors", activation="relu")
+    return model_digest(spec, read_weights(spec))
+
+
+def replica_digest(container: str) -> str:
+    """The check model's digest as a replica reports it (GET /v1/models inside the container: no curl there)."""
+    code = (
+        "import json, urllib.request; "
+        "print(json.load(urllib.request.urlopen('http://127.0.0.1:8000/v1/models'))['models'][0]['digest'])"
+    )
+    return docker("exec", container, "python", "-c", code)
 
 
 def reference(weights: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -194,6 +224,14 @@ class Checker:
         with Client(f"http://127.0.0.1:{port}") as client:
             y = client.transform(CHECK_MODEL, x, encoding="binary")
         np.testing.assert_allclose(y, reference(self.weights, x), rtol=1e-4, atol=1e-5)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/models/{CHECK_MODEL}/transform",
+            json={"inputs": x.tolist()},
+            timeout=30,
+            trust_env=False,
+        )
+        if answer.headers.get("x-model-digest") != file_digest(self.folder):
+            raise CheckFailed(f"X-Model-Digest {answer.headers.get('x-model-digest')}, not {file_digest(self.folder)}")
 
     def stop(self, name: str) -> dict[str, Any]:
         """`docker stop` (SIGTERM, then 30 s): its exit code and the seconds it took."""
@@ -234,6 +272,8 @@ class Checker:
         dockerfile = self.scratch / "Dockerfile"  # outside the build context
         dockerfile.write_text(re.sub(r"\A# syntax=.*\n", "", (ROOT / "Dockerfile").read_text()))
         args = ["build", "--network", "host", "-f", str(dockerfile)]
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        args += ["--build-arg", f"REVISION={revision or 'unknown'}"]
         index = os.environ.get("DOCKER_CHECK_TORCH_INDEX")
         if index:  # a local index of CPU torch wheels
             args += ["--build-arg", f"CPU_TORCH_INDEX={index}"]
@@ -252,6 +292,16 @@ class Checker:
         }
         if self.results["image"]["index_in_env"]:
             raise CheckFailed(f"the torch index stays in the image's environment: {env}")
+        self.check_labels_and_ports()
+
+    def check_labels_and_ports(self) -> None:
+        """The OCI labels and the exposed ports, as `docker image inspect` shows them."""
+        labels = json.loads(docker("image", "inspect", "-f", "{{json .Config.Labels}}", self.image)) or {}
+        ports = sorted(json.loads(docker("image", "inspect", "-f", "{{json .Config.ExposedPorts}}", self.image)))
+        oci = {key.rsplit(".", 1)[1]: value for key, value in labels.items() if key.startswith("org.opencontainers")}
+        self.results["image"].update({"labels": oci, "exposed": ports})
+        if set(oci) != set(OCI_LABELS) or ports != ["8000/tcp", "8001/tcp", "8002/tcp"]:
+            raise CheckFailed(f"OCI labels {oci}, exposed ports {ports}")
 
     def check_models(self) -> None:
         """A model folder that cannot be used stops the start; only an empty one serves `demo`."""
@@ -277,6 +327,10 @@ class Checker:
         self.results["models"] = seen
 
     def check_container(self) -> None:
+        code, output, errors = self.run_to_exit("-v", f"{self.folder}:/models:ro", self.image, "--check")
+        self.results["check"] = {"exit_code": code, "output": output}
+        if code != 0 or file_digest(self.folder) not in output:
+            raise CheckFailed(f"ffn-serve --check in the image: exit {code}: {output} {errors[-1000:]}")
         name = f"{self.prefix}-one"
         port = self.on_host(name)
         self.results["healthy_after_s"] = wait_healthy(name)
@@ -296,6 +350,25 @@ class Checker:
         self.results["stop"] = {**done["stop"]["result"], **no_loss("docker stop under load", fates, {200, 503})}
         if self.results["stop"]["exit_code"] != 0:
             raise CheckFailed(f"docker stop under load: {self.results['stop']}")
+
+    def check_published(self) -> None:
+        """`docker stop` under load on a port published with `-p`: Docker's proxy stands between the clients
+        and the server. Counted as on the host network (check_container), not failed on: what it loses is
+        what docs/deployment.md reports."""
+        network = f"{self.prefix}-net"  # this engine has no default bridge; any user-defined one has the proxy
+        docker("network", "create", network)
+        self.projects.append(lambda: docker("network", "rm", network, check=False))
+        name, port = f"{self.prefix}-published", free_port()
+        self.run_replica(name, "--network", network, "-p", f"127.0.0.1:{port}:8000", "-e", "FFN_GRPC=false")
+        wait_healthy(name)
+        self.check_answer(port)
+        fates, done = load_during(
+            port, self.request, [("stop", lambda: self.stop(name))], clients=8, settle=200, stop_when_refused=True
+        )
+        seen = fates.to_dict()
+        self.results["published"] = {**done["stop"]["result"], **seen}
+        if done["stop"]["result"]["exit_code"] != 0 or not fates.answered[200]:
+            raise CheckFailed(f"docker stop with -p under load: {self.results['published']}")
 
     def check_read_only(self) -> None:
         """A read-only root file system with 2 workers: one line without a writable folder, else serving."""
@@ -318,8 +391,8 @@ class Checker:
             self.check_answer(port)
             page = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30, trust_env=False).text
             answered = metric_value(page, "ffn_requests_total", model=CHECK_MODEL, outcome="ok")
-            seen[key] = {"healthy_after_s": healthy_s, "answered_ok": answered, **self.stop(name)}
-            if seen[key]["exit_code"] != 0 or answered != 2:
+            seen[key] = {"healthy_after_s": healthy_s, "answered_ok": answered, **self.stop(name)}  # 4 expected
+            if seen[key]["exit_code"] != 0 or answered != 4:  # two check_answer calls of two requests each
                 raise CheckFailed(f"--read-only {key}: {seen[key]}\n{logs(name)}")
         self.results["read_only"] = seen
 
@@ -385,6 +458,7 @@ class Checker:
             "MODELS_DIR": str(self.folder),
             "FFN_WORKERS": "2",  # a worker to crash while the replica lives on
             "FFN_TORCH_THREADS": "1",
+            "FFN_MODEL_CONTROL": "explicit",  # SIGHUP reads the config again: the weights' roll-out
         }
         compose = self.up("lb", f"{self.prefix}-lb", env, "--scale", "ffn=3")
         replicas = compose("ps", "-q", "ffn").stdout.split()
@@ -404,6 +478,8 @@ class Checker:
                 ("stop", lambda: self.stop_and_start(replicas[0])),
                 ("kill", lambda: self.kill_and_restart(replicas[1])),
                 ("crash", lambda: self.crash_a_worker(replicas[2])),
+                ("rolling_restart", lambda: self.rolling_restart(replicas)),
+                ("rollout", lambda: self.roll_out(compose, replicas)),
                 ("after", lambda: None),
             ],
             clients=16,
@@ -418,6 +494,64 @@ class Checker:
             **{name: action["result"] for name, action in done.items()},
             **no_loss("3 replicas behind nginx", fates, {200}),
         }
+        # Every replica reports the new weights' digest once the load is over, too.
+        digests = {replica_digest(r) for r in compose("ps", "-q", "ffn").stdout.split()}
+        if digests != {file_digest(self.folder)}:
+            raise CheckFailed(f"after the roll-out the replicas report {digests}, not {file_digest(self.folder)}")
+        self.results["balancer"]["loadtest"] = self.documented_load_test(compose)
+        self.results["balancer"]["down"] = self.down_under_load(compose, port)
+
+    def rolling_restart(self, replicas: list[str]) -> dict[str, Any]:
+        """docs/deployment.md's rolling restart: each replica in turn, the next once it is healthy again."""
+        seconds = []
+        for replica in replicas:
+            started = time.perf_counter()
+            docker("restart", "-t", "30", replica, timeout=SLOW_S)
+            wait_healthy(replica)
+            seconds.append(round(time.perf_counter() - started, 1))
+        return {"healthy_again_s": seconds}
+
+    def roll_out(self, compose: Callable[..., subprocess.CompletedProcess[str]], replicas: list[str]) -> dict[str, Any]:
+        """New weights to every replica: the file replaced, SIGHUP through compose; until each reports their digest."""
+        before = {replica_digest(r) for r in replicas}
+        self.weights = write_models(self.folder, seed=8)
+        after = file_digest(self.folder)
+        started = time.perf_counter()
+        hup = compose("kill", "-s", "SIGHUP", "ffn")
+        if hup.returncode != 0:
+            raise CheckFailed(f"compose kill -s SIGHUP ffn exited {hup.returncode}: {hup.stderr}")
+        while {replica_digest(r) for r in replicas} != {after}:
+            if time.perf_counter() - started > 240:
+                raise CheckFailed(f"not every replica serves {after} 240 s after SIGHUP")
+            time.sleep(0.5)
+        return {
+            "before": sorted(before),
+            "after": after,
+            "every_replica_after_s": round(time.perf_counter() - started, 1),
+        }
+
+    def documented_load_test(self, compose: Callable[..., subprocess.CompletedProcess[str]]) -> dict[str, Any]:
+        """The load test through the balancer as docs/deployment.md runs it; the replicas must stay 3."""
+        load = compose(
+            "--profile", "loadtest", "run", "--rm", "loadtest",
+            "ffn-loadtest", "--url", "http://lb:8080", "--model", CHECK_MODEL, "-n", "200", "-q", "--json", "-",
+        )  # fmt: skip
+        replicas = compose("ps", "-q", "ffn").stdout.split()
+        if load.returncode != 0 or len(replicas) != 3:
+            raise CheckFailed(f"the load test through nginx: exit {load.returncode}, {len(replicas)} replicas after it")
+        return {**json.loads(load.stdout)["counts"], "replicas_after": len(replicas)}
+
+    def down_under_load(self, compose: Callable[..., subprocess.CompletedProcess[str]], port: int) -> dict[str, Any]:
+        """`compose down` while kept-alive clients send through nginx: counted, not failed on (docs say what it loses)."""
+        fates, done = load_during(
+            port,
+            self.request,
+            [("down", lambda: compose("down", "-t", "30").returncode)],
+            clients=8,
+            settle=200,
+            stop_when_refused=True,
+        )
+        return {"exit_code": done["down"]["result"], **fates.to_dict()}
 
     def stop_and_start(self, name: str) -> dict[str, Any]:
         """Stop a replica (it drains, exit 0), start it again, until healthy."""
@@ -493,7 +627,7 @@ def wait_ready(url: str, limit_s: float = 60) -> None:
             raise CheckFailed(f"{url}/v2/health/ready did not answer 200 within {limit_s:g} s") from exc
 
 
-CHECKS = "models,container,read_only,compose,balancer,start_interval"
+CHECKS = "models,container,published,read_only,compose,balancer,start_interval"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -290,7 +290,9 @@ def _grpc() -> Any:
     try:
         from ffn_client import grpc_load
     except ImportError as exc:
-        raise ValueError(f"--protocol grpc needs the grpc extra: pip install 'ffn-client[grpc]' ({exc})") from None
+        raise ValueError(
+            f"--protocol grpc needs the grpc extra: pip install './client[grpc]' (from a checkout) ({exc})"
+        ) from None
     return grpc_load
 
 

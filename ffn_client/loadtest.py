@@ -221,13 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from rich.console import Console
     except ImportError as exc:
-        return _problem(f"ffn-loadtest's tables need rich: pip install 'ffn-client[loadtest]' ({exc})", EXIT_USAGE)
+        return _problem(
+            f"ffn-loadtest's tables need rich: pip install './client[loadtest]' (from a checkout) ({exc})", EXIT_USAGE
+        )
     if args.protocol != "http":
         try:
             import ffn_client.grpc_load  # noqa: F401
         except ImportError as exc:
             return _problem(
-                f"--protocol {args.protocol} needs the grpc extra: pip install 'ffn-client[grpc]' ({exc})", EXIT_USAGE
+                f"--protocol {args.protocol} needs the grpc extra: pip install './client[grpc]' (from a checkout) ({exc})",
+                EXIT_USAGE,
             )
 
     open_loop = args.rate is not None or args.rate_range is not None
@@ -310,7 +313,9 @@ def _output(args: argparse.Namespace, console: Console, reports: list[Report]) -
             else:
                 plot_run(reports[0], args.plot)
         except ImportError as exc:
-            return _problem(f"--plot needs matplotlib: pip install 'ffn-client[loadtest]' ({exc})", EXIT_USAGE)
+            return _problem(
+                f"--plot needs matplotlib: pip install './client[loadtest]' (from a checkout) ({exc})", EXIT_USAGE
+            )
         except OSError as exc:
             return _problem(f"cannot write the plot to {args.plot}: {type(exc).__name__}: {exc}", EXIT_USAGE)
         console.print(f"plot written to {args.plot}")

@@ -115,7 +115,7 @@ def parse_snapshot(text: str, model: str) -> Snapshot:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:
         raise MetricsUnavailable(
-            f"reading /metrics needs prometheus-client: pip install 'ffn-client[loadtest]' ({exc})"
+            f"reading /metrics needs prometheus-client: pip install './client[loadtest]' (from a checkout) ({exc})"
         ) from exc
     wanted = {*STAGES.values(), BATCH_ROWS}
     buckets: dict[str, dict[float, float]] = {}

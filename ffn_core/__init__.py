@@ -5,6 +5,7 @@ Plain PyTorch; knows nothing of HTTP.
 
 from ffn_core.activations import ACTIVATIONS, get_activation
 from ffn_core.config import FFNConfig
+from ffn_core.digest import weights_digest
 from ffn_core.dropout import MonteCarloPasses, mc_dropout
 from ffn_core.model import (
     DEMO_CONFIG,
@@ -34,4 +35,5 @@ __all__ = [
     "load_ffn",
     "mc_dropout",
     "save_ffn",
+    "weights_digest",
 ]

@@ -180,7 +180,10 @@ def test_a_port_in_use_exits_3_before_loading_anything(tmp_path) -> None:
     assert result.returncode == 3
     records = [json.loads(line) for line in result.stderr.splitlines()]
     errors = [r["message"] for r in records if r["level"] == "error"]
-    assert errors == [f"cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert errors == [
+        f"cannot listen on 127.0.0.1:{port}: Address already in use: another ffn-serve may be running there; "
+        "stop it, or choose another port with --port N (FFN_PORT)"
+    ]
     assert not any("loaded model" in r["message"] or r["message"].startswith("ready") for r in records)
 
 

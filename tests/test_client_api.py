@@ -153,7 +153,11 @@ def test_statistics_count_the_rows_and_passes_sent(
 
 
 def test_repository_index_and_model_readiness(client: Client) -> None:
-    expected = [{"name": name, "version": "1", "state": "READY", "reason": ""} for name in ("demo", "small")]
+    listed = {m["name"]: m["digest"] for m in client.models()}
+    expected = [
+        {"name": name, "version": "1", "state": "READY", "reason": "", "digest": listed[name]}
+        for name in ("demo", "small")
+    ]
     assert sorted(client.repository_index(), key=lambda m: m["name"]) == expected
     assert sorted(client.repository_index(ready_only=True), key=lambda m: m["name"]) == expected
     assert client.model_ready("demo") and client.model_ready("small")

@@ -138,3 +138,30 @@ def test_the_start_interval_override_probes_every_second_only_while_starting() -
     assert "start_interval" not in base, (
         "an engine older than Docker 25 refuses it: docker-compose.yml must not need it"
     )
+
+
+def test_behind_the_balancer_the_load_test_goes_through_nginx_and_starts_nothing() -> None:
+    """`run` starts a service's dependencies at their default scale: with `depends_on: ffn`, the documented
+    load test through the balancer scaled a running `--scale ffn=3` down to one replica (issue 29 item 2)."""
+    base = load("docker-compose.yml")["services"]["loadtest"]
+    for services in (
+        merged("docker-compose.yml", OVERRIDES["lb"]),
+        compose_config("docker-compose.yml", OVERRIDES["lb"]),
+    ):
+        if services is None:
+            continue
+        loadtest = services["loadtest"]
+        assert not loadtest.get("depends_on"), "nothing for `run` to start, or to scale"
+        command = loadtest["command"]
+        url = command[command.index("--url") + 1]
+        assert url in ("${LOADTEST_URL:-http://lb:8080}", "http://lb:8080"), url
+        # Every other flag as the service alone has it.
+        assert command[: command.index("--url")] == base["command"][: base["command"].index("--url")]
+        assert len(command) == len(base["command"])
+
+
+def test_the_balancer_stops_gracefully() -> None:
+    """nginx's SIGTERM is its fast stop, which drops the requests under way; SIGQUIT answers them first."""
+    lb = merged("docker-compose.yml", OVERRIDES["lb"])["lb"]
+    assert lb["stop_signal"] == "SIGQUIT"
+    assert lb["stop_grace_period"] == "30s"

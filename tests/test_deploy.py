@@ -33,9 +33,9 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
-from app.cli import bind
 from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
+from app.preflight import bind
 from app.settings import Settings, read_config_file
 from ffn_client.testing import HOST, free_port
 
@@ -70,6 +70,26 @@ def test_dockerfile_passes_hadolint_where_installed() -> None:
         pytest.skip("hadolint is not installed")
     result = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def server_stage() -> str:
+    """The Dockerfile's last stage (the server image), its continuation lines joined."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return text[text.rindex("\nFROM ") :]
+
+
+def test_the_image_carries_oci_labels_and_exposes_every_port_it_serves() -> None:
+    stage = server_stage()
+    labels = dict(re.findall(r'(org\.opencontainers\.image\.\w+)="([^"]*)"', stage))
+    assert {"title", "description", "version", "revision", "licenses"} == {k.rsplit(".", 1)[1] for k in labels}
+    assert labels["org.opencontainers.image.title"] == PYPROJECT["project"]["name"]
+    assert labels["org.opencontainers.image.licenses"] == PYPROJECT["project"]["license"]
+    version = re.search(r"^ARG VERSION=(\S+)$", stage, re.M)
+    assert version and version[1] == PYPROJECT["project"]["version"], "the label's default follows pyproject.toml"
+    (exposed,) = re.findall(r"^EXPOSE (.+)$", stage, re.M)
+    ports = {int(p) for p in exposed.split()}
+    metrics = next(int(item.split("=")[1]) for item in SERVER["environment"] if item.startswith("FFN_METRICS_PORT="))
+    assert ports == {SERVICE_PORT, Settings.model_fields["grpc_port"].default, metrics}
 
 
 # --- the container's scripts, run as the image runs them ---------------------------------------
@@ -257,7 +277,12 @@ class ComposeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading Compose's `!reset` tag as the plain value it tags."""
 
 
-ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))  # type: ignore[arg-type]
+ComposeLoader.add_constructor(
+    "!reset",
+    lambda loader, node: (
+        loader.construct_mapping(node) if isinstance(node, yaml.MappingNode) else loader.construct_sequence(node)  # type: ignore[arg-type]
+    ),
+)
 
 
 COMPOSE = load_yaml(ROOT / "docker-compose.yml")
@@ -292,7 +317,7 @@ def test_compose_passes_only_real_settings_and_lets_the_config_file_apply() -> N
         assert "=" not in item, f"{item}: a value here would override the mounted config.toml"
         assert setting_name(item), f"{item} is not an FFN_<setting>"
     passed = {setting_name(item) for item in env}
-    assert not passed & {"host", "port", "config"}, "host, port and config are the image's, not the shell's"
+    assert not passed & IMAGE_SETTINGS, "host, the ports and config are the image's, not the shell's"
     for service in SERVICES.values():
         for item in service.get("environment", []):
             assert not item.startswith("FFN_") or setting_name(item.split("=")[0]), item
@@ -419,6 +444,42 @@ def test_compose_config_is_valid_for_docker_compose_itself(files: list[str]) -> 
         fixed["FFN_WORKERS"] = "4"
     assert {name: value for name, value in environment.items() if value is not None} == fixed
     assert resolved["ffn"]["volumes"][0]["read_only"] is True
+
+
+# The image's own: the ports compose publishes and the health check probes are the container's
+# 8000 and 8001, and the entry script finds /models/config.toml. The metrics port is fixed (8002).
+IMAGE_SETTINGS = {"host", "port", "grpc_port", "config"}
+
+
+def rendered_server_environment(env: dict[str, str], *args: str) -> dict[str, str | None]:
+    """The `ffn` service's environment as Compose v2 renders docker-compose.yml, with `env` as the shell's."""
+    command, why = compose_command()
+    if command is None:
+        pytest.skip(why)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_"))}
+    result = subprocess.run(
+        [*command, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml"), *args, "config",
+         "--format", "json"],
+        capture_output=True, text=True, env={**clean, **env}, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    environment: dict[str, str | None] = json.loads(result.stdout)["services"]["ffn"]["environment"]
+    return environment
+
+
+@pytest.mark.parametrize("where", ["shell", "env-file"])
+def test_compose_passes_every_setting_set_in_the_shell_or_an_env_file(where: str, tmp_path: Path) -> None:
+    """Every FFN_* setting reaches the server but the image's own; one added to Settings and not to the
+    compose file fails here (FFN_MODEL_CONTROL, FFN_LOG_FORMAT and 28 others were once dropped in silence)."""
+    values = {f"FFN_{name.upper()}": f"value of {name}" for name in Settings.model_fields}
+    if where == "shell":
+        rendered = rendered_server_environment(values)
+    else:  # .env, or --env-file: the same file format
+        env_file = tmp_path / "ffn.env"
+        env_file.write_text("".join(f"{name}={value}\n" for name, value in values.items()))
+        rendered = rendered_server_environment({}, "--env-file", str(env_file))
+    passed = {f"FFN_{name.upper()}" for name in Settings.model_fields if name not in IMAGE_SETTINGS | {"metrics_port"}}
+    assert rendered == {**{name: values[name] for name in passed}, "FFN_METRICS_PORT": SERVER["expose"][0]}
 
 
 def test_nginx_config_is_accepted_by_nginx_where_installed(tmp_path: Path) -> None:

@@ -70,6 +70,11 @@ def test_image_on_a_real_engine_loses_no_request_and_refuses_what_it_cannot_use(
     seen = json.loads(report_path.read_text())
     # The torch index is a build argument: not in the image's environment.
     assert seen["image"]["index_in_env"] is False
+    # OCI labels and every port the image serves.
+    assert set(seen["image"]["labels"]) == {"title", "description", "version", "revision", "licenses"}
+    assert seen["image"]["exposed"] == ["8000/tcp", "8001/tcp", "8002/tcp"]
+    # The smoke test in the image, naming the model's digest.
+    assert seen["check"]["exit_code"] == 0 and "finite; sha256:" in seen["check"]["output"]
     # A model folder that cannot be used stops the start; only an empty one serves `demo`.
     assert seen["models"]["unreadable"]["exit_code"] == seen["models"]["misnamed"]["exit_code"] == 2
     assert seen["models"]["readme_only_serves"] == ["demo"]
@@ -81,7 +86,9 @@ def test_image_on_a_real_engine_loses_no_request_and_refuses_what_it_cannot_use(
     # A read-only root with two workers: one line without a writable folder, serving with one.
     assert seen["read_only"]["no_tmpfs"]["exit_code"] == 2
     for variant in ("tmpfs_tmp", "metrics_dir"):
-        assert seen["read_only"][variant]["exit_code"] == 0 and seen["read_only"][variant]["answered_ok"] == 2
+        assert seen["read_only"][variant]["exit_code"] == 0 and seen["read_only"][variant]["answered_ok"] == 4
+    # Published with -p: counted (Docker's proxy loses requests on a stop; docs/deployment.md says so).
+    assert seen["published"]["exit_code"] == 0 and seen["published"]["answered"]["200"] > 0
     compose = seen["compose"]  # Compose v2 only; without it, a skip with its reason
     if "skipped" not in compose:
         assert compose["exit_code"] == 0 and compose["loadtest"]["ok"] == 200 and compose["read_only_root"] is True
@@ -89,3 +96,9 @@ def test_image_on_a_real_engine_loses_no_request_and_refuses_what_it_cannot_use(
     if "skipped" not in lb:
         assert lb["replicas"] == 3 and lb["lost"] == 0 and set(lb["answered"]) == {"200"}
         assert lb["stop"]["exit_code"] == 0 and lb["kill"]["exit_code"] == 137 and lb["crash"]["killed_pid"] > 0
+        # New weights rolled out under that load: every replica moved to the new digest.
+        assert (
+            lb["rollout"]["after"] not in lb["rollout"]["before"] and len(lb["rolling_restart"]["healthy_again_s"]) == 3
+        )
+        # The documented load test through nginx leaves the replicas as they were.
+        assert lb["loadtest"]["ok"] == 200 and lb["loadtest"]["replicas_after"] == 3

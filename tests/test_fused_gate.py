@@ -120,5 +120,5 @@ def test_fuse_gate_keeps_requires_grad_and_mode():
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_fuse_gate_setting_decides_the_served_module(tmp_path, fuse):
     save_ffn(gated(GATED[0]), tmp_path / "g.safetensors")
-    model = load_weights(ModelSpec(name="g", weights=tmp_path / "g.safetensors"), torch.device("cpu"), fuse=fuse)
+    model, _ = load_weights(ModelSpec(name="g", weights=tmp_path / "g.safetensors"), torch.device("cpu"), fuse=fuse)
     assert isinstance(model, FusedGatedFeedForward) is fuse

@@ -17,6 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from app.preflight import ANOTHER_SERVER
+from app.settings import GRPC_PORT_FIX
 from ffn_client.testing import free_port, metric_value, start_server, wait_for_metrics
 from tests.grpc_helpers import D_MODEL, infer_request, output_of, stub
 from tests.reference import demo_reference
@@ -148,7 +150,9 @@ def test_a_grpc_port_in_use_exits_3_before_loading_anything(workers: str) -> Non
     assert result.returncode == 3, result.stderr
     records = [json.loads(line) for line in result.stderr.splitlines()]
     errors = [r["message"] for r in records if r["level"] == "error"]
-    assert errors == [f"cannot listen on 127.0.0.1:{port} (gRPC): Address already in use"]
+    assert errors == [
+        f"cannot listen on 127.0.0.1:{port} (gRPC): Address already in use: {ANOTHER_SERVER}; {GRPC_PORT_FIX}"
+    ]
     assert not any("loaded model" in r["message"] for r in records)
 
 
@@ -159,7 +163,10 @@ def test_a_grpc_port_another_ffn_serve_serves_is_in_use() -> None:
         args = ["--port", str(free_port()), "--grpc-port", str(first.grpc_port)]
         result = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 3, result.stderr
-    assert f"cannot listen on 127.0.0.1:{first.grpc_port} (gRPC): Address already in use" in result.stderr
+    assert (
+        f"cannot listen on 127.0.0.1:{first.grpc_port} (gRPC): Address already in use: {ANOTHER_SERVER}; {GRPC_PORT_FIX}"
+        in result.stderr
+    )
 
 
 def test_grpc_can_be_turned_off() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import httpx
 import numpy as np
@@ -129,6 +130,7 @@ async def test_models_list(client):
     assert r.status_code == 200
     assert r.content.endswith(b"}\n")  # a line of its own in a terminal
     (model,) = r.json()["models"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", model.pop("digest")), "its weights' digest (tests/test_digest.py)"
     assert model == {  # the fixture waited for readiness: the model says READY too
         "name": "demo",
         "version": 1,

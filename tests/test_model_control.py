@@ -510,6 +510,7 @@ async def test_unload_then_infer_is_a_404_and_the_model_is_listed_unavailable(
     a = write_ffn(repository / "a.safetensors", 1, d_model=D)
     service = await serve(start_app, repository)
     client = service.client
+    served_digest = (await client.get("/v2/models/m")).json()["parameters"]["digest"]
     response = await client.post("/v2/repository/models/m/unload", json={"parameters": {"unload_dependents": False}})
     assert response.status_code == 200, response.text
     assert response.json()["version"] == 1
@@ -522,6 +523,7 @@ async def test_unload_then_infer_is_a_404_and_the_model_is_listed_unavailable(
     native = await client.post("/v1/models/m/transform", json={"inputs": [[0.0] * D]})
     assert native.status_code == 404
     index = {e["name"]: e for e in (await client.post("/v2/repository/index")).json()}
+    assert index["m"].pop("digest") == served_digest, "the digest it last served"
     assert index["m"] == {"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     (listed,) = [m for m in (await client.get("/v1/models")).json()["models"] if m["name"] == "m"]
     assert (listed["state"], listed["ready"], listed["reason"], listed["d_model"]) == (

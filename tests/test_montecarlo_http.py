@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -275,6 +276,7 @@ async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, expec
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(x, {"mc_passes": 12, "mc_seed": 3}))
     assert r.status_code == 200, r.text
     answer = r.json()
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", answer["parameters"].pop("model_digest")), "which weights answered"
     assert answer["parameters"] == {"mc_passes": 12, "mc_dropout": FILE_RATE, "mc_seed": 3}
     by_name = {o["name"]: o for o in answer["outputs"]}
     assert list(by_name) == ["output", "output_std"]
@@ -327,7 +329,8 @@ async def test_v2_plain_answer_has_no_parameters(service: InProcessApp, weights,
     x = inputs(1, D_MODEL)
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(x, parameters))
     assert r.status_code == 200, r.text
-    assert "parameters" not in r.json() and [o["name"] for o in r.json()["outputs"]] == ["output"]
+    assert list(r.json()["parameters"]) == ["model_digest"], "no Monte Carlo parameters: only the weights' digest"
+    assert [o["name"] for o in r.json()["outputs"]] == ["output"]
     assert_close(np.array(r.json()["outputs"][0]["data"]).reshape(x.shape), numpy_ffn(x, weights, "gelu"))
 
 
@@ -355,7 +358,9 @@ def test_tritonclient_asks_with_parameters(demo_server_mc: ServerProcess, binary
         )
     finally:
         client.close()
-    assert result.get_response()["parameters"] == {"mc_passes": 8, "mc_dropout": 0.2, "mc_seed": 21}
+    echoed = result.get_response()["parameters"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", echoed.pop("model_digest")), "which weights answered"
+    assert echoed == {"mc_passes": 8, "mc_dropout": 0.2, "mc_seed": 21}
     device = httpx.get(f"{demo_server_mc.url}/v1/models").json()["models"][0]["device"]
     mean, std = reference(x, demo_weights(), "relu", passes=8, p=0.2, seed=21, device=device)
     assert_close(result.as_numpy("output"), mean)

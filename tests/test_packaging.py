@@ -186,7 +186,7 @@ def test_load_tester_without_its_extra_says_what_to_install(tmp_path: Path):
         timeout=120,
     )
     assert result.returncode == 2
-    assert "ffn-loadtest's tables need rich: pip install 'ffn-client[loadtest]'" in result.stderr
+    assert "ffn-loadtest's tables need rich: pip install './client[loadtest]' (from a checkout)" in result.stderr
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path: Path):
@@ -198,4 +198,17 @@ with StubServer().in_thread() as stub:
 assert code == 2, code
 """
     result = run_blocked(["matplotlib"], code, cwd=ROOT)
-    assert "--plot needs matplotlib: pip install 'ffn-client[loadtest]'" in result.stderr
+    assert "--plot needs matplotlib: pip install './client[loadtest]' (from a checkout)" in result.stderr
+
+
+def test_every_install_hint_names_the_checkouts_client_folder() -> None:
+    """ffn-client is on no registry: a hint to install it names the checkout's folder, as the docs do
+    (`pip install 'ffn-client[grpc]'` could only fail)."""
+    hints = [
+        (path.name, hint)
+        for path in sorted((ROOT / "ffn_client").glob("*.py"))
+        for hint in re.findall(r"pip install '([^']+)'", path.read_text())
+    ]
+    assert hints, "the hints this test reads"
+    for name, hint in hints:
+        assert hint.startswith("./client["), (name, hint)

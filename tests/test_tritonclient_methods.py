@@ -180,7 +180,8 @@ def check_statistics(client: Client, server: ServerProcess) -> None:
 
 def check_repository_index(client: Client, server: ServerProcess) -> None:
     index = [entry for entry in client.get_model_repository_index() if entry["name"] == "demo"]
-    assert index == [{"name": "demo", "version": "1", "state": "READY", "reason": ""}]
+    digest = client.get_model_config("demo")["parameters"]["digest"]["string_value"]
+    assert index == [{"name": "demo", "version": "1", "state": "READY", "reason": "", "digest": digest}]
 
 
 def check_load_and_unload(client: Client, server: ServerProcess) -> None:
@@ -206,6 +207,7 @@ def check_load_and_unload(client: Client, server: ServerProcess) -> None:
         client.infer("extra", [input_tensor(x)])
     assert gone.value.status() == "404" and "is unloaded" in gone.value.message()
     (entry,) = [e for e in client.get_model_repository_index() if e["name"] == "extra"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", entry.pop("digest")), "of the copy it last served"
     assert entry == {"name": "extra", "version": str(last + 2), "state": "UNAVAILABLE", "reason": "unloaded"}
 
 

@@ -4,6 +4,7 @@ a named 400 for every extension not implemented. In-process (start_app), by plai
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import httpx
@@ -78,7 +79,9 @@ async def test_model_config_in_triton_shape(service: InProcessApp) -> None:
     assert batching["max_queue_delay_microseconds"] == 2500
     assert batching["default_queue_policy"]["default_timeout_microseconds"] == 1_500_000
     assert config["instance_group"] == [{"name": "swiglu", "kind": "KIND_CPU", "count": 1, "gpus": []}]
-    assert {key: value["string_value"] for key, value in config["parameters"].items()} == {
+    parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", parameters.pop("digest")), "the weights' digest (tests/test_digest.py)"
+    assert parameters == {
         "d_ff": "64",
         "activation": "silu",
         "gated": "true",
@@ -188,14 +191,22 @@ async def test_a_batch_counts_once_as_an_execution_and_per_request_in_compute(se
 # ----- repository index ------------------------------------------------------------------------
 
 
+def without_digests(entries: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The entries without their weights' digest, each checked to be one (tests/test_digest.py checks the values)."""
+    for entry in entries:
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", entry["digest"]), entry
+    return [{k: v for k, v in entry.items() if k != "digest"} for entry in entries]
+
+
 async def test_repository_index(service: InProcessApp) -> None:
     client = service.client
     everything = [
         {"name": "swiglu", "version": "1", "state": "READY", "reason": ""},
         {"name": "plain", "version": "1", "state": "READY", "reason": ""},
     ]
-    assert (await client.post("/v2/repository/index")).json() == everything  # tritonclient sends no body
-    assert (await client.post("/v2/repository/index", json={"ready": True})).json() == everything
+    index = (await client.post("/v2/repository/index")).json()  # tritonclient sends no body
+    assert without_digests(index) == everything
+    assert (await client.post("/v2/repository/index", json={"ready": True})).json() == index
     bad = await client.post("/v2/repository/index", json={"ready": "maybe"})
     assert bad.status_code == 400 and bad.json()["error_type"] == "invalid_input"
     await service.app.state.service.engine.drain()

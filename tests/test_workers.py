@@ -280,7 +280,9 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
 
 
 def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
-    (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "missing.safetensors"\n')
+    # A file there but not weights: a missing one is refused before any worker starts (app/preflight.py).
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "broken.safetensors"\n')
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"TMPDIR": str(scratch)}
@@ -304,7 +306,7 @@ def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
         env=env,
     )
     assert result.returncode == 1, result.stderr
-    assert "missing.safetensors" in result.stderr and "broken" in result.stderr
+    assert "broken.safetensors" in result.stderr and "'broken'" in result.stderr
     assert "while starting: stopping the service" in result.stderr
     assert result.stderr.count("started (pid") == 2, "each worker starts once: no restart"
     assert "starting another" not in result.stderr

@@ -36,7 +36,7 @@ import torch
 from app.control import command_number
 from app.engine.batcher import OUT_OF_MEMORY
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
-from app.engine.registry import Registry, ServedModel, place, read_weights
+from app.engine.registry import Registry, ServedModel, model_digest, place, read_weights
 from app.engine.repository import WeightsFile
 from app.engine.runner import resolve_device
 from app.metrics import OTHER_MODELS
@@ -139,9 +139,10 @@ class Lifecycle:
         self._metrics.model_loads.labels(model=spec.name, outcome="ok").inc()
         self._metrics.model_load_seconds.labels(model=spec.name).observe(timings.to_serving_s)
         log.info(
-            "model %s version %d serving (read %.3f s, build %.3f s, warm-up %.3f s)%s",
+            "model %s version %d serving, digest %s (read %.3f s, build %.3f s, warm-up %.3f s)%s",
             spec.name,
             version,
+            served.digest,  # whole, as X-Model-Digest and ffn_model_info show it: an operator compares them
             timings.read_s,
             timings.build_s,
             timings.warm_up_s,
@@ -182,7 +183,7 @@ class Lifecycle:
             on_device = self._registry.executor(device) if device.type == "cuda" else loader
             started = time.perf_counter()
             try:
-                model = await _run(loader, functools.partial(_read, spec, source))
+                model, digest = await _run(loader, functools.partial(_read, spec, source))
             except WeightsError as exc:  # its message names the file
                 raise LoadFailed(str(exc)) from None
             except (ValueError, OSError) as exc:
@@ -201,7 +202,7 @@ class Lifecycle:
             except OUT_OF_MEMORY:
                 raise LoadFailed(_no_room(device, model, current)) from None
             del model  # on CUDA, the host copy: freed now, not after the warm-up
-            served = self._registry.build(spec, placed, version=version, source=source)
+            served = self._registry.build(spec, placed, version=version, source=source, digest=digest)
             await served.start()
             t.build_s = time.perf_counter() - started
             started = time.perf_counter()
@@ -259,14 +260,15 @@ async def _run(executor: Executor | None, work: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(executor, work)
 
 
-def _read(spec: ModelSpec, source: WeightsFile | None) -> FeedForward:
-    """The weights into host memory, from the file the load was asked for (checked before and after reading)."""
+def _read(spec: ModelSpec, source: WeightsFile | None) -> tuple[FeedForward, str]:
+    """The weights into host memory, from the file the load was asked for (checked before and after
+    reading), and their digest, taken here on the host tensors before they are placed."""
     if source is not None:
         source.check()
     model = read_weights(spec, None if source is None else Path(source.path))  # the very file the load found
     if source is not None:
         source.check()
-    return model
+    return model, model_digest(spec, model)
 
 
 def _no_room(device: torch.device, new: FeedForward, current: ServedModel | None) -> str:

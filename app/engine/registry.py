@@ -27,6 +27,7 @@ from app.engine.unloaded import UnloadedModel, unloaded_error
 from app.metrics import Metrics, ModelInstruments
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
+from ffn_core.digest import short, weights_digest
 from ffn_core.dtypes import DTYPES, DType
 
 log = logging.getLogger("ffn_serve")
@@ -51,16 +52,19 @@ class ServedModel:
         batcher: Batcher,
         metrics: Metrics,
         *,
+        digest: str,
         executor: Executor | None = None,
         version: int = 1,
         source: WeightsFile | None = None,
         inline_forward_s: float = 0.0,
     ) -> None:
-        """`executor`: the device's thread, which warm-up runs on. `source`: the weights file's identity
+        """`digest`: the weights' and table's identity (`model_digest`), which every surface shows.
+        `executor`: the device's thread, which warm-up runs on. `source`: the weights file's identity
         when it was read (None: the built-in demo weights). `inline_forward_s`: warm-up times the
         short batches against it (Batcher.inline_rows; 0: none runs on the event loop's thread)."""
         self.spec = spec
         self.version = version
+        self.digest = digest
         self.source = source
         self._model = model
         self._runner = runner
@@ -117,7 +121,7 @@ class ServedModel:
         source = described_source(self.spec, self.source)
         return (
             f"{self.name}: {config.variant}, d_model {config.d_model}, d_ff {config.d_ff}, {self.spec.dtype} "
-            f"on {self.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}"
+            f"on {self.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}, digest {short(self.digest)}"
         )
 
     def describe(self) -> dict[str, Any]:
@@ -127,6 +131,7 @@ class ServedModel:
         return {
             "name": self.name,
             "version": self.version,
+            "digest": self.digest,
             "d_model": config.d_model,
             "d_ff": config.d_ff,
             "activation": config.activation,
@@ -297,15 +302,30 @@ def read_weights(spec: ModelSpec, path: Path | None = None) -> FeedForward:
     )
 
 
+def model_digest(spec: ModelSpec, model: FeedForward) -> str:
+    """The identity of a copy (ffn_core/digest.py): its tensors as read into host memory, before they
+    are placed or the gate fused, and the table that says how they compute: the FFN's config, the
+    dropout rate it serves and its dtype. Not its name, file path, format or device: replicas that
+    read the same weights from other paths, onto other devices, show the same digest."""
+    config = model.config
+    dropout = spec.dropout if spec.dropout is not None else config.dropout
+    return weights_digest(model.state_dict(), {**config.to_dict(), "dropout": dropout, "dtype": spec.dtype})
+
+
 def place(model: FeedForward, device: torch.device, *, fuse: bool = False) -> FeedForward:
     """The weights on `device`; gated ones with W1‖V fused when `fuse`."""
     model = model.to(device)
     return fuse_gate(model) if fuse and isinstance(model, GatedFeedForward) else model
 
 
-def load_weights(spec: ModelSpec, device: torch.device, *, fuse: bool = False, path: Path | None = None) -> FeedForward:
-    """The model's weights (from `path`, if given) on `device` in its dtype; gated ones with W1‖V fused when `fuse`."""
-    return place(read_weights(spec, path), device, fuse=fuse)
+def load_weights(
+    spec: ModelSpec, device: torch.device, *, fuse: bool = False, path: Path | None = None
+) -> tuple[FeedForward, str]:
+    """The model's weights (from `path`, if given) on `device` in its dtype (gated ones with W1‖V fused when
+    `fuse`), and their digest."""
+    host = read_weights(spec, path)
+    digest = model_digest(spec, host)
+    return place(host, device, fuse=fuse), digest
 
 
 def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
@@ -341,16 +361,18 @@ class Registry:
                 device = resolve_device(spec.device)
                 path = weights_path(spec)
                 source = None if path is None else WeightsFile.of(path)
-                model = load_weights(spec, device, fuse=s.fuse_gate, path=path)
+                model, digest = load_weights(spec, device, fuse=s.fuse_gate, path=path)
             except WeightsError as exc:  # its message already names the file
                 raise ModelLoadError(f"model {spec.name!r}: {exc}") from exc
             except (ValueError, OSError) as exc:
                 raise ModelLoadError(f"model {spec.name!r}: cannot load {what}: {exc}") from exc
-            served = self.build(spec, model, version=1, source=source)
+            served = self.build(spec, model, version=1, source=source, digest=digest)
             self.serve(served)
             log.info("loaded model %s", served.summary())
 
-    def build(self, spec: ModelSpec, model: FeedForward, *, version: int, source: WeightsFile | None) -> ServedModel:
+    def build(
+        self, spec: ModelSpec, model: FeedForward, *, version: int, source: WeightsFile | None, digest: str
+    ) -> ServedModel:
         """A ServedModel around weights already on their device: its runner and batcher, not yet started."""
         s = self.settings
         executor = self.executor(next(model.parameters()).device)
@@ -374,6 +396,7 @@ class Registry:
             runner,
             batcher,
             self.metrics,
+            digest=digest,
             executor=executor,
             version=version,
             source=source,
@@ -400,6 +423,9 @@ class Registry:
         self.unloaded.pop(served.name, None)
         served.enter_service()
         self.metrics.model_version.labels(model=served.name).set(served.version)
+        if previous is not None:
+            self._info_gone(previous)
+        self.metrics.model_info.labels(model=served.name, version=str(served.version), digest=served.digest).set(1)
         return previous
 
     def unload(self, name: str) -> ServedModel:
@@ -408,7 +434,15 @@ class Registry:
         served.unloaded()
         self.unloaded[name] = UnloadedModel(served)
         self.metrics.model_version.labels(model=name).set(0)
+        self._info_gone(served)
         return served
+
+    def _info_gone(self, served: ServedModel) -> None:
+        """ffn_model_info drops a copy no longer served: its series goes (with workers, whose files keep
+        every series written, it reads 0)."""
+        labels = {"model": served.name, "version": str(served.version), "digest": served.digest}
+        self.metrics.model_info.labels(**labels).set(0)
+        self.metrics.model_info.remove(*labels.values())
 
     def shutdown_executors(self) -> None:
         for executor in self.executors.values():

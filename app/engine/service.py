@@ -67,6 +67,7 @@ class Engine:
         self._started = False
         self._draining = False
         self._warm_up_task: asyncio.Task[None] | None = None
+        self._start_stopped = asyncio.Event()
         self._control = control or Control()
         self._lifecycle = Lifecycle(registry)
         self._control.register(LOAD_MODEL, self._lifecycle.apply_load)
@@ -155,9 +156,23 @@ class Engine:
         self._started = True
 
     async def until_warm(self) -> None:
-        """Wait for the warm-up that start() began; a worker process accepts no connection before it ends."""
-        if self._warm_up_task is not None:
-            await asyncio.shield(self._warm_up_task)
+        """Wait for the warm-up that start() began; a worker process accepts no connection before it ends.
+
+        Returns at once when the start is stopped (`stop_starting`): the warm-up is then left to `stop`.
+        """
+        if self._warm_up_task is None:
+            return
+        stopped = asyncio.ensure_future(self._start_stopped.wait())
+        try:
+            await asyncio.wait([self._warm_up_task, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if self._warm_up_task.done():
+            self._warm_up_task.result()  # its failure, if it failed
+
+    def stop_starting(self) -> None:
+        """A signal came while starting: stop waiting for the warm-up (the server then stops without serving)."""
+        self._start_stopped.set()
 
     async def drain(self) -> bool:
         """Stop taking work (readiness and new requests turn 503), then finish what was accepted.

@@ -22,6 +22,7 @@ class UnloadedModel:
     def __init__(self, served: ServedModel) -> None:
         self.spec = served.spec
         self.version = served.version
+        self.digest = served.digest  # of the copy it last served
         self._description = served.describe() | {
             "ready": False,
             "state": UNLOADED.state.value,

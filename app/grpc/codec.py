@@ -25,6 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from app.engine.service import ServedModel
 from app.grpc.wire import InferMessage
 from app.protocol import mc_parameters, tensors
+from app.protocol.digest import ANSWER_PARAMETER
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import number_field
 from app.protocol.shared_memory import SharedMemoryRegions, turned_off
@@ -171,6 +172,7 @@ def encode(
 ) -> pb.ModelInferResponse:
     """The answer: every output asked for (all by default) in the request's dtype, raw or typed as it came."""
     response = pb.ModelInferResponse(model_name=served.name, model_version=str(served.version), id=request.id)
+    response.parameters[ANSWER_PARAMETER].string_param = served.digest  # which weights answered
     for key, value in (parameters or {}).items():
         if isinstance(value, int):
             response.parameters[key].int64_param = value

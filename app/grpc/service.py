@@ -131,7 +131,8 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     @answered
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         answer = metadata.model_metadata(self._state, request.name, _version(request.version))
-        return json_format.ParseDict(answer.model_dump(), pb.ModelMetadataResponse())
+        # Triton's ModelMetadataResponse has no parameters: the digest is in the model configuration's.
+        return json_format.ParseDict(answer.model_dump(exclude={"parameters"}), pb.ModelMetadataResponse())
 
     @answered
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
@@ -147,13 +148,13 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         else:
             models = self._engine.models()
         stats = statistics.model_stats(self._state.metrics.merged, models)
-        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)  # the digest
 
     @answered
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         entries = extensions.repository_models(self._engine.listed(), request.ready)
         return pb.RepositoryIndexResponse(
-            models=[pb.RepositoryIndexResponse.ModelIndex(**entry.model_dump()) for entry in entries]
+            models=[pb.RepositoryIndexResponse.ModelIndex(**entry.model_dump(exclude={"digest"})) for entry in entries]
         )
 
     # ----- inference ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from app.http.openapi import error_responses
 from app.protocol import identity, mc_parameters
 from app.protocol import native as codec
 from app.protocol.admission import deadline_from
+from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import answer_coding, request_coding
 from ffn_core.dtypes import DTYPE_NAMES
@@ -72,6 +73,7 @@ async def transform(name: str, request: Request) -> Response:
             else:
                 output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
                 content, answer_headers = codec.encode(name, output, decoded, encoding_out)
+            answer_headers[DIGEST_HEADER] = served.digest
             content, answer_headers = await compressed(content, answer_headers, coding_out)
         return Response(content, headers=answer_headers)
 

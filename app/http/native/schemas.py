@@ -50,6 +50,10 @@ class BiasFlags(BaseModel):
 class ModelInfo(BaseModel):
     name: str
     version: int = Field(description="The version of the weights served (V2's model_version).")
+    digest: str = Field(
+        description="sha256 of the weights and their table (config, dropout, dtype): equal on every replica "
+        "and worker that serves the same weights; each answer's X-Model-Digest header says which one answered."
+    )
     d_model: int
     d_ff: int
     activation: str

@@ -15,6 +15,7 @@ from app.http.openapi import error_responses, inline_defs
 from app.http.v2 import extensions, model_control
 from app.protocol import identity, mc_parameters
 from app.protocol.admission import deadline_from
+from app.protocol.digest import ANSWER_PARAMETER, DIGEST_HEADER
 from app.protocol.fields import answer_coding, request_coding
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
@@ -70,14 +71,18 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             )
             if asked is None:
                 output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
-                content, headers = codec.encode(name, served.version, decoded, {codec.OUTPUT_NAME: output})
+                content, headers = codec.encode(
+                    name, served.version, decoded, {codec.OUTPUT_NAME: output}, {ANSWER_PARAMETER: served.digest}
+                )
             else:
                 # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
                 result = await unless_disconnected(
                     request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
                 )
                 tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
-                content, headers = codec.encode(name, served.version, decoded, tensors, mc_parameters.echoed(asked))
+                parameters = {**mc_parameters.echoed(asked), ANSWER_PARAMETER: served.digest}
+                content, headers = codec.encode(name, served.version, decoded, tensors, parameters)
+            headers[DIGEST_HEADER] = served.digest
             content, headers = await compressed(content, headers, coding_out)
         return Response(content, headers=headers)
 

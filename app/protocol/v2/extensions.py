@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.engine.service import ServedModel, UnloadedModel
+from app.protocol.digest import MODEL_PARAMETER
 from app.protocol.errors import UnsupportedExtension
 from app.protocol.v2 import codec, system_shared_memory
 from app.protocol.v2.codec import PLATFORM
@@ -49,6 +50,7 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
         "dropout": served.dropout,
         "max_mc_passes": settings.max_mc_passes,
         "max_queue_rows": settings.max_queue_rows,
+        MODEL_PARAMETER: served.digest,  # the weights' identity, in the one map both doors carry
     }
     return {
         "name": served.name,
@@ -100,7 +102,11 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
 def _repository_entry(served: ServedModel | UnloadedModel) -> RepositoryModel:
     status = served.status
     return RepositoryModel(
-        name=served.name, version=str(served.version), state=status.state.value, reason=status.reason
+        name=served.name,
+        version=str(served.version),
+        state=status.state.value,
+        reason=status.reason,
+        digest=served.digest,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from app import __version__
+from app.protocol.digest import MODEL_PARAMETER
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec
 from app.protocol.v2.codec import PLATFORM, SERVER_NAME
@@ -26,5 +27,6 @@ def model_metadata(state: ServiceState, name: str, version: str | None) -> Model
             "platform": PLATFORM,
             "inputs": [{"name": codec.INPUT_NAME, **tensor}],
             "outputs": [{"name": codec.OUTPUT_NAME, **tensor}],
+            "parameters": {MODEL_PARAMETER: served.digest},
         }
     )

@@ -48,6 +48,11 @@ class ModelMetadata(BaseModel):
     platform: str
     inputs: list[TensorMetadata]
     outputs: list[TensorMetadata]
+    parameters: dict[str, str] = Field(
+        default_factory=dict,
+        description="digest: the sha256 of the weights and their table this copy serves (HTTP only: gRPC's "
+        "ModelMetadataResponse has no parameters; its model configuration's do).",
+    )
 
 
 class InferInput(BaseModel):
@@ -149,6 +154,7 @@ class ModelStatistics(BaseModel):
     response_stats: dict[str, Any]
     batch_stats: list[dict[str, Any]]
     memory_usage: list[MemoryUsage]
+    digest: str = Field(description="The sha256 of the weights and their table this copy serves (HTTP only).")
 
 
 class StatisticsResponse(BaseModel):
@@ -167,3 +173,7 @@ class RepositoryModel(BaseModel):
     version: str
     state: Literal["READY", "LOADING", "UNAVAILABLE"]
     reason: str
+    digest: str = Field(
+        description="The sha256 of the weights and their table served (unloaded: last served); HTTP only, "
+        "gRPC's ModelIndex has no field for it."
+    )

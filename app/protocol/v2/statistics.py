@@ -62,6 +62,7 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
         "response_stats": {},
         "batch_stats": [],
         "memory_usage": [_memory_usage(served)],
+        "digest": served.digest,  # HTTP's JSON; gRPC's ModelStatistics has no field for it
     }
 
 
