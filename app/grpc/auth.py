@@ -21,7 +21,8 @@ from app.protocol.identity import bearer_matches
 
 OPEN_PREFIX = f"/{HEALTH_SERVICE}/"  # probes carry no key, as /v2/health/* over HTTP
 _INFERENCE = "/inference.GRPCInferenceService/"
-OPEN_METHODS = frozenset(_INFERENCE + name for name in ("ServerLive", "ServerReady", "ModelReady"))
+OPEN_NAMES = frozenset({"ServerLive", "ServerReady", "ModelReady"})  # the inference service's probes
+OPEN_METHODS = frozenset(_INFERENCE + name for name in OPEN_NAMES)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from app.engine.service import Engine
 from app.grpc.malformed import Malformed
 from app.grpc.status import refuse
+from app.protocol.admission import CallsInFlight
+from app.protocol.errors import TooManyCalls
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -25,8 +27,10 @@ WATCH_INTERVAL_S = 1.0  # how often a Watch call looks at the state again
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, probes: CallsInFlight) -> None:
+        """`probes`: the budget of calls open without a key, which Check and Watch (for its whole life) take."""
         self._engine = engine
+        self._probes = probes
 
     def status(self, service: str) -> int | None:
         """SERVING or NOT_SERVING for a known service name; None for an unknown one."""
@@ -45,6 +49,16 @@ class Health(health_pb2_grpc.HealthServicer):
         if isinstance(request, Malformed):
             refuse(context, request.error)
             return None
+        try:
+            with self._probes.call():
+                return self._check(request, context)
+        except TooManyCalls as exc:
+            refuse(context, exc)
+            return None
+
+    def _check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse | None:
         status = self.status(request.service)
         if status is None:
             context.set_code(grpc.StatusCode.NOT_FOUND)
@@ -59,6 +73,13 @@ class Health(health_pb2_grpc.HealthServicer):
         if isinstance(request, Malformed):
             refuse(context, request.error)
             return
+        try:
+            with self._probes.call():
+                await self._watch(request, context)
+        except TooManyCalls as exc:
+            refuse(context, exc)
+
+    async def _watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         last = None
         while True:
             status = self.status(request.service)

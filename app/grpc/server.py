@@ -22,26 +22,20 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc.service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 
-from app.errors import ServiceError
 from app.grpc import reflection, wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
-from app.grpc.malformed import Malformed
 from app.grpc.ports import target
 from app.grpc.service import InferenceServicer
-from app.protocol.admission import HeldBytes
-from app.protocol.errors import InvalidInput
-from app.protocol.limits import control_message_bytes
+from app.grpc.writes import written_within
+from app.protocol.admission import CallsInFlight, HeldBytes
+from app.protocol.limits import GRPC_STREAMS_PER_CONNECTION
 from app.protocol.state import ServiceState
 
 log = logging.getLogger("ffn_serve")
-
-# The methods whose requests carry tensors: their wire bytes are checked against wire.py's budget first.
-_TENSOR_METHODS = {"ModelInfer", "ModelStreamInfer"}
 
 
 class GrpcServer:
@@ -66,16 +60,31 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", settings.max_body_bytes),
                 ("grpc.max_send_message_length", -1),  # an answer is as large as its request's rows make it
                 ("grpc.max_metadata_size", settings.max_header_bytes),
+                ("grpc.absolute_max_metadata_size", settings.max_header_bytes),
                 ("grpc.max_allowed_incoming_connections", settings.max_connections),
+                # Per connection: a bounded number of streams at once, advertised (SETTINGS_MAX_CONCURRENT_STREAMS;
+                # grpc core counts a stream until it is freed, so streams reset at once count too: rapid reset).
+                ("grpc.max_concurrent_streams", GRPC_STREAMS_PER_CONNECTION),
+                # A connection that has not sent its preface and SETTINGS within header_timeout_s is closed,
+                # and so is one with nothing in flight for as long (grpc clients reconnect by themselves).
+                ("grpc.server_handshake_timeout_ms", _milliseconds(settings.header_timeout_s)),
+                ("grpc.max_connection_idle_ms", _milliseconds(settings.header_timeout_s)),
             ],
-            maximum_concurrent_rpcs=settings.max_connections,
         )
+        # Two budgets of calls in flight, so that probes anyone may open (a health Watch stream needs no
+        # key) can never take the slots of the calls that need one.
+        calls = CallsInFlight(settings.max_connections, "calls")
+        probes = CallsInFlight(settings.max_connections, "probes (health checks and streams)")
         services = (
-            (INFERENCE_SERVICE, add_GRPCInferenceServiceServicer_to_server, InferenceServicer(self._state)),
-            (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine)),
+            (
+                INFERENCE_SERVICE,
+                add_GRPCInferenceServiceServicer_to_server,
+                InferenceServicer(self._state, calls, probes),
+            ),
+            (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine, probes)),
         )
         for name, register, servicer in services:
-            handlers = _tolerant_handlers(register, servicer, self._state.held)
+            handlers = _tolerant_handlers(register, servicer, self._state.held, settings.send_timeout_s)
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
         reflection.enable(server, (INFERENCE_SERVICE, HEALTH_SERVICE))
@@ -104,7 +113,7 @@ class _Capture:
 
 
 def _tolerant_handlers(
-    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes
+    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes, send_timeout_s: float
 ) -> dict[str, grpc.RpcMethodHandler]:
     """The method handlers that the generated `register` gives `servicer`, each parsing its requests within budget.
 
@@ -113,30 +122,28 @@ def _tolerant_handlers(
     twin's body limit (limits.control_message_bytes). A request that does not parse or is over a
     budget becomes a Malformed, which its method answers through the error table naming what was
     wrong (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): grpc's own handling would answer UNKNOWN.
+
+    ModelInfer is served as a unary-stream method writing its one answer (the same frames on the
+    wire, so a unary client sees a unary call), because only a write can be given a deadline: an
+    answer not taken within `send_timeout_s` ends the client's connection (connections.py), as the
+    HTTP door drops it, and the answer's bytes are held until it is written.
     """
     capture = _Capture()
     register(servicer, capture)
-    return {
-        name: handler._replace(request_deserializer=_tolerant(name, handler.request_deserializer, held))
+    handlers = {
+        name: handler._replace(request_deserializer=wire.tolerant(name, handler.request_deserializer, held))
         for name, handler in capture.handlers.items()
     }
+    infer = handlers.get("ModelInfer")
+    if infer is not None:
+        handlers["ModelInfer"] = grpc.unary_stream_rpc_method_handler(
+            written_within(infer.unary_unary, send_timeout_s),
+            request_deserializer=infer.request_deserializer,
+            response_serializer=infer.response_serializer,
+        )
+    return handlers
 
 
-def _tolerant(method: str, parse: Callable[[bytes], Any], held: HeldBytes) -> Callable[[bytes], Any]:
-    limit = control_message_bytes(method)
-
-    def read(data: bytes) -> Any:
-        if method in _TENSOR_METHODS:
-            return wire.read_infer_request(data, held)
-        wire.check_message_size(data, limit, method)
-        return parse(data)
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return read(data)
-        except ServiceError as exc:
-            return Malformed(exc)
-        except DecodeError as exc:
-            return Malformed(InvalidInput(f"malformed protobuf: {exc}"))
-
-    return deserialize
+def _milliseconds(seconds: float) -> int:
+    """A duration as grpc's channel arguments take it: whole milliseconds, within a C int."""
+    return min(int(seconds * 1000), 2**31 - 1)

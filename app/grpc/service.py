@@ -28,13 +28,15 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 from app.engine.service import ServedModel
 from app.errors import drop_frames
 from app.grpc import codec
+from app.grpc.auth import OPEN_NAMES as OPEN_METHODS
 from app.grpc.calls import Call
 from app.grpc.malformed import Malformed
-from app.grpc.status import grpc_error, log_if_internal, set_status
+from app.grpc.status import grpc_error, log_if_internal, refuse, set_status
 from app.grpc.stream import StreamInfer
 from app.grpc.wire import InferMessage
 from app.protocol import identity, mc_parameters
-from app.protocol.admission import deadline_from
+from app.protocol.admission import CallsInFlight, deadline_from
+from app.protocol.errors import TooManyCalls
 from app.protocol.state import ServiceState
 from app.protocol.v2 import (
     extensions,
@@ -58,14 +60,18 @@ def answered(
 ) -> Callable[[Any, Any, Context], Awaitable[Response | None]]:
     """A unary method whose request may be Malformed and whose errors are answered from the error table."""
 
+    name = method.__name__
+    open_to_all = name in OPEN_METHODS  # the probes: no key needed, so a budget of their own
+
     async def wrapper(self: InferenceServicer, request: Any, context: Context) -> Response | None:
-        with Call(context, self._state.tracing, method.__name__) as call:
+        with Call(context, self._state.tracing, name) as call:
             if isinstance(request, InferMessage):
                 call.trace(request.request.model_name)
             try:
                 if isinstance(request, Malformed):
                     raise request.error
-                response = await method(self, request, context)
+                with (self._probes if open_to_all else self._calls).call():
+                    response = await method(self, request, context)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:  # answered inside the block, whose end drops `exc`: no frame outlives the call
@@ -100,10 +106,15 @@ def _version(version: str) -> str | None:
 class InferenceServicer(GRPCInferenceServiceServicer):
     """Triton's GRPCInferenceService, answered from the engine facade and the service state."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, calls: CallsInFlight, probes: CallsInFlight) -> None:
+        """`calls`: the budget of the calls in flight; `probes`: that of the probes, which need no key."""
         self._state = state
         self._engine = state.engine
-        self._stream = StreamInfer(self._infer, max_rows=state.settings.max_batch_rows, tracing=state.tracing)
+        self._calls, self._probes = calls, probes
+        settings = state.settings
+        self._stream = StreamInfer(
+            self._infer, max_rows=settings.max_batch_rows, send_timeout_s=settings.send_timeout_s, tracing=state.tracing
+        )
 
     # ----- health and metadata --------------------------------------------------------------
 
@@ -164,19 +175,23 @@ class InferenceServicer(GRPCInferenceServiceServicer):
         return await self._infer(request, context)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Context) -> None:
-        await self._stream.serve(context)
+        try:
+            with self._calls.call():  # a stream is one call in flight for its whole life
+                await self._stream.serve(context)
+        except TooManyCalls as exc:
+            refuse(context, exc)
 
     async def _infer(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
         """One infer request, unary or from a stream: decoded, queued in the model's batcher, encoded.
 
-        Its bytes are held against max_held_bytes (taken when it was read, wire.py) until it is answered.
+        Its bytes are held against max_held_bytes (taken when it was read, wire.py), then its answer's
+        in their place, until whoever writes the answer has written it and releases the message.
         """
-        try:
-            return await self._infer_held(message, context)
-        finally:
-            message.release()
+        response = await self._compute(message, context)
+        message.hold_answer(sum(len(raw) for raw in response.raw_output_contents))
+        return response
 
-    async def _infer_held(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
+    async def _compute(self, message: InferMessage, context: Context) -> pb.ModelInferResponse:
         request = message.request
         served = self._engine.model(request.model_name, _version(request.model_version))
         with self._state.outcomes.count(served.name, PROTOCOL), _counted_if_cancelled(self._state, served, context):

@@ -26,6 +26,7 @@ from app.grpc.calls import REQUEST_ID_KEY, Call, call_request_id, metadata_of
 from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal
 from app.grpc.wire import InferMessage
+from app.grpc.writes import send_within
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import Tracing
@@ -64,9 +65,10 @@ def rows_claimed(message: InferMessage | Malformed, limit: int) -> int:
 class StreamInfer:
     """Serves ModelStreamInfer calls with `infer`, the unary infer's own path."""
 
-    def __init__(self, infer: Infer, *, max_rows: int, tracing: Tracing | None = None) -> None:
+    def __init__(self, infer: Infer, *, max_rows: int, send_timeout_s: float, tracing: Tracing | None = None) -> None:
         self._infer = infer
         self._max_rows = max_rows
+        self._send_timeout_s = send_timeout_s
         self._tracing = tracing
 
     async def serve(self, context: grpc.aio.ServicerContext) -> None:
@@ -124,6 +126,9 @@ class StreamInfer:
                     infer_response.parameters["error_type"].string_param = error.error_type
                     response = pb.ModelStreamInferResponse(error_message=error.details, infer_response=infer_response)
             async with writing:
-                await context.write(response)
+                # An answer not taken within send_timeout_s ends the stream's connection (app/grpc/connections.py).
+                await send_within(context, response, self._send_timeout_s)
         finally:
+            if isinstance(request, InferMessage):
+                request.release()  # its bytes, then its answer's, were held until now
             await budget.give(rows)

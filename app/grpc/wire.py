@@ -9,6 +9,9 @@ and outputs needs many times over, and a hard bound on the parser's memory and o
 own time (it reads field headers only, skipping every payload). The HTTP door counts a JSON
 body's arrays and values before parsing it (app/protocol/tensors.py) for the same reason.
 
+Every method's messages are read through `tolerant`: a tensor method's by `read_infer_request`,
+any other method's within its HTTP twin's body limit (limits.control_message_bytes).
+
 A request of at most `MAX_OTHER_BYTES` in all is not scanned: whatever it holds, its parse is small.
 
 A larger one is also read without copying its tensor data: protobuf parses the message with its
@@ -22,14 +25,18 @@ field's value and a writable copy.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from app.errors import ServiceError
+from app.grpc.malformed import Malformed
 from app.protocol.admission import HeldBytes, Hold
 from app.protocol.errors import InvalidInput, PayloadTooLarge
-from app.protocol.limits import MAX_FIELDS, MAX_OTHER_BYTES
+from app.protocol.limits import MAX_FIELDS, MAX_OTHER_BYTES, control_message_bytes
 
 # Field numbers of grpc_service.proto (tritonclient.grpc.service_pb2).
 _LENGTH_DELIMITED = 2
@@ -76,7 +83,13 @@ class InferMessage:
     hold: Hold | None = None
     _released: weakref.finalize | None = field(default=None, repr=False)
 
+    def hold_answer(self, size: int) -> None:
+        """From now on hold the answer's `size` bytes instead of the request's (TooManyBytesHeld past the budget)."""
+        if self.hold is not None:
+            self.hold.resize(size)
+
     def release(self) -> None:
+        """Give every byte back (the answer is written, or will never be); once."""
         if self._released is not None:
             self._released()
 
@@ -182,3 +195,33 @@ def _varint(view: memoryview, position: int, end: int) -> tuple[int, int]:
             return result, position
         shift += 7
     raise InvalidInput("malformed protobuf: a varint runs past the end of its message or past 10 bytes")
+
+
+# The methods whose requests carry tensors: their wire bytes are checked against this module's budget first.
+_TENSOR_METHODS = {"ModelInfer", "ModelStreamInfer"}
+
+
+def tolerant(method: str, parse: Callable[[bytes], Any], held: HeldBytes) -> Callable[[bytes], Any]:
+    """`parse` made to read within the wire budgets, its failures returned as a Malformed the method answers.
+
+    A tensor method's message is read by `read_infer_request` (its bytes held against `held`), any
+    other method's checked against its limit first (limits.control_message_bytes); a message that
+    does not parse or is over a budget becomes a Malformed: grpc's own handling would answer UNKNOWN.
+    """
+    limit = control_message_bytes(method)
+
+    def read(data: bytes) -> Any:
+        if method in _TENSOR_METHODS:
+            return read_infer_request(data, held)
+        check_message_size(data, limit, method)
+        return parse(data)
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return read(data)
+        except ServiceError as exc:
+            return Malformed(exc)
+        except DecodeError as exc:
+            return Malformed(InvalidInput(f"malformed protobuf: {exc}"))
+
+    return deserialize

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from prometheus_client import Counter
 
-from app.protocol.errors import ERRORS, INTERNAL, InvalidInput, TooManyBytesHeld, error_type_of
+from app.protocol.errors import ERRORS, INTERNAL, InvalidInput, TooManyBytesHeld, TooManyCalls, error_type_of
 from app.protocol.fields import header_number
 
 
@@ -84,6 +84,34 @@ def deadline_from(timeout_ms: str | float | None, default_ms: float) -> float:
         if not 0 < ms <= 3_600_000:
             raise InvalidInput(f"timeout must be in (0, 3600000] milliseconds, got {ms:g}")
     return asyncio.get_running_loop().time() + ms / 1000.0
+
+
+class CallsInFlight:
+    """The calls one door runs at once, at most `limit`: past it, TooManyCalls (429, RESOURCE_EXHAUSTED), retry shortly.
+
+    A call counts from when its handler starts (its message arrived) until it ends, a stream for
+    its whole life. Each kind of call that must not starve another has a budget of its own: the
+    probes any client may open without a key (health Watch streams) cannot take the slots of
+    authenticated calls.
+
+        with calls.call():
+            ...
+    """
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.running = 0
+        self._what = what  # "calls", "health streams": what the refusal says is full
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        if self.running >= self.limit:
+            raise TooManyCalls(f"this process runs {self.limit} {self._what} at once (max_connections); retry shortly")
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
 
 
 # Every outcome ffn_requests_total can count: ok, and each error_type of the one error table.

@@ -79,6 +79,10 @@ class TooManyBytesHeld(EdgeError):
     """The requests this process is answering hold its budget of bytes (max_held_bytes); retry shortly."""
 
 
+class TooManyCalls(EdgeError):
+    """The door runs its maximum of calls at once (max_connections); retry shortly."""
+
+
 class TooManyConnections(EdgeError):
     """The server holds its maximum of open connections; this one is answered and closed."""
 
@@ -143,6 +147,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     engine.ModelError: ErrorKind(500, "model_error", "INTERNAL"),
     UnsupportedTransferEncoding: ErrorKind(501, "unsupported_transfer_encoding", "UNIMPLEMENTED", _close_connection),
     engine.Unavailable: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
+    TooManyCalls: ErrorKind(429, "too_many_calls", "RESOURCE_EXHAUSTED", _retry_after(lambda exc: 1)),
     TooManyConnections: ErrorKind(
         503,
         "too_many_connections",

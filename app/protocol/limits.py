@@ -44,6 +44,13 @@ OTHER_MESSAGE_BYTES = 4096
 MAX_OTHER_BYTES = 64 * 1024
 MAX_FIELDS = 1024
 
+# ----- gRPC connections (app/grpc/server.py) --------------------------------------------------
+
+# Streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS; HTTP/2 asks for at
+# least 100): a client's calls beyond it wait in the client. With max_connections connections, the
+# most streams a process holds.
+GRPC_STREAMS_PER_CONNECTION = 100
+
 # ----- system shared memory (app/protocol/shared_memory.py) -------------------------------------
 
 MAX_REGIONS = 256  # registered regions per process: each holds a descriptor
