@@ -29,6 +29,7 @@ from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.digest import short, weights_digest
 from ffn_core.dtypes import DTYPES, DType
+from ffn_core.torch_dtypes import TORCH
 
 log = logging.getLogger("ffn_serve")
 
@@ -286,7 +287,7 @@ def described_source(spec: ModelSpec, source: WeightsFile | None = None) -> str:
 def read_weights(spec: ModelSpec, path: Path | None = None) -> FeedForward:
     """The spec's weights read into host memory, in its dtype: from `path` (where weights_path found them),
     else from where the spec says; the built-in demo weights when it names no file and no hf_model."""
-    dtype = DTYPES[spec.dtype].torch
+    dtype = TORCH[spec.dtype]
     if path is None:
         path = weights_path(spec)
     if path is None:

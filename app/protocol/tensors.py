@@ -22,6 +22,7 @@ from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
 from app.protocol.fields import json_type
 from app.protocol.limits import JSON_SLACK, MAX_JSON_OBJECTS, MAX_JSON_STRINGS, MAX_LONG_INTEGERS, MAX_RANK
 from ffn_core.dtypes import DType
+from ffn_core.torch_dtypes import TORCH
 
 # torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
 # that it cannot protect it. Request rows are only read: spend that one warning here, silently.
@@ -88,7 +89,7 @@ def view_rows(
     A `bytes` buffer gives a tensor torch cannot mark read-only; nothing on the way to the model
     writes into its input (the runner reads it, or copies it into a staging slot).
     """
-    tensor = torch.frombuffer(buffer, dtype=dtype.torch, offset=offset, count=rows * d_model).view(rows, d_model)
+    tensor = torch.frombuffer(buffer, dtype=TORCH[dtype.name], offset=offset, count=rows * d_model).view(rows, d_model)
     check_finite(tensor)
     return tensor
 
@@ -144,7 +145,7 @@ def json_numbers_to_array(
             wide = _integers_beyond_64_bits(text)
             if wide and np.isin(array, list(wide)).any():
                 raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
-        largest = float(torch.finfo(dtype.torch).max)
+        largest = dtype.largest
         if peak > largest:
             raise InvalidInput(
                 f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
@@ -210,8 +211,9 @@ def _kind_name(dtype: np.dtype) -> str:
 
 def to_wire_dtype(output: torch.Tensor, dtype: DType) -> torch.Tensor:
     """The output in the answer's dtype, refused (422) if it holds inf or NaN there."""
-    fits = output.dtype == dtype.torch and output.is_contiguous()  # the common case: the batch's own rows, as they are
-    wire = output if fits else output.to(dtype.torch).contiguous()
+    wire_dtype = TORCH[dtype.name]
+    fits = output.dtype == wire_dtype and output.is_contiguous()  # the common case: the batch's own rows, as they are
+    wire = output if fits else output.to(wire_dtype).contiguous()
     check_finite_output(wire)
     return wire
 
