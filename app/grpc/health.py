@@ -14,7 +14,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from app.engine.service import Engine
+from app.engine.facade import EngineFacade
 from app.grpc.malformed import Malformed
 from app.grpc.status import refuse
 
@@ -25,7 +25,7 @@ WATCH_INTERVAL_S = 1.0  # how often a Watch call looks at the state again
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineFacade) -> None:
         self._engine = engine
 
     def status(self, service: str) -> int | None:
