@@ -13,13 +13,13 @@ import asyncio
 import sys
 
 import numpy as np
-import torch
 
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine, ServedModel
 from app.exits import EXIT_BAD_SETTINGS, EXIT_OK
 from app.metrics import Metrics
 from app.settings import Settings
+from ffn_core.dtypes import DTYPES
 
 CHECK_ROWS = 4  # the rows of each model's request: more than one, so that a row mix-up would show
 PREFIX = "ffn-serve --check"
@@ -63,9 +63,9 @@ async def _ask(served: ServedModel) -> str:
     """One request of CHECK_ROWS rows through the facade; its answer checked. The line that says so."""
     if not served.status.ready:
         raise CheckFailed(f"model {served.name!r} is not ready after its warm-up: {served.status.reason}")
-    rows = torch.from_numpy(np.random.default_rng(0).standard_normal((CHECK_ROWS, served.d_model), dtype=np.float32))
+    rows = np.random.default_rng(0).standard_normal((CHECK_ROWS, served.d_model), dtype=np.float32)
     try:
-        answer = await served.infer(rows, deadline=None)
+        answer = await served.infer(rows, DTYPES["float32"], deadline=None)
     except Exception as exc:
         raise CheckFailed(f"model {served.name!r} failed a request of {CHECK_ROWS} rows: {exc}") from None
     expected = (CHECK_ROWS, served.d_model)
@@ -73,10 +73,10 @@ async def _ask(served: ServedModel) -> str:
         raise CheckFailed(
             f"model {served.name!r} answered {CHECK_ROWS} rows with shape {list(answer.shape)}, not {list(expected)}"
         )
-    bad = answer.numel() - int(torch.isfinite(answer).sum())
+    bad = answer.size - int(np.isfinite(answer).sum())
     if bad:
         raise CheckFailed(
             f"model {served.name!r} answered {CHECK_ROWS} rows of standard normal input with {bad} of "
-            f"{answer.numel()} values not finite (NaN or ±inf)"
+            f"{answer.size} values not finite (NaN or ±inf)"
         )
     return f"{served.summary()}: warm, answered {CHECK_ROWS} rows, {list(answer.shape)}, finite; {served.digest}"

@@ -22,6 +22,7 @@ import torch
 from ffn_core import FeedForward, FFNConfig, build_ffn
 from ffn_core.activations import ACTIVATIONS
 from ffn_core.dtypes import DTYPES
+from ffn_core.torch_dtypes import TORCH
 
 
 def measure_rows_per_s(model: FeedForward, rows: int, dtype: torch.dtype, threads: int, min_seconds: float) -> float:
@@ -78,7 +79,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")
     args = parser.parse_args(argv)
     try:
-        args.dtypes = [DTYPES[name].torch for name in args.dtypes.split(",")]
+        args.dtypes = [TORCH[name] for name in args.dtypes.split(",")]
     except KeyError as exc:
         parser.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
     args.threads = [(os.cpu_count() or 1) if t == "all" else int(t) for t in args.threads.split(",")]

@@ -62,7 +62,7 @@ STAGES: list[Rule] = [
         frozenset(
             {
                 "encode",
-                "to_wire_dtype",
+                "answer_as_array",
                 "check_finite_output",
                 "raw_bytes",
                 "Response.__init__",

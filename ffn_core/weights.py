@@ -34,6 +34,7 @@ from ffn_core.layout import (
 )
 from ffn_core.model import FeedForward, build_ffn
 from ffn_core.readers import file_kind, open_reader, sniff
+from ffn_core.torch_dtypes import TORCH
 
 __all__ = ["CONFIG_KEY", "FORMATS", "FORMAT_TAG", "WeightsError", "expected_shapes", "load_ffn", "save_ffn"]
 
@@ -253,6 +254,6 @@ def _count_non_finite(tensor: torch.Tensor) -> int:
 
 def _parse_dtype(dtype: torch.dtype | str, path: Path) -> torch.dtype:
     try:
-        return dtype_named(dtype if isinstance(dtype, str) else str(dtype)).torch
+        return TORCH[dtype_named(dtype if isinstance(dtype, str) else str(dtype)).name]
     except ValueError as exc:
         raise WeightsError(f"{path}: {exc}") from None

@@ -71,7 +71,7 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
         [
             f"thread (1): MainThread;{handler};_decode (app/http/native/routes.py:70);view_rows (app/protocol/tensors.py:72);"
             "check_finite (app/protocol/tensors.py:55);all_finite (app/protocol/tensors.py:47) 5",
-            f"thread (1): MainThread;{handler};encode (app/protocol/native.py:240);to_wire_dtype (app/protocol/tensors.py:165);"
+            f"thread (1): MainThread;{handler};encode (app/protocol/native.py:240);"
             "check_finite_output (app/protocol/tensors.py:60);all_finite (app/protocol/tensors.py:47) 3",
             f"thread (1): MainThread;{loop};Batcher._collect (app/engine/batcher.py:290);Batcher._run (app/engine/batcher.py:370);"
             "ModelRunner.launch (app/engine/runner.py:130);FeedForward.forward (ffn_core/model.py:41);"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import importlib
 import importlib.metadata
 import inspect
 import json
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import ffn_core
 from app import __version__
 from app.engine import errors as engine_errors
 from app.protocol import errors as protocol_errors
@@ -31,10 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBMODULES = sorted(f"ffn_core.{path.stem}" for path in (ROOT / "ffn_core").glob("*.py") if path.stem != "__init__")
 SERVICE = ("app", "fastapi", "starlette", "uvicorn", "grpc")  # top-level packages ffn_core must not import
 ENGINE = sorted(f"app.engine.{path.stem}" for path in (ROOT / "app" / "engine").glob("*.py") if path.stem != "__init__")
-PROTOCOL = sorted(
-    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-    for path in (ROOT / "app" / "protocol").rglob("*.py")
-)
+
+
+def _modules_of(package: str) -> list[str]:
+    """Every module of a package of app (its folder's .py files, recursively), the package's own included."""
+    return sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for path in (ROOT / package.replace(".", "/")).rglob("*.py")
+    )
+
+
+PROTOCOL = _modules_of("app.protocol")
+DOORS = _modules_of("app.http") + _modules_of("app.grpc")
 
 
 def _service_modules_after(*imports: str) -> list[list[str]]:
@@ -87,6 +97,33 @@ def test_the_protocol_core_loads_no_web_or_grpc_stack_at_run_time() -> None:
     stacks = [[m for m in modules if m.split(".")[0] != "app" or m.startswith(doors)] for modules in after]
     assert stacks[:-1] == [[]] * len(PROTOCOL)
     assert {"fastapi", "starlette"} <= set(stacks[-1])
+
+
+def test_the_doors_and_the_protocol_core_load_no_torch_at_run_time() -> None:
+    # The doors will run in processes that never import torch: numpy arrays meet the engine at its
+    # facade (app/engine/facade.py). In one interpreter, every module of app.protocol, app.http and
+    # app.grpc in turn leaves torch unloaded; then the engine's service, which the same look must
+    # find loading it.
+    imports = [*PROTOCOL, *DOORS, "app.engine.service"]
+    code = "import importlib, sys\n" + "".join(
+        f"importlib.import_module({name!r}); print('torch' in sys.modules)\n" for name in imports
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    loaded = dict(zip(imports, (line == "True" for line in result.stdout.splitlines()), strict=True))
+    assert [name for name in imports[:-1] if loaded[name]] == []
+    assert loaded["app.engine.service"]
+    assert len(DOORS) > 30 and "app.http.native.routes" in DOORS and "app.grpc.service" in DOORS
+
+
+def test_ffn_core_exports_its_names_on_first_use() -> None:
+    # ffn_core's package imports its modules when a name is first used (so that ffn_core.dtypes needs
+    # no torch): every exported name is there, and is its defining module's own object.
+    exported = {name: getattr(ffn_core, name) for name in ffn_core.__all__}  # each one found
+    assert exported["FFNConfig"] is importlib.import_module("ffn_core.config").FFNConfig
+    assert exported["load_ffn"] is importlib.import_module("ffn_core.weights").load_ffn
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        ffn_core.nothing  # noqa: B018
 
 
 def test_only_the_http_transport_touches_uvicorns_internals() -> None:

@@ -13,11 +13,11 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import orjson
 import pytest
-import torch
 
 from app.engine.service import ServedModel
 from app.protocol.limits import MAX_JSON_OBJECTS, MAX_JSON_STRINGS
 from app.settings import Settings
+from ffn_core.dtypes import DType
 from tests.in_process import InProcessApp
 from tests.reference import assert_close, demo_reference
 
@@ -41,11 +41,11 @@ def held_when_queued(
     seen: list[int] = []
     original = ServedModel.infer
 
-    async def infer(self: ServedModel, rows: torch.Tensor, *, deadline: float | None) -> torch.Tensor:
+    async def infer(self: ServedModel, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
         seen.append(held.held)
         if gate is not None and len(seen) == 1:
             await gate.wait()
-        return await original(self, rows, deadline=deadline)
+        return await original(self, rows, answer_dtype, deadline=deadline)
 
     monkeypatch.setattr(ServedModel, "infer", infer)
     return seen

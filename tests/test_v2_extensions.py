@@ -15,6 +15,7 @@ import torch
 from app.settings import ModelSpec, Settings
 from ffn_client.testing import metric_value
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_core.dtypes import DTYPES
 from tests.in_process import InProcessApp
 
 D_MODEL, D_FF = 16, 64
@@ -176,9 +177,9 @@ async def test_statistics_count_what_was_sent(service: InProcessApp) -> None:
 async def test_a_batch_counts_once_as_an_execution_and_per_request_in_compute(service: InProcessApp) -> None:
     """Three requests queued in one tick run as one batch: one execution, three requests' computes."""
     served = service.app.state.service.engine.model("plain")
-    parts = [torch.randn(n, D_MODEL) for n in (1, 2, 3)]
+    parts = [np.random.default_rng(n).standard_normal((n, D_MODEL), dtype=np.float32) for n in (1, 2, 3)]
     # gather starts the three submits before the collector task runs again: one batch of 6 rows.
-    await asyncio.gather(*(served.infer(part, deadline=None) for part in parts))
+    await asyncio.gather(*(served.infer(part, DTYPES["float32"], deadline=None) for part in parts))
     stat = await stats_of(service.client, "/v2/models/plain/stats")
     assert stat["execution_count"] == 1 and stat["inference_count"] == 6
     inference = stat["inference_stats"]

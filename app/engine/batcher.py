@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -40,7 +41,7 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
-from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.montecarlo import MonteCarloRequest
 from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
 from app.engine.staging import Pending
@@ -67,6 +68,15 @@ INLINE_YIELDS = 3
 INLINE_YIELDS_ALONE = 1
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Moments:
+    """A Monte Carlo request's per-element mean and standard deviation (Bessel-corrected) over its passes,
+    on the host in the compute dtype (ServedModel answers them as a MonteCarloResult, in the answer's dtype)."""
+
+    mean: torch.Tensor  # (rows, d_model)
+    std: torch.Tensor  # (rows, d_model)
 
 
 def count_failure(instruments: ModelInstruments, arrived: float) -> None:
@@ -195,7 +205,7 @@ class Batcher:
 
     async def submit_monte_carlo(
         self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None = None
-    ) -> MonteCarloResult:
+    ) -> Moments:
         """Mean and std of `request.passes` dropout passes over `rows` (n, d_model). `deadline`: loop.time()."""
         arrived = time.perf_counter()
         n = rows.shape[0]
@@ -494,7 +504,7 @@ class Batcher:
         if not entry.future.done():
             entry.future.set_result(result)
 
-    def _slice(self, entry: Entry, passes: int) -> MonteCarloResult | None:
+    def _slice(self, entry: Entry, passes: int) -> Moments | None:
         """On the device thread: run `passes` more passes; the result once the last has run."""
         assert self._start_monte_carlo is not None and entry.monte_carlo is not None
         if entry.passes is None:
@@ -508,4 +518,4 @@ class Batcher:
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             raise
-        return MonteCarloResult(mean.to("cpu"), std.to("cpu"))
+        return Moments(mean.to("cpu"), std.to("cpu"))

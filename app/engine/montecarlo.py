@@ -1,4 +1,4 @@
-"""Monte Carlo dropout requests, as the engine takes and answers them.
+"""Monte Carlo dropout requests and results, as the engine's facade takes and answers them (no torch here).
 
 A request asks for N stochastic passes over its rows and gets their mean and standard deviation.
 It is never batched with others (its masks are drawn for its own rows from its own seed, so
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class MonteCarloRequest:
 
 @dataclass(frozen=True)
 class MonteCarloResult:
-    """Per-element mean and standard deviation (Bessel-corrected) over the passes, on the host."""
+    """Per-element mean and standard deviation (Bessel-corrected) over the passes, as the facade answers
+    them: numpy arrays in the answer's dtype (bfloat16 as its uint16 patterns: ffn_core/dtypes.py)."""
 
-    mean: torch.Tensor  # (rows, d_model)
-    std: torch.Tensor  # (rows, d_model)
+    mean: np.ndarray  # (rows, d_model)
+    std: np.ndarray  # (rows, d_model)

@@ -36,7 +36,7 @@ class Entry:
     """
 
     rows: torch.Tensor  # (n, d_model), on the host
-    future: asyncio.Future[Any]  # a torch.Tensor, or a MonteCarloResult for a Monte Carlo entry
+    future: asyncio.Future[Any]  # a torch.Tensor, or the Moments of a Monte Carlo entry
     enqueued_at: float  # loop.time(), for max_wait
     arrived: float  # time.perf_counter(), for metrics (uvloop's loop.time() counts whole milliseconds)
     deadline: float | None

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from app.engine.batcher import Batcher
@@ -29,8 +31,15 @@ from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.digest import short, weights_digest
 from ffn_core.dtypes import DTYPES, DType
+from ffn_core.torch_dtypes import TORCH
 
 log = logging.getLogger("ffn_serve")
+
+# torch warns once per process, at the first tensor made from a read-only array (rows viewed in a
+# `bytes` body), that it cannot protect it. Request rows are only read: spend that warning here, silently.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.from_numpy(np.frombuffer(bytes(4), dtype=np.float32))
 
 
 class ModelLoadError(RuntimeError):
@@ -262,17 +271,45 @@ class ServedModel:
                 raise unloaded_error(self.name)
             raise Unavailable(f"model {self.name!r} is not ready: {status.reason}")
 
-    async def infer(self, rows: torch.Tensor, *, deadline: float | None) -> torch.Tensor:
-        """The FFN of `rows` (n, d_model), batched with other requests' rows."""
+    async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
+        """The FFN of `rows`, batched with other requests' rows, as an array carrying `answer_dtype`.
+
+        `rows`: (n, d_model), C-contiguous, carrying float32, float16 or bfloat16 (ffn_core/dtypes.py:
+        bfloat16 as uint16 patterns); read in place, never written. The answer: (n, d_model), a view
+        of the batch's output when it is in `answer_dtype` already, else converted as torch rounds.
+        """
         self.check_serving()
-        return await self._batcher.submit(rows, deadline=deadline)
+        output = await self._batcher.submit(rows_as_tensor(rows), deadline=deadline)
+        return answer_as_array(output, answer_dtype)
 
     async def infer_monte_carlo(
-        self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None
+        self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
     ) -> MonteCarloResult:
-        """Mean and std of a Monte Carlo dropout request's passes over `rows` (n, d_model)."""
+        """Mean and std of a Monte Carlo dropout request's passes over `rows` (as `infer` takes them), in `answer_dtype`."""
         self.check_serving()
-        return await self._batcher.submit_monte_carlo(rows, request, deadline=deadline)
+        moments = await self._batcher.submit_monte_carlo(rows_as_tensor(rows), request, deadline=deadline)
+        return MonteCarloResult(answer_as_array(moments.mean, answer_dtype), answer_as_array(moments.std, answer_dtype))
+
+
+# The facade's arrays as the engine's tensors and back: views, no copy unless a dtype changes. Here beside
+# `infer`, so that a request enters no file more (bench/journey.py).
+
+
+def rows_as_tensor(rows: np.ndarray) -> torch.Tensor:
+    """The rows as a tensor in their own memory: a uint16 array holds bfloat16's patterns."""
+    tensor = torch.from_numpy(rows)
+    return tensor.view(torch.bfloat16) if rows.dtype == np.uint16 else tensor
+
+
+def answer_as_array(output: torch.Tensor, dtype: DType) -> np.ndarray:
+    """A host tensor as a C-contiguous array carrying `dtype`: itself when it is in `dtype` and contiguous
+    already (the common case: a batch's own rows), else converted once (rounded to nearest even)."""
+    wire = TORCH[dtype.name]
+    if output.dtype != wire or not output.is_contiguous():
+        output = output.to(wire).contiguous()
+    if wire == torch.bfloat16:
+        output = output.view(torch.uint16)
+    return output.numpy()
 
 
 def described_source(spec: ModelSpec, source: WeightsFile | None = None) -> str:
@@ -286,7 +323,7 @@ def described_source(spec: ModelSpec, source: WeightsFile | None = None) -> str:
 def read_weights(spec: ModelSpec, path: Path | None = None) -> FeedForward:
     """The spec's weights read into host memory, in its dtype: from `path` (where weights_path found them),
     else from where the spec says; the built-in demo weights when it names no file and no hf_model."""
-    dtype = DTYPES[spec.dtype].torch
+    dtype = TORCH[spec.dtype]
     if path is None:
         path = weights_path(spec)
     if path is None:

@@ -3,7 +3,8 @@
 The edge looks a model up (`model`, `models`), reads its status or the server's (`readiness`),
 and sends it work through the ServedModel it got (`check_serving`, `infer`, `infer_monte_carlo`);
 the server process drives the lifecycle: start, warm up, drain, stop. A protocol (native, V2
-over HTTP, gRPC) is a codec and routes on this facade, nothing more.
+over HTTP, gRPC) is a codec and routes on this facade, nothing more: it knows it through
+app/engine/facade.py's protocols (numpy arrays in and out, no torch), and app/main.py wires this in.
 
 start: load (unless already loaded), start every batcher, then warm up in the background;
 each model turns READY once it has run its batch-size buckets. drain: every model turns
@@ -42,7 +43,8 @@ from app.metrics import OTHER_MODELS
 from app.settings import ModelSpec, Settings, configured_models
 from app.settings_problems import SettingsError
 
-__all__ = ["Engine", "ServedModel", "UnloadedModel"]  # the edge's whole view of the engine, with its errors and status
+# The doors know these through app/engine/facade.py's protocols only (they never import torch).
+__all__ = ["Engine", "ServedModel", "UnloadedModel"]
 
 log = logging.getLogger("ffn_serve")
 
@@ -139,6 +141,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self.readiness().ready
+
+    @property
+    def cuda_available(self) -> bool:
+        """Whether this server sees a CUDA device (what CUDA shared memory's refusal says)."""
+        return torch.cuda.is_available()
 
     # ----- lifecycle -------------------------------------------------------------------------
 

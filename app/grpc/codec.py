@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from tritonclient.grpc import service_pb2 as pb
 
-from app.engine.service import ServedModel
+from app.engine.facade import ModelFacade
 from app.grpc.wire import InferMessage
 from app.protocol import mc_parameters, tensors
 from app.protocol.digest import ANSWER_PARAMETER
@@ -38,7 +37,7 @@ FP32 = "FP32"
 
 @dataclass(frozen=True)
 class GrpcInferRequest:
-    rows: torch.Tensor  # (rows, d_model)
+    rows: np.ndarray  # (rows, d_model), carrying its data's dtype (app/engine/facade.py)
     shape: tuple[int, ...]
     dtype: DType
     id: str
@@ -126,7 +125,7 @@ def _raw(
     rows: int,
     d_model: int,
     dtype: DType,
-) -> torch.Tensor:
+) -> np.ndarray:
     if tensor.HasField("contents"):
         raise InvalidInput("input 'input' has both contents and raw_input_contents; send one of them")
     if len(message.raw) != 1:
@@ -144,7 +143,7 @@ def _raw(
 
 def _typed(
     tensor: pb.ModelInferRequest.InferInputTensor, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
-) -> torch.Tensor:
+) -> np.ndarray:
     contents = tensor.contents
     sent = [field.name for field, _ in contents.ListFields()]
     if not sent:
@@ -159,18 +158,20 @@ def _typed(
     if count != rows * d_model:
         raise InvalidInput(f"fp32_contents holds {count} values; shape {list(shape)} needs {rows * d_model}")
     values = np.array(contents.fp32_contents, dtype=np.float32).reshape(rows, d_model)
-    array = torch.from_numpy(values)
-    tensors.check_finite(array)
-    return array
+    tensors.check_finite(values)
+    return values
 
 
 def encode(
-    served: ServedModel,
+    served: ModelFacade,
     request: GrpcInferRequest,
-    answers: dict[str, torch.Tensor],
+    answers: dict[str, np.ndarray],
     parameters: Mapping[str, int | float] | None = None,
 ) -> pb.ModelInferResponse:
-    """The answer: every output asked for (all by default) in the request's dtype, raw or typed as it came."""
+    """The answer: every output asked for (all by default) in the request's dtype, raw or typed as it came.
+
+    `answers` carry the request's dtype (the engine's answer); one holding inf or NaN is refused.
+    """
     response = pb.ModelInferResponse(model_name=served.name, model_version=str(served.version), id=request.id)
     response.parameters[ANSWER_PARAMETER].string_param = served.digest  # which weights answered
     for key, value in (parameters or {}).items():
@@ -179,7 +180,8 @@ def encode(
         else:
             response.parameters[key].double_param = value
     for name in request.outputs if request.outputs is not None else tuple(answers):
-        wire = tensors.to_wire_dtype(answers[name], request.dtype)
+        wire = answers[name]
+        tensors.check_finite_output(wire)
         output = response.outputs.add(name=name, datatype=request.dtype.v2, shape=request.shape)
         span = request.shared_memory_outputs.get(name)
         if span is not None:  # written to the region; an empty raw entry keeps the entries in order
@@ -187,7 +189,7 @@ def encode(
             if not request.typed:
                 response.raw_output_contents.append(b"")
         elif request.typed:
-            output.contents.fp32_contents.extend(wire.numpy().reshape(-1).tolist())
+            output.contents.fp32_contents.extend(wire.reshape(-1).tolist())
         else:
             response.raw_output_contents.append(bytes(tensors.raw_bytes(wire)))
     return response

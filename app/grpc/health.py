@@ -14,7 +14,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from app.engine.service import Engine
+from app.engine.facade import EngineFacade
 from app.grpc.malformed import Malformed
 from app.grpc.status import refuse
 from app.protocol.admission import CallsInFlight
@@ -27,7 +27,7 @@ WATCH_INTERVAL_S = 1.0  # how often a Watch call looks at the state again
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    def __init__(self, engine: Engine, probes: CallsInFlight) -> None:
+    def __init__(self, engine: EngineFacade, probes: CallsInFlight) -> None:
         """`probes`: the budget of calls open without a key, which Check and Watch (for its whole life) take."""
         self._engine = engine
         self._probes = probes

@@ -13,7 +13,7 @@ one later (registering CUDA shared memory) means replacing that method.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -25,7 +25,7 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
-from app.engine.service import ServedModel
+from app.engine.facade import ModelFacade
 from app.errors import drop_frames
 from app.grpc import codec
 from app.grpc.auth import OPEN_NAMES as OPEN_METHODS
@@ -154,10 +154,9 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     @answered
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         # As Triton: no name asks for every model.
-        if request.name:
-            models = [self._engine.model(request.name, _version(request.version))]
-        else:
-            models = self._engine.models()
+        models: Sequence[ModelFacade] = (
+            [self._engine.model(request.name, _version(request.version))] if request.name else self._engine.models()
+        )
         stats = statistics.model_stats(self._state.metrics.merged, models)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)  # the digest
 
@@ -209,10 +208,10 @@ class InferenceServicer(GRPCInferenceServiceServicer):
                 else None
             )
             if asked is None:
-                output = await served.infer(decoded.rows, deadline=deadline)
+                output = await served.infer(decoded.rows, decoded.dtype, deadline=deadline)
                 identity.resumed()  # a traced request's encode stage starts here
                 return codec.encode(served, decoded, {OUTPUT_NAME: output})
-            result = await served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+            result = await served.infer_monte_carlo(decoded.rows, asked, decoded.dtype, deadline=deadline)
             identity.resumed()
             answers = {OUTPUT_NAME: result.mean, STD_OUTPUT_NAME: result.std}
             return codec.encode(served, decoded, answers, mc_parameters.echoed(asked))
@@ -261,12 +260,12 @@ class InferenceServicer(GRPCInferenceServiceServicer):
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> pb.CudaSharedMemoryStatusResponse:
-        system_shared_memory.cuda_status(request.name or None)  # none registered: empty, or NOT_FOUND
+        system_shared_memory.cuda_status(self._state, request.name or None)  # none registered: empty, or NOT_FOUND
         return pb.CudaSharedMemoryStatusResponse()
 
     @answered
     async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
-        await system_shared_memory.cuda_register()
+        await system_shared_memory.cuda_register(self._state)
 
     @answered
     async def CudaSharedMemoryUnregister(
@@ -339,7 +338,7 @@ DEADLINE_SKEW_S = 0.5  # how much earlier than the server's the client's copy of
 
 
 @contextmanager
-def _counted_if_cancelled(state: ServiceState, served: ServedModel, context: Context) -> Iterator[None]:
+def _counted_if_cancelled(state: ServiceState, served: ModelFacade, context: Context) -> Iterator[None]:
     """Count a call cancelled while it waits: by its client (client_closed_request) or by its deadline.
 
     ServiceState.count sees exceptions; a cancelled call ends with CancelledError instead.

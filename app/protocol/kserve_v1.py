@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import orjson
-import torch
 
 from app.engine.errors import Unavailable
-from app.engine.service import Engine
+from app.engine.facade import EngineFacade
 from app.protocol.errors import InvalidInput, UnsupportedMediaType
 from app.protocol.fields import loads_json, media_type
 from app.protocol.native import FLOAT32, DecodedInput
-from app.protocol.tensors import check_json_counts, check_shape, json_numbers_to_array, to_wire_dtype
+from app.protocol.tensors import check_finite_output, check_json_counts, check_shape, json_numbers_to_array
 
 Field = Literal["instances", "inputs"]
 FIELDS: tuple[Field, ...] = ("instances", "inputs")
@@ -64,16 +64,19 @@ def decode(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput
             f"(or [seq, {d_model}]), got shape {list(array.shape)}"
         )
     rows = check_shape(array.shape, d_model)
-    return DecodedInput(torch.from_numpy(array).view(rows, d_model), array.shape, FLOAT32)
+    return DecodedInput(array.reshape(rows, d_model), array.shape, FLOAT32)
 
 
-def encode(output: torch.Tensor, decoded: DecodedInput) -> bytes:
-    """`{"predictions": [...]}`: one prediction per instance, each of its instance's shape (422 if not finite)."""
-    array = to_wire_dtype(output, FLOAT32).numpy().reshape(decoded.shape)
-    return orjson.dumps({"predictions": array}, option=orjson.OPT_SERIALIZE_NUMPY)
+def encode(output: np.ndarray, decoded: DecodedInput) -> bytes:
+    """`{"predictions": [...]}`: one prediction per instance, each of its instance's shape (422 if not finite).
+
+    `output` is the engine's float32 answer (the dtype of `decoded`).
+    """
+    check_finite_output(output)
+    return orjson.dumps({"predictions": output.reshape(decoded.shape)}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def model_ready(engine: Engine, name: str) -> bytes:
+def model_ready(engine: EngineFacade, name: str) -> bytes:
     """`{"name", "ready": true}` for a ready model; 503 (Unavailable) when it is not, 404 when unknown."""
     status = engine.model(name).status
     if not status.ready:

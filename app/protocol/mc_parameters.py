@@ -13,8 +13,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from app.engine.facade import ModelFacade
 from app.engine.montecarlo import MonteCarloRequest
-from app.engine.service import ServedModel
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import int_field, number_field, text_int, text_number
 
@@ -30,7 +30,7 @@ def asks_for_monte_carlo(values: Mapping[str, Any]) -> bool:
     return values.get(PASSES) is not None
 
 
-def from_json(parameters: Mapping[str, Any], served: ServedModel, max_passes: int) -> MonteCarloRequest | None:
+def from_json(parameters: Mapping[str, Any], served: ModelFacade, max_passes: int) -> MonteCarloRequest | None:
     """The request asked for by V2 request parameters (typed JSON), or None for a plain request."""
     where = "request parameter"
     passes = int_field(parameters, PASSES, where, minimum=2, maximum=max(2, max_passes))
@@ -39,7 +39,7 @@ def from_json(parameters: Mapping[str, Any], served: ServedModel, max_passes: in
     return _request(passes, seed, dropout, served, max_passes)
 
 
-def from_query(values: Mapping[str, str], served: ServedModel, max_passes: int) -> MonteCarloRequest | None:
+def from_query(values: Mapping[str, str], served: ModelFacade, max_passes: int) -> MonteCarloRequest | None:
     """The request asked for by native query parameters (text), or None for a plain request."""
     passes = _text_integer(values, PASSES, 2, max(2, max_passes))
     seed = _text_integer(values, SEED, 0, MAX_SEED)
@@ -53,7 +53,7 @@ def echoed(request: MonteCarloRequest) -> dict[str, int | float]:
 
 
 def _request(
-    passes: int | None, seed: int | None, dropout: float | None, served: ServedModel, max_passes: int
+    passes: int | None, seed: int | None, dropout: float | None, served: ModelFacade, max_passes: int
 ) -> MonteCarloRequest | None:
     if passes is None:
         stray = [name for name, value in ((SEED, seed), (DROPOUT, dropout)) if value is not None]

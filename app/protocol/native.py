@@ -20,7 +20,6 @@ from urllib.parse import parse_qsl
 
 import numpy as np
 import orjson
-import torch
 
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
@@ -29,11 +28,11 @@ from app.protocol.fields import loads_json, media_type
 from app.protocol.limits import NPY_MAX_HEADER
 from app.protocol.tensors import (
     MAX_RANK,
+    check_finite_output,
     check_json_counts,
     check_shape,
     json_numbers_to_array,
     raw_bytes,
-    to_wire_dtype,
     view_rows,
 )
 from ffn_core.dtypes import BY_NUMPY, DTYPE_NAMES, DTYPES, DType
@@ -51,9 +50,12 @@ FLOAT32 = DTYPES["float32"]
 
 @dataclass(frozen=True)
 class DecodedInput:
-    """A request's rows, flattened to (rows, d_model), and the shape and dtype to answer in."""
+    """A request's rows, flattened to (rows, d_model), and its shape and dtype.
 
-    rows: torch.Tensor
+    `rows` carries the body's dtype (app/engine/facade.py): a view of a binary body, or the array a JSON body was parsed to.
+    """
+
+    rows: np.ndarray
     shape: tuple[int, ...]
     dtype: DType
 
@@ -204,8 +206,7 @@ def decode_json(body: bytes | bytearray, d_model: int, max_rows: int) -> Decoded
         raise InvalidInput('duplicate key "inputs" in the JSON body')
     array = json_numbers_to_array(document["inputs"], "inputs", body, FLOAT32)
     rows = check_shape(array.shape, d_model)
-    tensor = torch.from_numpy(array).view(rows, d_model)
-    return DecodedInput(tensor, array.shape, FLOAT32)
+    return DecodedInput(array.reshape(rows, d_model), array.shape, FLOAT32)
 
 
 # ----- encoding -----------------------------------------------------------------------------
@@ -217,24 +218,36 @@ def check_answerable(encoding: Encoding, dtype: DType) -> None:
         raise NotAcceptable(f"numpy has no {dtype.name}: Accept application/octet-stream for a {dtype.name} answer")
 
 
+def answer_dtype(decoded: DecodedInput, encoding: Encoding) -> DType:
+    """The dtype the engine answers in: float32 for JSON, else the request's own."""
+    return FLOAT32 if encoding == "json" else decoded.dtype
+
+
 def encode(
-    model: str, output: torch.Tensor, decoded: DecodedInput, encoding: Encoding
+    model: str, output: np.ndarray, decoded: DecodedInput, encoding: Encoding
 ) -> tuple[bytes | memoryview, dict[str, str]]:
-    """The answer's body and headers (Content-Type included) in `encoding`."""
+    """The answer's body and headers (Content-Type included) in `encoding`; `output` carries answer_dtype's dtype.
+
+    An answer holding inf or NaN is refused (422).
+    """
+    check_finite_output(output)
     if encoding == "json":
-        array = to_wire_dtype(output, FLOAT32).numpy().reshape(decoded.shape)
         body = orjson.dumps(
-            {"model": model, "shape": list(decoded.shape), "dtype": "float32", "outputs": array},
+            {
+                "model": model,
+                "shape": list(decoded.shape),
+                "dtype": "float32",
+                "outputs": output.reshape(decoded.shape),
+            },
             option=orjson.OPT_SERIALIZE_NUMPY,
         )
         return body, {"content-type": MEDIA_TYPE_OF["json"]}
-    wire = to_wire_dtype(output, decoded.dtype)
     if encoding == "npy":
         check_answerable(encoding, decoded.dtype)
         buffer = io.BytesIO()
-        np.save(buffer, wire.numpy().reshape(decoded.shape), allow_pickle=False)
+        np.save(buffer, output.reshape(decoded.shape), allow_pickle=False)
         return buffer.getvalue(), {"content-type": MEDIA_TYPE_OF["npy"]}
-    return raw_bytes(wire), {
+    return raw_bytes(output), {
         "content-type": MEDIA_TYPE_OF["raw"],
         "x-shape": ",".join(map(str, decoded.shape)),
         "x-dtype": decoded.dtype.name,
@@ -269,29 +282,33 @@ def query_parameters(query: bytes) -> dict[str, str]:
 def encode_monte_carlo(
     model: str, result: MonteCarloResult, request: MonteCarloRequest, decoded: DecodedInput, encoding: Encoding
 ) -> tuple[bytes | memoryview, dict[str, str]]:
-    """The answer's body and headers in `encoding`: JSON with mean and std, or the two stacked."""
+    """The answer's body and headers in `encoding`: JSON with mean and std, or the two stacked.
+
+    `result` carries answer_dtype's dtype; inf or NaN in it is refused (422), as in a plain answer.
+    """
     parameters = mc_parameters.echoed(request)
     headers = {MC_HEADERS[name]: str(value) for name, value in parameters.items()}
     if encoding == "json":
-        # Through to_wire_dtype like the plain answer: inf or NaN is a 422, never written as null.
-        mean, std = (to_wire_dtype(t, FLOAT32).numpy().reshape(decoded.shape) for t in (result.mean, result.std))
+        check_finite_output(result.mean)
+        check_finite_output(result.std)
         body = orjson.dumps(
             {
                 "model": model,
                 "shape": list(decoded.shape),
                 "dtype": "float32",
                 **parameters,
-                "mean": mean,
-                "std": std,
+                "mean": result.mean.reshape(decoded.shape),
+                "std": result.std.reshape(decoded.shape),
             },
             option=orjson.OPT_SERIALIZE_NUMPY,
         )
         return body, {"content-type": MEDIA_TYPE_OF["json"], **headers}
-    stacked = to_wire_dtype(torch.stack([result.mean, result.std]), decoded.dtype)  # (2, rows, d_model)
+    stacked = np.stack([result.mean, result.std])  # (2, rows, d_model)
+    check_finite_output(stacked)
     shape = (2, *decoded.shape)
     if encoding == "npy":
         buffer = io.BytesIO()
-        np.save(buffer, stacked.numpy().reshape(shape), allow_pickle=False)
+        np.save(buffer, stacked.reshape(shape), allow_pickle=False)
         return buffer.getvalue(), {"content-type": MEDIA_TYPE_OF["npy"], **headers}
     return raw_bytes(stacked), {
         "content-type": MEDIA_TYPE_OF["raw"],

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app.control import Control
-from app.engine.service import Engine
+from app.engine.facade import EngineFacade
 from app.metrics import Metrics
 from app.protocol.admission import HeldBytes, Outcomes
 from app.protocol.shared_memory import SharedMemoryRegions
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
 @dataclass
 class ServiceState:
     settings: Settings
-    engine: Engine
+    engine: EngineFacade  # the engine as the doors see it: app/main.py wires app/engine/service.py's
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
     held: HeldBytes  # bytes held by the requests this process is answering (app/protocol/admission.py)

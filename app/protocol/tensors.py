@@ -5,6 +5,10 @@ Raw tensors are little-endian and C order; they are viewed in the request's own 
 never copied. JSON bodies are counted before they are parsed, so that a body cannot ask for
 more Python objects than the largest tensor the model would accept, nor an envelope (the
 objects and strings around the tensor) larger than a request needs.
+
+Tensors are numpy arrays, as the engine's facade takes and answers them (app/engine/facade.py):
+float32 and float16 in their own dtype, bfloat16 as uint16 arrays of its bit patterns
+(ffn_core/dtypes.py). No torch here: the doors run in processes that never import it.
 """
 
 from __future__ import annotations
@@ -12,22 +16,19 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
 from app.protocol.fields import json_type
 from app.protocol.limits import JSON_SLACK, MAX_JSON_OBJECTS, MAX_JSON_STRINGS, MAX_LONG_INTEGERS, MAX_RANK
 from ffn_core.dtypes import DType
 
-# torch warns once per process, at the first tensor viewed in a read-only buffer (a `bytes` body),
-# that it cannot protect it. Request rows are only read: spend that one warning here, silently.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    torch.frombuffer(bytes(4), dtype=torch.float32)
+# bfloat16's bit patterns: sign, 8 exponent bits, 7 mantissa bits. Infinity and NaN are the
+# patterns whose exponent is all ones: their magnitude (the sign cleared) is at least 0x7F80.
+_BF16_MAGNITUDE = np.uint16(0x7FFF)
+_BF16_NOT_FINITE = 0x7F80
 
 # Integer literals beyond 64 bits, which orjson turns into floats: the characters of numbers mapped
 # to three classes (digits to '9'; '.', 'e', 'E', '+' to '.'; '-' kept), everything else to ' ', so
@@ -56,21 +57,20 @@ def check_shape(shape: Sequence[int], d_model: int) -> int:
     return math.prod(shape[:-1])
 
 
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether a host tensor holds no NaN or infinity."""
-    if tensor.dtype == torch.bfloat16:  # no numpy dtype; torch's isfinite is 30x slower than min/max here
-        low, high = torch.aminmax(tensor)  # NaN propagates into both
-        return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-    # numpy is far cheaper per call than torch's dispatch; the ufunc's reduce skips ndarray.all's Python wrapper.
-    return bool(np.logical_and.reduce(np.isfinite(tensor.numpy()), axis=None))
+def all_finite(array: np.ndarray) -> bool:
+    """Whether an array of a tensor (bfloat16 as uint16 patterns) holds no NaN or infinity."""
+    if array.dtype == np.uint16:  # bfloat16's patterns: the largest magnitude tells
+        return not array.size or int(np.bitwise_and(array, _BF16_MAGNITUDE).max()) < _BF16_NOT_FINITE
+    # The ufunc's reduce skips ndarray.all's Python wrapper.
+    return bool(np.logical_and.reduce(np.isfinite(array), axis=None))
 
 
-def check_finite(rows: torch.Tensor) -> None:
+def check_finite(rows: np.ndarray) -> None:
     if not all_finite(rows):
         raise InvalidInput("inputs must be finite numbers: found NaN or Infinity")
 
 
-def check_finite_output(output: torch.Tensor) -> None:
+def check_finite_output(output: np.ndarray) -> None:
     """An answer holding inf or NaN (a finite input that overflowed) is refused, never sent as null or inf."""
     if not all_finite(output):
         raise NonFiniteOutput(
@@ -81,16 +81,16 @@ def check_finite_output(output: torch.Tensor) -> None:
 
 def view_rows(
     buffer: bytes | bytearray | memoryview, dtype: DType, rows: int, d_model: int, offset: int = 0
-) -> torch.Tensor:
-    """(rows, d_model) of `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
+) -> np.ndarray:
+    """(rows, d_model) carrying `dtype` viewed in `buffer` at `offset`, without a copy; checked finite.
 
     The caller has checked that the buffer holds exactly rows * d_model elements from `offset`.
-    A `bytes` buffer gives a tensor torch cannot mark read-only; nothing on the way to the model
-    writes into its input (the runner reads it, or copies it into a staging slot).
+    A `bytes` buffer gives a read-only array; nothing on the way to the model writes into its
+    input (the runner reads it, or copies it into a staging slot).
     """
-    tensor = torch.frombuffer(buffer, dtype=dtype.torch, offset=offset, count=rows * d_model).view(rows, d_model)
-    check_finite(tensor)
-    return tensor
+    array = np.frombuffer(buffer, dtype=dtype.array, count=rows * d_model, offset=offset).reshape(rows, d_model)
+    check_finite(array)
+    return array
 
 
 def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
@@ -144,7 +144,7 @@ def json_numbers_to_array(
             wide = _integers_beyond_64_bits(text)
             if wide and np.isin(array, list(wide)).any():
                 raise InvalidInput(f"{field!r} holds an integer beyond 64 bits; write large values as floats (1e20)")
-        largest = float(torch.finfo(dtype.torch).max)
+        largest = dtype.largest
         if peak > largest:
             raise InvalidInput(
                 f"{field!r} must be finite {dtype.name} numbers: {peak:g} is out of {dtype.name} range "
@@ -208,17 +208,13 @@ def _kind_name(dtype: np.dtype) -> str:
     )
 
 
-def to_wire_dtype(output: torch.Tensor, dtype: DType) -> torch.Tensor:
-    """The output in the answer's dtype, refused (422) if it holds inf or NaN there."""
-    fits = output.dtype == dtype.torch and output.is_contiguous()  # the common case: the batch's own rows, as they are
-    wire = output if fits else output.to(dtype.torch).contiguous()
-    check_finite_output(wire)
-    return wire
-
-
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes, little-endian, without a copy (bfloat16 through its 16-bit pattern)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    array: np.ndarray = tensor.numpy()
+def raw_bytes(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, little-endian, without a copy (bfloat16 its 16-bit patterns)."""
     return memoryview(array.data).cast("B")
+
+
+def as_float32(array: np.ndarray) -> np.ndarray:
+    """An answer's values as float32, exactly (JSON numbers): bfloat16's patterns are float32's upper halves."""
+    if array.dtype == np.uint16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32, copy=False)

@@ -35,9 +35,9 @@ async def predict(name: str, request: Request) -> Response:
             served = state.engine.model(name)
             decoded = kserve_v1.decode(body, served.d_model, state.settings.max_queue_rows)
             del body
-            hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into a tensor of its own
+            hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into an array of its own
             identity.decoded(decoded.shape, decoded.dtype.name)
-            output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+            output = await unless_disconnected(request, served.infer(decoded.rows, decoded.dtype, deadline=deadline))
             content, headers_out = await compressed(
                 kserve_v1.encode(output, decoded), {"content-type": kserve_v1.MEDIA_TYPE}, coding_out
             )

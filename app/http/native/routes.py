@@ -6,7 +6,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.engine.service import ServedModel
+from app.engine.facade import ModelFacade
 from app.http.endpoints import (
     TIMEOUT_HEADER,
     Endpoint,
@@ -63,15 +63,16 @@ async def transform(name: str, request: Request) -> Response:
             )
             del body  # binary rows are a view of it: those bytes stay held, and counted
             identity.decoded(decoded.shape, decoded.dtype.name)
-            if encoding_in == "json":  # the body is gone, parsed into a tensor of its own
+            if encoding_in == "json":  # the body is gone, parsed into an array of its own
                 hold.resize(decoded.rows.nbytes)
+            answer_dtype = codec.answer_dtype(decoded, encoding_out)
             if asked is not None:
                 result = await unless_disconnected(
-                    request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+                    request, served.infer_monte_carlo(decoded.rows, asked, answer_dtype, deadline=deadline)
                 )
                 content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
             else:
-                output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+                output = await unless_disconnected(request, served.infer(decoded.rows, answer_dtype, deadline=deadline))
                 content, answer_headers = codec.encode(name, output, decoded, encoding_out)
             answer_headers[DIGEST_HEADER] = served.digest
             content, answer_headers = await compressed(content, answer_headers, coding_out)
@@ -84,7 +85,7 @@ def _decode(
     headers: Headers,
     encoding_in: codec.Encoding,
     encoding_out: codec.Encoding,
-    served: ServedModel,
+    served: ModelFacade,
     max_rows: int,
 ) -> codec.DecodedInput:
     """The request's rows, refused here if anything is wrong, and checked answerable in `encoding_out`."""

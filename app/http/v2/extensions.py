@@ -9,11 +9,12 @@ a bare 404.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.responses import Response
 
-from app.engine.service import ServedModel
+from app.engine.facade import ModelFacade
 from app.http.endpoints import Endpoint, Handler, StateDep
 from app.http.openapi import error_responses
 from app.http.v2 import log_settings, system_shared_memory, trace_extension
@@ -31,7 +32,7 @@ async def version_config(name: str, version: str, state: StateDep) -> dict[str, 
     return model_configuration(state.engine.model(name, version), state.settings)
 
 
-def _statistics(state: ServiceState, models: list[ServedModel]) -> dict[str, Any]:
+def _statistics(state: ServiceState, models: Sequence[ModelFacade]) -> dict[str, Any]:
     return statistics.model_stats(state.metrics.merged, models)  # every worker's samples
 
 

@@ -70,14 +70,16 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
                 else None
             )
             if asked is None:
-                output = await unless_disconnected(request, served.infer(decoded.rows, deadline=deadline))
+                output = await unless_disconnected(
+                    request, served.infer(decoded.rows, decoded.dtype, deadline=deadline)
+                )
                 content, headers = codec.encode(
                     name, served.version, decoded, {codec.OUTPUT_NAME: output}, {ANSWER_PARAMETER: served.digest}
                 )
             else:
                 # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
                 result = await unless_disconnected(
-                    request, served.infer_monte_carlo(decoded.rows, asked, deadline=deadline)
+                    request, served.infer_monte_carlo(decoded.rows, asked, decoded.dtype, deadline=deadline)
                 )
                 tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
                 parameters = {**mc_parameters.echoed(asked), ANSWER_PARAMETER: served.digest}

@@ -49,16 +49,16 @@ async def unregister_all(state: StateDep) -> Response:
     return Response(status_code=200)
 
 
-async def cuda_all_status() -> list[dict[str, Any]]:
-    return cuda_status()
+async def cuda_all_status(state: StateDep) -> list[dict[str, Any]]:
+    return cuda_status(state)
 
 
-async def cuda_region_status(region: str) -> list[dict[str, Any]]:
-    return cuda_status(region)
+async def cuda_region_status(region: str, state: StateDep) -> list[dict[str, Any]]:
+    return cuda_status(state, region)
 
 
-async def cuda_register_region(region: str) -> Response:
-    await cuda_register()
+async def cuda_register_region(region: str, state: StateDep) -> Response:
+    await cuda_register(state)
     return Response(status_code=200)  # not reached: registering is refused
 
 

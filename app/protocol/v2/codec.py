@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
-import torch
 
 from app.protocol import identity, mc_parameters, tensors
 from app.protocol.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
@@ -60,7 +60,7 @@ class SharedMemorySpan:
 
 @dataclass(frozen=True)
 class V2Request:
-    rows: torch.Tensor  # (rows, d_model)
+    rows: np.ndarray  # (rows, d_model), carrying its data's dtype (app/engine/facade.py)
     shape: tuple[int, ...]
     dtype: DType
     id: str | None
@@ -68,7 +68,7 @@ class V2Request:
     binary_output: bool  # binary_data_output: the default for outputs that do not say
     parameters: dict[str, Any]  # the request's parameters: timeout, binary_data_output, mc_passes, ...
     timeout_us: float | None  # the `timeout` parameter, microseconds as in Triton; None when absent
-    binary_input: bool  # `rows` is a view of the body's binary section (else a tensor of its own: JSON, shared memory)
+    binary_input: bool  # `rows` is a view of the body's binary section (else an array of its own: JSON, shared memory)
     shared_memory_outputs: dict[str, SharedMemorySpan] = field(default_factory=dict)  # written there, not sent
 
 
@@ -213,7 +213,7 @@ def shared_memory_tensor(
     dtype: DType,
     max_rows: int,
     max_bytes: int,
-) -> torch.Tensor:
+) -> np.ndarray:
     """The input's rows, copied out of its region (the client cannot change them under the batch)."""
     span = shared_memory_span(parameters, regions, "input")
     expected = rows * d_model * dtype.itemsize
@@ -247,7 +247,7 @@ def _shape(value: object) -> tuple[int, ...]:
 
 def _binary_tensor(
     body: bytes | bytearray, json_end: int, size: int, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
-) -> torch.Tensor:
+) -> np.ndarray:
     expected = rows * d_model * dtype.itemsize
     if size != expected:
         raise InvalidInput(f"binary_data_size is {size} but shape {list(shape)} of {dtype.v2} needs {expected}")
@@ -258,13 +258,13 @@ def _binary_tensor(
 
 def _json_tensor(
     data: object, source: bytes | bytearray | memoryview, shape: tuple[int, ...], rows: int, d_model: int, dtype: DType
-) -> torch.Tensor:
+) -> np.ndarray:
     if data is None:
         raise InvalidInput("input has neither 'data' nor parameters.binary_data_size")
     array = tensors.json_numbers_to_array(data, "data", source, dtype)
     if array.size != math.prod(shape) or (array.ndim > 1 and array.shape != shape):
         raise InvalidInput(f"'data' holds {array.size} values in shape {list(array.shape)}; shape says {list(shape)}")
-    return torch.from_numpy(array.reshape(rows, d_model))
+    return array.reshape(rows, d_model)  # float32, whatever the datatype: the answer is rounded to it
 
 
 def _requested_outputs(
@@ -316,12 +316,13 @@ def encode(
     model: str,
     version: int,
     request: V2Request,
-    answers: dict[str, torch.Tensor],
+    answers: dict[str, np.ndarray],
     parameters: dict[str, Any] | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """The response body and headers: JSON, or a JSON header followed by the binary outputs.
 
-    `answers` holds every output the answer has, by name; the request's `outputs` pick among them.
+    `answers` holds every output the answer has, by name, carrying the request's dtype (the engine's
+    answer); the request's `outputs` pick among them, and one holding inf or NaN is refused (422).
     """
     wanted = request.outputs if request.outputs is not None else dict.fromkeys(answers, request.binary_output)
     described_outputs: list[dict[str, Any]] = []
@@ -332,7 +333,8 @@ def encode(
         answer["parameters"] = parameters
     blobs: list[memoryview] = []
     for name, binary in wanted.items():
-        wire = tensors.to_wire_dtype(answers[name], request.dtype)
+        wire = answers[name]
+        tensors.check_finite_output(wire)
         described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
         span = request.shared_memory_outputs.get(name)
         if span is not None:  # written to the region; the answer describes it without data, as Triton's
@@ -342,7 +344,7 @@ def encode(
             described["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            described["data"] = wire.to(torch.float32).numpy().reshape(-1)
+            described["data"] = tensors.as_float32(wire).reshape(-1)
         described_outputs.append(described)
     header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:

@@ -9,9 +9,10 @@ lists exactly the ones implemented.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from app.engine.service import ServedModel, UnloadedModel
+from app.engine.facade import ListedModel, ModelFacade
 from app.protocol.digest import MODEL_PARAMETER
 from app.protocol.errors import UnsupportedExtension
 from app.protocol.v2 import codec, system_shared_memory
@@ -37,7 +38,7 @@ def extensions(settings: Settings) -> list[str]:
 # ----- model configuration ---------------------------------------------------------------------
 
 
-def model_configuration(served: ServedModel, settings: Settings) -> dict[str, Any]:
+def model_configuration(served: ModelFacade, settings: Settings) -> dict[str, Any]:
     """The model as Triton's ModelConfig JSON: batching from the settings, tensors from the model."""
     config, device = served.config, served.device
     tensor = {"data_type": f"TYPE_{served.dtype.v2}", "dims": [served.d_model]}
@@ -99,7 +100,7 @@ def model_configuration(served: ServedModel, settings: Settings) -> dict[str, An
 # ----- model repository ------------------------------------------------------------------------
 
 
-def _repository_entry(served: ServedModel | UnloadedModel) -> RepositoryModel:
+def _repository_entry(served: ListedModel) -> RepositoryModel:
     status = served.status
     return RepositoryModel(
         name=served.name,
@@ -110,7 +111,7 @@ def _repository_entry(served: ServedModel | UnloadedModel) -> RepositoryModel:
     )
 
 
-def repository_models(models: list[ServedModel | UnloadedModel], ready_only: bool) -> list[RepositoryModel]:
+def repository_models(models: Sequence[ListedModel], ready_only: bool) -> list[RepositoryModel]:
     """The repository index (both doors): every model and its state (unloaded ones too, as Triton
     lists them: UNAVAILABLE, "unloaded", with the version they last served), or only the READY ones."""
     entries = [_repository_entry(served) for served in models]

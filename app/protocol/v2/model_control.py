@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
-from app.engine.service import Engine
+from app.engine.facade import EngineFacade
 from app.errors import ServiceError
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import bool_field, loads_json, object_field, str_field
@@ -28,7 +28,7 @@ _FILES = (
 )
 
 
-async def load(engine: Engine, name: str, parameters: Awaitable[Mapping[str, Any]]) -> dict[str, Any]:
+async def load(engine: EngineFacade, name: str, parameters: Awaitable[Mapping[str, Any]]) -> dict[str, Any]:
     """A load, whichever door: its parameters (`parameters`, the door's reading of them), then Engine.load.
 
     A load refused for its parameters (or its body) counts as a failed load, as the engine's own refusals do.

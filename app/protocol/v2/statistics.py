@@ -23,13 +23,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from app.engine.service import ServedModel
+from app.engine.facade import ModelFacade
 from app.metrics import samples_by_model
 
 _NOT_MEASURED = {"count": 0, "ns": 0}
 
 
-def model_stats(registry: CollectorRegistry, models: Iterable[ServedModel]) -> dict[str, list[dict[str, Any]]]:
+def model_stats(registry: CollectorRegistry, models: Iterable[ModelFacade]) -> dict[str, list[dict[str, Any]]]:
     """{"model_stats": [...]}: one entry per model, version 1."""
     samples = samples_by_model(registry.collect())
     return {"model_stats": [_model_stat(served, samples[served.name]) for served in models]}
@@ -39,7 +39,7 @@ def _duration(count: float, seconds: float) -> dict[str, int]:
     return {"count": int(count), "ns": round(seconds * 1e9)}
 
 
-def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, Any]:
+def _model_stat(served: ModelFacade, s: defaultdict[str, float]) -> dict[str, Any]:
     succeeded = s["ffn_request_seconds_count"]
     return {
         "name": served.name,
@@ -66,7 +66,7 @@ def _model_stat(served: ServedModel, s: defaultdict[str, float]) -> dict[str, An
     }
 
 
-def _memory_usage(served: ServedModel) -> dict[str, Any]:
+def _memory_usage(served: ModelFacade) -> dict[str, Any]:
     """The weights' bytes on their device, as Triton reports a model's memory at load."""
     device = served.device
     return {

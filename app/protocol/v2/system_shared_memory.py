@@ -23,8 +23,6 @@ import logging
 import uuid
 from typing import Any
 
-import torch
-
 from app.protocol.broadcast import apply_everywhere
 from app.protocol.errors import InvalidInput, NotApplied, RegionNotFound, UnsupportedExtension
 from app.protocol.fields import int_field, json_type, str_field
@@ -124,19 +122,19 @@ async def register_document(state: ServiceState, region: str, document: object) 
     await register(state, region, key, offset or 0, byte_size)
 
 
-def _no_cuda_regions() -> str:
+def _no_cuda_regions(state: ServiceState) -> str:
     """Why no CUDA region can be registered on this server."""
-    if torch.cuda.is_available():
+    if state.engine.cuda_available:
         return "this server opens no CUDA IPC handles"
     return "this server has no GPU, and CUDA shared memory lives on one"
 
 
-def cuda_status(name: str | None = None) -> list[dict[str, Any]]:
+def cuda_status(state: ServiceState, name: str | None = None) -> list[dict[str, Any]]:
     """CUDA regions' status: none is ever registered, so all of them is [] and a named one a 404 (both as Triton)."""
     if name is None:
         return []
     raise RegionNotFound(
-        f"no cuda shared memory region named {check_name(name)!r} is registered: {_no_cuda_regions()}, so none ever is"
+        f"no cuda shared memory region named {check_name(name)!r} is registered: {_no_cuda_regions(state)}, so none ever is"
     )
 
 
@@ -146,7 +144,7 @@ def cuda_unregister(name: str | None = None) -> None:
         check_name(name)
 
 
-async def cuda_register() -> None:
+async def cuda_register(state: ServiceState) -> None:
     """Registering a CUDA region: a 400 that says why (no GPU, or CUDA IPC not served); both doors."""
-    why = _no_cuda_regions()
+    why = _no_cuda_regions(state)
     raise UnsupportedExtension("cuda_shared_memory", f"{why}; use system shared memory (system_shared_memory)")
