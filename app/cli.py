@@ -24,7 +24,7 @@ from app import __version__
 from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.logs import configure_logging
 from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.settings import Settings, load_settings, misspelt_variables, parse_command
+from app.settings import Settings, budgets_off, load_settings, misspelt_variables, parse_command
 from app.settings_problems import SettingsError
 from app.starting import Starting, StartStopped
 from app.tracing import config as tracing_config
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tracing_problems:
         return EXIT_BAD_SETTINGS
     configure_logging(settings.log_level, settings.log_format)
-    for warning in misspelt_variables():
+    for warning in misspelt_variables() + budgets_off(settings):
         log.warning(warning)
     return serve(settings)
 

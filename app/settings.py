@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import stat
 import tomllib
@@ -21,7 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as SourceError
 
@@ -32,6 +42,7 @@ from app.settings_problems import (
     nearest,
     source_problem,
     unknown_arguments,
+    url_problem,
     validation_problems,
 )
 from app.tracing.config import endpoint_problem
@@ -53,6 +64,20 @@ GRPC_PORT_FIX = (
     "give gRPC another port with --grpc-port N (FFN_GRPC_PORT), or turn it off with --no-grpc (FFN_GRPC=false)"
 )
 MAX_CONFIG_BYTES = 1024 * 1024  # a config file is settings and a few [[models]] tables, never this large
+# The longest any timeout may be. `inf` parses as a number of seconds and would turn its bound off
+# without a word; past a day a bound bounds nothing an operator waits for (and a thread's wait or
+# a sleep overflows further on). Every float setting is finite (tests/test_settings.py).
+MAX_TIMEOUT_S = 24 * 3600.0
+TIMEOUTS = (
+    "default_timeout_ms",
+    "drain_timeout_s",
+    "header_timeout_s",
+    "read_timeout_s",
+    "send_timeout_s",
+    "max_loop_lag_s",
+    "heartbeat_timeout_s",
+    "worker_start_timeout_s",
+)
 
 
 class ModelSpec(BaseModel):
@@ -387,6 +412,28 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator(*TIMEOUTS)
+    @classmethod
+    def _a_timeout_that_bounds(cls, value: float, info: ValidationInfo) -> float:
+        milliseconds = str(info.field_name).endswith("_ms")
+        most, unit = (MAX_TIMEOUT_S * 1000, "milliseconds") if milliseconds else (MAX_TIMEOUT_S, "seconds")
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number of {unit}: {value} would turn this bound off")
+        if value > most:
+            raise ValueError(f"must be at most {most:.0f} {unit} (a day): a longer bound is no bound")
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        # Starlette compares the Origin header with each one as it is written: one with a path, a
+        # trailing slash or a space never matches, and "null" would admit every sandboxed page.
+        for origin in origins:
+            problem = None if origin == "*" else url_problem(origin, "origin")
+            if problem is not None:
+                raise ValueError(f"{origin[:80]!r} {problem}")
+        return origins
+
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, url: str | None) -> str | None:
@@ -661,6 +708,16 @@ def parse_command(argv: Sequence[str] | None) -> Command:
         raise SettingsError([str(exc)]) from None
     except RecursionError:
         raise SettingsError(["a flag's list or table is nested too deeply"]) from None
+
+
+def budgets_off(settings: Settings) -> list[str]:
+    """One line per setting whose value turns a budget off, logged at start (one a timeout cannot be: refused)."""
+    if settings.min_body_rate == 0:
+        return [
+            f"min_body_rate is 0: the bound on a body's rate is off; a body may take any time as long as it "
+            f"never pauses for read_timeout_s ({settings.read_timeout_s:g} s)"
+        ]
+    return []
 
 
 def misspelt_variables(environ: Mapping[str, str] = os.environ) -> list[str]:

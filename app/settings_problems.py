@@ -12,7 +12,8 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError as SourceError
@@ -82,6 +83,40 @@ def validation_problems(
         shown = "" if top in secret or item["type"] == "missing" else f" (got {_quote(item.get('input'))})"
         lines.append(f"invalid setting {key} ({where}): {_reason(item)}{shown}")
     return lines
+
+
+URL_EXAMPLE = "http://localhost:4318"
+
+
+def url_problem(url: str, kind: Literal["endpoint", "base", "origin"] = "endpoint") -> str | None:
+    """Why `url` is not an absolute http:// or https:// URL with a host, as a setting may name one; None if it is.
+
+    Strict, since what passes is used as it is: printable ASCII only (urlsplit drops tabs and line
+    breaks inside a URL and control characters before it, so a URL holding a newline passed it
+    and reached the exporter, and the log line that names it, whole; a host beyond ASCII is
+    written in punycode), no credentials (the URL is logged), a port in range. `kind`: "base", a
+    URL a path is added to (OTLP's /v1/traces), so no query or fragment; "origin", a browser's
+    Origin, scheme://host[:port] and nothing more.
+    """
+    odd = next((at for at, char in enumerate(url) if not "!" <= char <= "~"), None)
+    if odd is not None:
+        return f"holds {url[odd]!r} at character {odd}: a URL here is printable ASCII, without spaces"
+    try:
+        parsed = urlsplit(url)
+        host = parsed.hostname
+        parsed.port  # noqa: B018 (raises ValueError for a port that is not a number in range)
+    except ValueError as exc:
+        return f"is not a URL ({exc})"
+    example = "https://app.example" if kind == "origin" else URL_EXAMPLE
+    if parsed.scheme not in ("http", "https") or not host:
+        return f"must be an absolute http:// or https:// URL with a host, such as {example}"
+    if parsed.username is not None or parsed.password is not None:
+        return "must not hold credentials (user:password@): the URL is logged"
+    if kind == "origin" and (parsed.path or parsed.query or parsed.fragment or url.endswith(("?", "#"))):
+        return f"must be an origin, scheme://host[:port] with no path (a browser sends {example}, never {example}/)"
+    if kind == "base" and (parsed.query or parsed.fragment or url.endswith(("?", "#"))):
+        return "must have no query or fragment: a path is added to it"
+    return None
 
 
 def source_problem(error: SourceError, origins: Origins) -> str:

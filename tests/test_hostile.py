@@ -648,10 +648,36 @@ PARSER_REFUSALS = {
     "chunked-twice": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n"
     b"\r\n0\r\n\r\n",
     "gzip-last": b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
-    "http-2-preface": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 }
 
 
 @pytest.mark.parametrize("data", PARSER_REFUSALS.values(), ids=PARSER_REFUSALS.keys())
 async def test_requests_the_http_parser_refuses_get_the_json_error_body(server: ServerProcess, data: bytes) -> None:
     assert_error(await raw_request(server.port, data), 400, "invalid_input")
+
+
+# Request lines with no version, or a version but HTTP/1.1 and 1.0: before, the first two were answered 200.
+UNSERVED_VERSIONS = {
+    "no-version": (b"GET /v2/health/live\r\n\r\n", 400),
+    "http-2.0": (b"GET /v2/health/live HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    "http-1.2": (b"GET /v2/health/live HTTP/1.2\r\nHost: x\r\n\r\n", 505),
+    "http-3.0": (b"GET /v2/health/live HTTP/3.0\r\nHost: x\r\n\r\n", 505),
+    "lower-case": (b"GET /v2/health/live http/1.1\r\nHost: x\r\n\r\n", 400),
+    "rtsp": (b"GET /v2/health/live RTSP/1.0\r\nHost: x\r\n\r\n", 400),
+    "http-2-preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
+}
+
+
+@pytest.mark.parametrize(("data", "status"), UNSERVED_VERSIONS.values(), ids=UNSERVED_VERSIONS.keys())
+async def test_request_lines_without_http_1_1_or_1_0_are_refused(
+    server: ServerProcess, data: bytes, status: int
+) -> None:
+    r = await raw_request(server.port, data)
+    assert_error(r, status, "invalid_input" if status == 400 else "http_version_not_supported")
+    assert r.headers.get("connection") == "close"
+
+
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+async def test_http_1_1_and_1_0_are_served(server: ServerProcess, version: str) -> None:
+    r = await raw_request(server.port, f"GET /v2/health/live {version}\r\nHost: x\r\n\r\n".encode())
+    assert r.status == 200 and r.json() == {"live": True}

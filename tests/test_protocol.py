@@ -789,6 +789,66 @@ async def test_a_websocket_upgrade_is_answered_as_plain_http_and_the_connection_
         writer.close()
 
 
+# ----- the request line's HTTP version ------------------------------------------------------------
+
+# llhttp takes each of these and uvicorn answered it as HTTP/1.1 200 (issue 28 class 9).
+UNSERVED_LINES = {
+    "no-version": (b"GET /v2/health/live\r\n\r\n", 400, "invalid_input"),
+    "http-2.0": (b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+    "http-0.9": (b"GET / HTTP/0.9\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+    "rtsp-1.0": (b"GET / RTSP/1.0\r\nHost: x\r\n\r\n", 400, "invalid_input"),
+    # llhttp refuses these itself: 505 here for an HTTP version, as for 2.0; 400 for the rest
+    "http-1.2": (b"GET / HTTP/1.2\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+    "http-3.0": (b"GET / HTTP/3.0\r\nHost: x\r\n\r\n", 505, "http_version_not_supported"),
+    "lower-case": (b"GET / http/1.1\r\nHost: x\r\n\r\n", 400, "invalid_input"),
+    "h2-preface": (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505, "http_version_not_supported"),
+}
+
+
+@pytest.mark.parametrize(("data", "status", "error_type"), UNSERVED_LINES.values(), ids=UNSERVED_LINES.keys())
+async def test_a_request_line_without_http_1_1_or_1_0_is_refused_and_never_reaches_the_app(
+    data: bytes, status: int, error_type: str
+) -> None:
+    async with serving() as served:
+        reader, writer = await served.connect(data)
+        body = json_error(await answer(reader), status, error_type)
+        assert "HTTP/1.1" in body["error"]
+        assert await until_closed(reader) == b""
+        assert served.app.started == 0
+        writer.close()
+
+
+@pytest.mark.parametrize("version", [b"HTTP/1.1", b"HTTP/1.0"])
+async def test_http_1_1_and_1_0_request_lines_are_served_even_trickled_a_byte_at_a_time(fed, version: bytes) -> None:
+    protocol, transport = fed
+    head = b"\r\nGET /" + b"v" * 100 + b" " + version + b"\r\nHost: x\r\n\r\n"  # an empty line first, as llhttp allows
+    for at in range(len(head)):
+        protocol.data_received(head[at : at + 1])
+    r = await transport.response()
+    assert r.status == 200 and r.json() == {"path": "/" + "v" * 100, "body_bytes": 0}
+
+
+async def test_a_version_split_across_reads_is_read_whole(fed) -> None:
+    protocol, transport = fed
+    for piece in (b"GET /x HT", b"TP/2", b".0\r", b"\nHost: x\r\n\r\n"):
+        protocol.data_received(piece)
+    json_error(await transport.response(), 505, "http_version_not_supported")
+
+
+async def test_each_kept_alive_request_line_is_checked() -> None:
+    async with serving() as served:
+        reader, writer = await served.connect(request("GET", "/first"))
+        assert (await answer(reader)).json() == {"path": "/first", "body_bytes": 0}
+        writer.write(b"GET /second HTTP/2.0\r\n\r\n")
+        json_error(await answer(reader), 505, "http_version_not_supported")
+        assert [seen.path for seen in served.app.seen] == ["/first"]
+        writer.close()
+        # uvicorn closes after an HTTP/1.0 answer: one on a connection of its own
+        reader, writer = await served.connect(b"GET /third HTTP/1.0\r\n\r\n")
+        assert (await answer(reader)).json() == {"path": "/third", "body_bytes": 0}
+        writer.close()
+
+
 def test_uvicorn_options_carry_the_settings_limits() -> None:
     settings = Settings(
         max_header_bytes=2048,

@@ -75,6 +75,10 @@ class UnsupportedTransferEncoding(EdgeError):
     """A Transfer-Encoding other than chunked (RFC 9112: 501); the connection is closed after the answer."""
 
 
+class HttpVersionNotSupported(EdgeError):
+    """A request line naming an HTTP version other than 1.1 and 1.0 (RFC 9110 §15.6.6: 505); the connection is closed."""
+
+
 class TooManyBytesHeld(EdgeError):
     """The requests this process is answering hold its budget of bytes (max_held_bytes); retry shortly."""
 
@@ -157,6 +161,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     NotApplied: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
     Unanswered: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded", "DEADLINE_EXCEEDED"),
+    HttpVersionNotSupported: ErrorKind(505, "http_version_not_supported", "UNIMPLEMENTED", _close_connection),
     engine.InsufficientMemory: ErrorKind(507, "insufficient_memory", "RESOURCE_EXHAUSTED"),
 }
 # Anything else is a bug: answered 500 with nothing internal in the message.

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+from app.settings_problems import url_problem
 
 # The samplers OpenTelemetry's SDK environment specification names and the Python SDK implements.
 SAMPLERS = (
@@ -53,17 +54,13 @@ def traces_export(otlp_endpoint: str | None, environ: Mapping[str, str]) -> Expo
     return None
 
 
-def endpoint_problem(url: str) -> str | None:
-    """Why `url` cannot be an OTLP/HTTP endpoint (an absolute http or https URL with a host); None if it can."""
-    try:
-        parsed = urlsplit(url)
-        host = parsed.hostname
-        parsed.port  # noqa: B018 (raises ValueError for a port that is not a number in range)
-    except ValueError as exc:
-        return f"is not a URL ({exc})"
-    if parsed.scheme not in ("http", "https") or not host:
-        return "must be an absolute http:// or https:// URL with a host, such as http://localhost:4318"
-    return None
+def endpoint_problem(url: str, *, base: bool = True) -> str | None:
+    """Why `url` cannot be an OTLP/HTTP endpoint (app/settings_problems.py: url_problem); None if it can.
+
+    `base`: /v1/traces is added to it (the setting, OTEL_EXPORTER_OTLP_ENDPOINT); else it is the
+    traces endpoint itself (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT).
+    """
+    return url_problem(url, "base" if base else "endpoint")
 
 
 def problems(otlp_endpoint: str | None, environ: Mapping[str, str]) -> list[str]:
@@ -78,8 +75,11 @@ def problems(otlp_endpoint: str | None, environ: Mapping[str, str]) -> list[str]
     export = traces_export(otlp_endpoint, environ)
     if export is None:
         return found
-    if export.named_by != "otlp_endpoint" and (problem := endpoint_problem(export.endpoint)) is not None:
-        found.append(f"{export.named_by}={export.endpoint!r} {problem}")
+    if export.named_by != "otlp_endpoint":  # the setting is checked with the settings
+        named = environ[export.named_by].strip()
+        problem = endpoint_problem(named, base=export.named_by == "OTEL_EXPORTER_OTLP_ENDPOINT")
+        if problem is not None:
+            found.append(f"{export.named_by}={named!r} {problem}")
     for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = environ.get(variable, "").strip()
         if protocol and protocol != PROTOCOL:

@@ -39,7 +39,10 @@ An upgrade request (WebSocket, h2c) is answered as a plain HTTP request and the 
 after it: the service speaks HTTP/1.1 only (uvicorn runs with ws="none"). Parser-level refusals
 (malformed request line, bad header bytes, broken chunked framing) get the service's JSON error
 body instead of uvicorn's text/plain, with a request id of their own (body and X-Request-Id), as
-every answer has. A request the protocol refuses in the read that parsed its head (a 503 at the
+every answer has. A request line must end in HTTP/1.1 or HTTP/1.0: llhttp also takes a line with
+no version (HTTP/0.9's `GET /path`), HTTP/2.0 and RTSP/1.0, which uvicorn would answer as
+HTTP/1.1; here such a line is refused as soon as it is whole, before the parser reads it: 400
+without a version (or with another protocol's), 505 with another HTTP version. A request the protocol refuses in the read that parsed its head (a 503 at the
 cap, a body over a budget) never enters the app: a refusal costs the protocol's answer alone,
 which matters when a client reconnects the moment it is refused. After an error answer the
 connection lingers briefly, reading and discarding up to LINGER_BYTES, so that a client still
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,7 +72,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.errors import ServiceError
 from app.http.errors import error_body
 from app.http.transport.budgets import ConnectionBudget, PipelineTurns
-from app.protocol.errors import HeaderTooLarge, InvalidInput, RequestTimeout, TooManyConnections, kind_of
+from app.protocol.errors import (
+    HeaderTooLarge,
+    HttpVersionNotSupported,
+    InvalidInput,
+    RequestTimeout,
+    TooManyConnections,
+    kind_of,
+)
 from app.protocol.identity import new_request_id
 from app.settings import Settings
 
@@ -88,6 +99,9 @@ CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections 
 MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hyper: one at a time)
 FRAMING_SHARE = 64  # a message's non-body bytes may pass max_header_bytes by this fraction of its body
 HEAD_END = b"\r\n\r\n"  # ends every request head, and every chunked body (llhttp takes CRLF only)
+SERVED_VERSIONS = (b" HTTP/1.1", b" HTTP/1.0")  # how a request line this service answers ends
+LINE_END_BYTES = 10  # a request line's last bytes kept to read its version: " HTTP/1.1" and its CR
+HTTP_VERSION = re.compile(rb" HTTP/(\d\.\d)$")
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unparsed: bytes | bytearray = b""
         self._unparsed_at = 0
         self._tail = b""  # the last bytes fed, when a head's end may have begun in them
+        self._line_end = b""  # the last LINE_END_BYTES of the message's request line, fed so far
+        self._line_done = False  # the request line's LF has been fed
         self._unanswered = 0  # requests whose head was parsed and whose answer has not gone out
         self._head_begun = False
         self._in_body = False  # a request's head is in, its body is not yet complete
@@ -313,6 +329,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 if end <= offset:
                     break  # held until answers go out
                 self._slice_body, self._completed = 0, False
+                if not (self._in_body or self._line_done):
+                    self._keep_line_end(data, offset, end)
+                    if self._line_done and (refusal := self._version_refusal()) is not None:
+                        self._refuse(refusal)  # before llhttp, which takes no version, 2.0 and RTSP/1.0
+                        return offset
                 try:
                     self.parser.feed_data(view[offset:end])
                 except httptools.HttpParserUpgrade:
@@ -331,6 +352,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         finally:
             view.release()
         return offset
+
+    def _keep_line_end(self, data: bytes | bytearray, offset: int, end: int) -> None:
+        """Keep the last bytes of the request line in data[offset:end], a head's slice, for its version.
+
+        The line may arrive a byte at a time: only its last LINE_END_BYTES are kept, so a slice
+        costs the same whatever the line's length. Empty lines before a request line (which llhttp
+        skips) are skipped here too.
+        """
+        if not self._line_end:
+            while offset < end and data[offset] in b"\r\n":
+                offset += 1
+        newline = data.find(b"\n", offset, end)
+        stop = end if newline == -1 else newline
+        self._line_end = (self._line_end + bytes(data[max(offset, stop - LINE_END_BYTES) : stop]))[-LINE_END_BYTES:]
+        self._line_done = newline != -1
+
+    def _version_refusal(self) -> ServiceError | None:
+        """Why a whole request line cannot be answered: it does not end in HTTP/1.1 or HTTP/1.0; None if it does."""
+        line_end = self._line_end.removesuffix(b"\r")
+        if line_end.endswith(SERVED_VERSIONS):
+            return None
+        version = HTTP_VERSION.search(line_end)
+        if version is not None:
+            return HttpVersionNotSupported(
+                f"HTTP/{version[1].decode()} is not served here: send HTTP/1.1 (or HTTP/1.0); "
+                "gRPC's HTTP/2 has its own port"
+            )
+        return InvalidInput("malformed HTTP request: the request line must end in HTTP/1.1 or HTTP/1.0")
 
     def _slice_end(self, data: bytes | bytearray, offset: int) -> tuple[int, bool]:
         """Where the slice from `offset` ends, and whether that is just past a CRLF CRLF.
@@ -463,6 +512,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._completed = True
+        self._line_end, self._line_done = b"", False
         self._head_begun = self._in_body = False
         self._body_left = None
         if self._body_timer is not None:
