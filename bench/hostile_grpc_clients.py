@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -337,13 +339,34 @@ async def expected_answer(target: str, x: np.ndarray, key: str | None = None) ->
     return np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(x.shape).copy()
 
 
+class Caller(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
 @contextlib.asynccontextmanager
-async def good_caller_beside(caller: GoodCaller) -> AsyncIterator[GoodCaller]:
-    """Run `caller` for the block's duration, then wait for its last calls."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(caller.run(stop))
+async def callers_beside(*callers: Caller) -> AsyncIterator[None]:
+    """Run `callers` for the block's duration, then wait for their last calls.
+
+    They run on an event loop of their own, in a thread: an attacker's frame-by-frame work keeps
+    the caller's loop busy for seconds, and a good client whose call waited for that loop would
+    be measured late (or late for the server's header deadline) through no fault of the server's.
+    """
+    stop = threading.Event()
+
+    async def run_until_stopped() -> None:
+        stopped = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            stopped.set()
+
+        await asyncio.gather(*(caller.run(stopped) for caller in callers), watch())
+
+    thread = threading.Thread(target=asyncio.run, args=(run_until_stopped(),), name="good-callers")
+    thread.start()
     try:
-        yield caller
+        yield
     finally:
         stop.set()
-        await task
+        await asyncio.to_thread(thread.join)

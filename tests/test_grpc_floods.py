@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from bench.hostile_grpc_clients import (
     HOST,
     GoodCaller,
+    callers_beside,
     headers_only_streams,
     rapid_reset,
     slow_messages,
@@ -123,33 +123,11 @@ class Beside:
 
 @contextlib.asynccontextmanager
 async def good_callers(server: ServerProcess) -> AsyncIterator[Beside]:
-    """Good callers on both doors for the block's duration, their last calls awaited after it.
-
-    They run on an event loop of their own, in a thread: the attackers' frame-by-frame work keeps
-    the test's loop busy for seconds, and a good client whose request waited for that loop would
-    be late for the server's header deadline through no fault of the server's.
-    """
+    """Good callers on both doors, on a loop of their own, for the block's duration."""
     expected = answer(WEIGHTS, X).astype(np.float32)
     callers = Beside(GoodCaller(server.grpc_target, X, expected, KEY, timeout_s=60), HttpCaller(server.url))
-    stop = threading.Event()
-
-    async def run_until_stopped() -> None:
-        stopped = asyncio.Event()
-
-        async def watch() -> None:
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
-            stopped.set()
-
-        await asyncio.gather(callers.grpc.run(stopped), callers.http.run(stopped), watch())
-
-    thread = threading.Thread(target=asyncio.run, args=(run_until_stopped(),), name="good-callers")
-    thread.start()
-    try:
+    async with callers_beside(callers.grpc, callers.http):
         yield callers
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join)
 
 
 def _port(server: ServerProcess) -> int:
