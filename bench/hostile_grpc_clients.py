@@ -23,6 +23,7 @@ import numpy as np
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import ConnectionTerminated, StreamEnded, StreamReset
+from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from tritonclient.grpc import service_pb2 as pb
@@ -70,6 +71,7 @@ class RawConnection:
         self.goaway_code: int | None = None
         self.resets = 0  # streams the server reset
         self.ended = 0  # streams the server ended (an answer or an error status)
+        self.unexpected = ""  # the server answered a stream h2 did not know of (sent as raw frames)
 
     @classmethod
     async def open(cls, port: int, *, window: int | None = None) -> RawConnection:
@@ -100,7 +102,12 @@ class RawConnection:
             if not data:
                 self.closed = True
                 break
-            for event in self.h2.receive_data(data):
+            try:
+                events = self.h2.receive_data(data)
+            except ProtocolError as error:  # frames on a stream h2 did not open (a raw HEADERS of ours): answered
+                self.unexpected = str(error)
+                break
+            for event in events:
                 if isinstance(event, ConnectionTerminated):
                     self.closed, self.goaway_code = True, event.error_code
                 elif isinstance(event, StreamReset):
