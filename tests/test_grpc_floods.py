@@ -19,9 +19,11 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2_grpc
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from bench.hostile_grpc_clients import (
@@ -29,6 +31,7 @@ from bench.hostile_grpc_clients import (
     GoodCaller,
     callers_beside,
     headers_only_streams,
+    infer_request,
     rapid_reset,
     slow_messages,
     unread_answers,
@@ -224,3 +227,17 @@ async def test_rapid_reset_does_not_cancel_other_callers(server: ServerProcess) 
     assert raw.resets > 1000, "the flood was sent"
     callers.assert_all_answered_right()
     assert memory.growth < 256 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
+
+
+async def test_metadata_past_max_header_bytes_is_refused_and_the_door_goes_on(server: ServerProcess) -> None:
+    x = X
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+        client = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.ModelInfer(infer_request(x), metadata=(*metadata, ("x-big", "a" * 20_000)), timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        assert "16384" in (refused.value.details() or "")  # the budget: FFN_MAX_HEADER_BYTES' default
+        answer_ = await client.ModelInfer(infer_request(x), metadata=(*metadata, ("x-fits", "a" * 8_000)), timeout=60)
+    rows = np.frombuffer(answer_.raw_output_contents[0], "<f4").reshape(x.shape)
+    assert matches(rows, WEIGHTS, x)
