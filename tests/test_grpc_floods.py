@@ -65,6 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "FFN_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
         "FFN_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S),
         "FFN_MAX_HELD_BYTES": str(HELD),
+        "FFN_MAX_QUEUE_ROWS": str(1 << 18),  # the unread answers' rows all queue at once: no good call refused 429
         "FFN_WARMUP": "0",
         "FFN_LOG_LEVEL": "warning",
     }
