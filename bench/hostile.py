@@ -32,6 +32,8 @@ per 1-row request; p50 and p99 against the same stream while quiet, measured fir
   and those answered 504 or later than that are counted past their deadline;
 - envelope, strings (class 6): a 57 MiB V2 body of 4.6 M parameter keys, a 25 MiB one of 8.3 M
   empty strings, while /v2/health/live is probed;
+- parameters (issue 28 class 6): 2 clients at a time send a 24 MiB V2 body whose input's
+  parameters hold an array of 6 M numbers, again as each is answered, beside the good requests;
 - held (class 7): 32 clients upload 32 MiB raw bodies at 4 MiB/s each (FFN_MAX_HELD_BYTES 256 MiB),
   each claiming a 1-row shape, so that it is a 400 once read whole: what is measured is the bodies
   held at once, not the compute;
@@ -305,6 +307,35 @@ def strings_body() -> bytes:
     )
 
 
+def parameters_body() -> bytes:
+    numbers = b",".join([b"1.5"] * 6_000_000)
+    return (
+        b'{"inputs": [{"name": "input", "shape": [1, 512], "datatype": "FP32", "parameters": {"x": ['
+        + numbers
+        + b']}, "data": ['
+        + b",".join([b"0.5"] * 512)
+        + b"]}]}"
+    )
+
+
+async def parameters_scenario(server: ServerProcess) -> Row:
+    body = parameters_body()
+    request = http_request("POST", "/v2/models/demo/infer", {"Content-Type": "application/json"}, body)
+    statuses: Counter[int | None] = Counter()
+
+    async def send() -> None:
+        statuses[(await raw_request(server.port, request, timeout=120)).status] += 1
+
+    async def flood() -> str:
+        await flood_for(FLOOD_S, 2, send)
+        answered = ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items(), key=str))
+        return f"{sum(statuses.values())} bodies of {len(body) / MiB:.0f} MiB answered {answered}"
+
+    row = await beside_good_traffic(server, flood)
+    row.note = f"longest good request {max(row.flooded.latencies, default=0) * 1000:,.0f} ms" if row.flooded else ""
+    return row
+
+
 async def held_scenario(server: ServerProcess) -> Row:
     statuses: Counter[int | None] = Counter()
 
@@ -379,6 +410,7 @@ SCENARIOS = [
     "mc-flood",
     "envelope",
     "strings",
+    "parameters",
     "held",
     "stopped-worker",
 ]
@@ -413,6 +445,7 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
         "mc-flood": lambda: mc_flood_scenario(server),
         "envelope": lambda: body_scenario(server, scenario, envelope_body(), {}),
         "strings": lambda: body_scenario(server, scenario, strings_body(), {}),
+        "parameters": lambda: parameters_scenario(server),
         "held": lambda: held_scenario(server),
         "stopped-worker": lambda: stopped_worker_scenario(server),
     }

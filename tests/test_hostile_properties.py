@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,7 @@ from app.errors import ServiceError
 from app.protocol import fields, native
 from app.protocol.admission import deadline_from
 from app.protocol.errors import kind_of
-from app.protocol.tensors import check_finite_output
+from app.protocol.tensors import JsonBody, check_finite_output, read_json_body
 from app.protocol.v2 import codec as v2
 
 D = 4  # a small d_model, so that generated tensors are often valid
@@ -79,6 +80,59 @@ def decode_or_4xx(decode: Any, *args: Any) -> Any:
 def expected_rows(values: Any) -> np.ndarray:
     """What a valid tensor's rows must be, read by numpy on its own: float32, (rows, D)."""
     return np.asarray(values, dtype=np.float64).astype(np.float32).reshape(-1, D)
+
+
+# ----- a JSON body read in two parts: the tensor's array apart from its envelope ---------------------
+
+# Objects whose members are often named "data" (the V2 tensor's name), holding anything at all.
+named_data = st.recursive(
+    scalars | tensors(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["data", "data", "inputs", "x"]) | st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def restored(value: Any, parsed: JsonBody) -> Any:
+    """The envelope with the tensor's array put back at its place (a "data" member holding [])."""
+    if isinstance(value, dict):
+        return {k: parsed.tensor(v) if k == "data" and v == [] else restored(v, parsed) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restored(v, parsed) for v in value]
+    return value
+
+
+def data_arrays(value: Any) -> list[list[Any]]:
+    """Every array held by a member named "data", anywhere in the document."""
+    if isinstance(value, dict):
+        held = [v for k, v in value.items() if k == "data" and isinstance(v, list)]
+        return held + [a for v in value.values() for a in data_arrays(v)]
+    if isinstance(value, list):
+        return [a for v in value for a in data_arrays(v)]
+    return []
+
+
+def numbers_only(value: Any) -> bool:
+    return isinstance(value, list) and all(numbers_only(v) or isinstance(v, (int, float)) for v in value)
+
+
+@EXAMPLES
+@given(named_data, st.sampled_from([None, 0, 2]))
+def test_a_json_body_read_in_two_parts_is_the_document_or_a_4xx(document: Any, indent: int | None) -> None:
+    """Whatever the document, the envelope with its tensor put back is what one parse of it all reads, or
+    the body is refused 4xx; a document whose one "data" array holds numbers only is never refused."""
+    body = json.dumps(document, indent=indent).encode()
+    try:
+        parsed = read_json_body(body, "data", MAX_ROWS, D)
+        document_read = restored(parsed.envelope, parsed)
+    except Exception as exc:
+        assert refused_with_4xx(exc), f"{type(exc).__name__}: {exc}"
+        arrays = data_arrays(document)
+        assert len(arrays) > 1 or (arrays and not numbers_only(arrays[0])), f"{exc}: {body[:200]!r}"
+        return
+    assert document_read == orjson.loads(body)  # the parser the protocols use, on the whole body
 
 
 # ----- native ------------------------------------------------------------------------------------

@@ -320,6 +320,7 @@ async def test_a_load_of_no_regular_file_fails_and_never_blocks(start_app: Start
         ({"parameters": {"file:1/model.safetensors": "AAAA"}}, 400, "invalid_input", "files="),
         ({"parameters": {"weights": "a.safetensors"}}, 400, "invalid_input", "unknown parameter 'weights'"),
         ({"parameters": {"config": 7}}, 400, "invalid_input", "parameter 'config' must be a string"),
+        ({"parameters": {"config": ["{}"]}}, 400, "invalid_input", "'config' must be a boolean, a number or a string"),
         ({"parameters": [1]}, 400, "invalid_input", "'parameters' must be an object"),
         ({"inputs": []}, 400, "invalid_input", "unknown member 'inputs'"),
         ([1, 2], 400, "invalid_input", "must be a JSON object"),

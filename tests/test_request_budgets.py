@@ -129,13 +129,17 @@ def test_the_held_budget_must_fit_the_largest_body() -> None:
 
 async def test_a_v2_body_of_parameter_keys_is_refused_on_counts(start_app: StartApp) -> None:
     running = await start_app(Settings(warmup=False))
-    keys = {f"k{i}": 1 for i in range(MAX_JSON_STRINGS)}  # 16,384 keys: past the strings' bound
+    keys = {f"k{i}": 1 for i in range(MAX_JSON_STRINGS)}  # 16,384 keys, 180 KB: past the envelope's bytes
     r = await running.client.post(V2, content=v2_body(ROW, parameters=keys))
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
-    assert "strings" in r.json()["error"]
-    objects = [{"name": "output"}] * (MAX_JSON_OBJECTS + 1)
-    r = await running.client.post(V2, content=v2_body(ROW, outputs=objects))
-    assert r.status_code == 413
+    assert "more than 65536 bytes besides its tensor data" in r.json()["error"]
+    # Within the envelope's 64 KiB, its strings and objects are counted too (issue 28 class 6).
+    strings = {"": [""] * MAX_JSON_STRINGS}  # 16,385 strings in 49 KB
+    r = await running.client.post(V2, content=v2_body(ROW, extra=strings))
+    assert r.status_code == 413 and "strings" in r.json()["error"], r.text
+    objects = [{}] * (MAX_JSON_OBJECTS + 1)
+    r = await running.client.post(V2, content=v2_body(ROW, extra=objects))
+    assert r.status_code == 413 and "objects" in r.json()["error"], r.text
 
 
 async def test_an_envelope_a_request_needs_is_read(start_app: StartApp) -> None:

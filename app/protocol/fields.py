@@ -105,6 +105,22 @@ def object_field(container: Mapping[str, Any], key: str, where: str) -> dict[str
     return value
 
 
+def parameters_field(container: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A V2 `parameters` object (of the request, an input or an output): each parameter a scalar.
+
+    A parameter is a boolean, a number or a string (null: absent), as the protocol defines it and
+    as gRPC's InferParameter can only be; an array or an object is refused, never carried along.
+    """
+    parameters = object_field(container, "parameters", where)
+    for name, value in parameters.items():
+        if isinstance(value, (list, dict)):
+            raise InvalidInput(
+                f"{where} parameter {name[:64]!r} must be a boolean, a number or a string (parameters are "
+                f"scalars), got {json_type(value)}"
+            )
+    return parameters
+
+
 def list_field(container: Mapping[str, Any], key: str, where: str) -> list[Any] | None:
     """The array member `key`, None when absent or null."""
     value = container.get(key)

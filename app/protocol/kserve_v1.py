@@ -8,7 +8,7 @@ its prediction has the same shape. `GET /v1/models/{name}` answers `{"name", "re
 and 503 when the model is not ready (KServe's ModelNotReady), 404 when there is no such model.
 
 V1 is JSON only, so it costs what V2's JSON costs: the body is counted before it is parsed
-(tensors.check_json_counts, against max_queue_rows rows), every value checked a finite float32
+(tensors.read_json_body, against max_queue_rows rows, and the 64 KiB besides the tensor), every value checked a finite float32
 number, and an answer holding inf or NaN refused (422). Errors are the one table's
 `{"error", "error_type"}` bodies: V1's own error body is `{"error": ...}`, which KServe's SDK reads.
 """
@@ -23,9 +23,9 @@ import orjson
 from app.engine.errors import Unavailable
 from app.engine.facade import EngineFacade
 from app.protocol.errors import InvalidInput, UnsupportedMediaType
-from app.protocol.fields import loads_json, media_type
+from app.protocol.fields import media_type
 from app.protocol.native import FLOAT32, DecodedInput
-from app.protocol.tensors import check_finite_output, check_json_counts, check_shape, json_numbers_to_array
+from app.protocol.tensors import check_finite_output, check_shape, json_numbers_to_array, read_json_body
 
 Field = Literal["instances", "inputs"]
 FIELDS: tuple[Field, ...] = ("instances", "inputs")
@@ -44,8 +44,9 @@ def check_content(content_type: str | None) -> None:
 
 def decode(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput:
     """`{"instances": [...]}` or `{"inputs": [...]}` -> (rows, d_model) float32, refused (400, 413) if anything is wrong."""
-    check_json_counts(body, max_rows, d_model)
-    document = loads_json(body)
+    # The tensor is the array of "instances", or of "inputs" (a body holding both is refused below).
+    parsed = read_json_body(body, "instances" if b'"instances"' in body else "inputs", max_rows, d_model)
+    document = parsed.envelope
     if not isinstance(document, dict):
         raise InvalidInput('a KServe V1 body is a JSON object {"instances": [...]}')
     given = [key for key in FIELDS if key in document]
@@ -57,7 +58,7 @@ def decode(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput
     (field,) = given
     if body.count(f'"{field}"'.encode()) > 1:
         raise InvalidInput(f'duplicate key "{field}" in the JSON body')
-    array = json_numbers_to_array(document[field], field, body, FLOAT32)
+    array = json_numbers_to_array(parsed.tensor(document[field]), field, body, FLOAT32)
     if array.ndim == 1:  # [] or a flat list of numbers: not a list of instances
         raise InvalidInput(
             f'"{field}" must be a list of instances, each a list of d_model={d_model} numbers '

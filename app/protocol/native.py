@@ -24,15 +24,15 @@ import orjson
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
 from app.protocol.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
-from app.protocol.fields import loads_json, media_type
+from app.protocol.fields import media_type
 from app.protocol.limits import NPY_MAX_HEADER
 from app.protocol.tensors import (
     MAX_RANK,
     check_finite_output,
-    check_json_counts,
     check_shape,
     json_numbers_to_array,
     raw_bytes,
+    read_json_body,
     view_rows,
 )
 from ffn_core.dtypes import BY_NUMPY, DTYPE_NAMES, DTYPES, DType
@@ -193,10 +193,11 @@ def _npy_fields(header: object) -> tuple[DType, tuple[int, ...]]:
 def decode_json(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput:
     """{"inputs": [[...], ...]} (or [batch, seq, d_model]), numbers only, finite in float32.
 
-    A body with more arrays or values than `max_rows` rows is refused before it is parsed.
+    A body with more arrays or values than `max_rows` rows, or more than MAX_OTHER_BYTES besides
+    its "inputs" array, is refused before it is parsed.
     """
-    check_json_counts(body, max_rows, d_model)
-    document = loads_json(body)
+    parsed = read_json_body(body, "inputs", max_rows, d_model)
+    document = parsed.envelope
     if not isinstance(document, dict) or "inputs" not in document:
         raise InvalidInput('JSON body must be an object {"inputs": [[...], ...]}')
     unknown = set(document) - {"inputs"}
@@ -204,7 +205,7 @@ def decode_json(body: bytes | bytearray, d_model: int, max_rows: int) -> Decoded
         raise InvalidInput(f'unknown fields {sorted(unknown)}; the body is {{"inputs": [[...], ...]}}')
     if body.count(b'"inputs"') > 1:
         raise InvalidInput('duplicate key "inputs" in the JSON body')
-    array = json_numbers_to_array(document["inputs"], "inputs", body, FLOAT32)
+    array = json_numbers_to_array(parsed.tensor(document["inputs"]), "inputs", body, FLOAT32)
     rows = check_shape(array.shape, d_model)
     return DecodedInput(array.reshape(rows, d_model), array.shape, FLOAT32)
 

@@ -3,8 +3,10 @@
 Everything a client can get wrong is refused here with InvalidInput, before the batcher.
 Raw tensors are little-endian and C order; they are viewed in the request's own buffer,
 never copied. JSON bodies are counted before they are parsed, so that a body cannot ask for
-more Python objects than the largest tensor the model would accept, nor an envelope (the
-objects and strings around the tensor) larger than a request needs.
+more Python objects than the largest tensor the model would accept, and read in two parts
+(read_json_body): the tensor's array, which alone has the allowance of rows × d_model values,
+and the envelope around it (names, shape, parameters, outputs, id), which may hold at most
+MAX_OTHER_BYTES, as a gRPC request's fields besides its tensor data may (app/grpc/wire.py).
 
 Tensors are numpy arrays, as the engine's facade takes and answers them (app/engine/facade.py):
 float32 and float16 in their own dtype, bfloat16 as uint16 arrays of its bit patterns
@@ -17,12 +19,20 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from app.protocol.errors import InvalidInput, NonFiniteOutput, PayloadTooLarge
-from app.protocol.fields import json_type
-from app.protocol.limits import JSON_SLACK, MAX_JSON_OBJECTS, MAX_JSON_STRINGS, MAX_LONG_INTEGERS, MAX_RANK
+from app.protocol.fields import json_type, loads_json
+from app.protocol.limits import (
+    JSON_SLACK,
+    MAX_JSON_OBJECTS,
+    MAX_JSON_STRINGS,
+    MAX_LONG_INTEGERS,
+    MAX_OTHER_BYTES,
+    MAX_RANK,
+)
 from ffn_core.dtypes import DType
 
 # bfloat16's bit patterns: sign, 8 exponent bits, 7 mantissa bits. Infinity and NaN are the
@@ -93,28 +103,142 @@ def view_rows(
     return array
 
 
-def check_json_counts(body: bytes | bytearray | memoryview, max_rows: int, d_model: int) -> None:
-    """Refuse (413), before parsing, a JSON body with more arrays, values, objects or strings than a request needs.
+# What follows a member's name when its value is an array: the colon and the bracket, blanks between.
+_ARRAY_VALUE = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
+BLANKS = b" \t\r\n"  # JSON's whitespace
+_LEADING_BLANKS = re.compile(rb"[ \t\r\n]*")
+# A member's name is looked for at most this often: a request names its tensor once (the body
+# could name it in millions of places, each a step of Python).
+MAX_NAME_SIGHTINGS = 64
+
+
+@dataclass(frozen=True)
+class JsonBody:
+    """A JSON body parsed in two parts: the envelope, and the tensor's array apart.
+
+    `envelope` is the document with the array's place holding an empty list; the array is
+    parsed only when the protocol asks for it at that place (`tensor`), once everything else in
+    the envelope has been checked.
+    """
+
+    envelope: object
+    array: memoryview | None  # the tensor's array as sent; None: no member of the tensor's name holds an array
+
+    def tensor(self, value: object) -> object:
+        """The tensor member's value, read from the envelope: its array parsed when it is that array's place."""
+        if self.array is not None and value == []:
+            return loads_json(self.array)
+        return value
+
+
+def read_json_body(body: bytes | bytearray | memoryview, key: str, max_rows: int, d_model: int) -> JsonBody:
+    """Parse a JSON body whose tensor is the array member named `key`, each part bounded before it is parsed (413).
 
     Parsing makes a Python object of every value, array, object and string (a 3-byte `[],`
     becomes a 56-byte list, a 6-byte `"k":1,` a key and an int), so an unchecked body could
-    cost 20x its size and seconds of the event loop. Counting brackets, commas, braces and
-    quotes is a C-speed pass: a tensor of `max_rows` rows fits within the counts, and so does
-    any envelope a request needs. Characters inside strings count too, which only makes the
-    bounds stricter; nesting is checked on what was parsed (orjson stops at 1024 levels).
+    cost 20x its size and seconds of the event loop. So the tensor's array is found first, at C
+    speed: the value of the one member named `key` that holds an array (two such members are
+    refused: a key is given once, and a parameter is a scalar); a valid tensor holds numbers,
+    brackets and commas only, so it ends at the last ']' before the next quote or brace.
+    - The array alone has the tensor's allowance: at most as many arrays and values (its '[' and
+      ',' counted) as `max_rows` rows of `d_model` hold.
+    - Everything else, the envelope (names, shape, parameters, outputs, id, any other member),
+      may hold at most MAX_OTHER_BYTES, as a gRPC request's fields besides its tensor data may
+      (app/grpc/wire.py), and at most MAX_JSON_OBJECTS objects and MAX_JSON_STRINGS strings.
+    A parameter, shape or id holding millions of values is refused without a byte of it parsed,
+    however large the tensor's allowance. Characters inside strings count too, which only makes
+    the bounds stricter; nesting is checked on what was parsed (orjson stops at 1024 levels).
     """
     data = bytes(body) if isinstance(body, memoryview) else body
-    max_arrays = 2 * max_rows + JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
-    max_values = max_rows * d_model + max_arrays + JSON_SLACK
-    if data.count(b"[") > max_arrays or data.count(b",") > max_values:
-        raise PayloadTooLarge(
-            f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
-            f"send fewer rows per request, or a binary body"
+    start = _array_start(data, key)
+    if start is None:  # all of it is envelope
+        _check_envelope(data, len(data), len(data), key)
+        return JsonBody(loads_json(data), None)
+    end = _array_end(data, start, key)
+    _check_envelope(data, start, end, key)  # before anything is copied
+    _check_tensor_counts(data, start, end, max_rows, d_model)
+    envelope = bytes(data[:start]) + b"[]" + bytes(data[end:])
+    return JsonBody(loads_json(envelope), memoryview(data)[start:end])
+
+
+def _array_start(data: bytes | bytearray, key: str) -> int | None:
+    """Where the one member named `key` holding an array has its '['; None if none does.
+
+    A quoted name followed by a colon is a member's name wherever it is in a valid body (inside
+    a string a quote is escaped, so the name cannot appear there whole).
+    """
+    name = b'"' + key.encode() + b'"'
+    starts = []
+    at = data.find(name)
+    for _ in range(MAX_NAME_SIGHTINGS):
+        if at == -1:
+            break
+        value = _ARRAY_VALUE.match(data, at + len(name))
+        if value is not None:
+            starts.append(value.end() - 1)
+        at = data.find(name, at + len(name))
+    else:
+        if at != -1:
+            raise InvalidInput(
+                f"the JSON body names {key!r} more than {MAX_NAME_SIGHTINGS} times; a request names it once"
+            )
+    if len(starts) > 1:
+        raise InvalidInput(
+            f"the JSON body holds {len(starts)} arrays named {key!r} (a duplicate key, or an array in a "
+            f"parameter): the tensor is the one array of that name, and parameters are scalars"
         )
-    if data.count(b"{") > MAX_JSON_OBJECTS or data.count(b'"') > 2 * MAX_JSON_STRINGS:
+    return starts[0] if starts else None
+
+
+def _array_end(data: bytes | bytearray, start: int, key: str) -> int:
+    """Just past the ']' that closes the tensor's array at `start`: the last one before the next quote or brace."""
+    stop = data.find(b'"', start)
+    stop = len(data) if stop == -1 else stop
+    for brace in (b"{", b"}"):
+        at = data.find(brace, start, stop)
+        if at != -1:
+            stop = at
+    end = data.rfind(b"]", start, stop) + 1
+    between = bytes(data[end:stop]).strip(b" \t\r\n") if end else b"x"
+    if between not in (b"", b","):
+        if stop == len(data):
+            raise InvalidInput(f"malformed JSON: the body ends inside the {key!r} array")
+        found = {ord('"'): "a string", ord("{"): "an object"}.get(data[stop], "a value out of place")
+        raise InvalidInput(f"{key!r} must contain only numbers in nested lists (found {found})")
+    return end
+
+
+def _check_envelope(data: bytes | bytearray, start: int, end: int, key: str) -> None:
+    """Refuse (413) the envelope, `data` but data[start:end], past MAX_OTHER_BYTES or with too many objects or strings.
+
+    Blanks around the document are not counted: they make no object, and the parser skips them
+    at memory speed, so a padded body is bounded by the body limit alone.
+    """
+    size = len(data) - (end - start)
+    if size > MAX_OTHER_BYTES:
+        size -= _LEADING_BLANKS.match(data).end() + len(data) - len(data.rstrip(BLANKS))  # type: ignore[union-attr]
+        if size > MAX_OTHER_BYTES:
+            raise PayloadTooLarge(
+                f"the request holds more than {MAX_OTHER_BYTES} bytes besides its tensor data (the {key!r} array): "
+                "names, shape, parameters and outputs need far less, and each parameter is one scalar"
+            )
+    objects = data.count(b"{", 0, start) + data.count(b"{", end)
+    quotes = data.count(b'"', 0, start) + data.count(b'"', end)
+    if objects > MAX_JSON_OBJECTS or quotes > 2 * MAX_JSON_STRINGS:
         raise PayloadTooLarge(
             f"JSON body holds more than {MAX_JSON_OBJECTS} objects or {MAX_JSON_STRINGS} strings "
             "(its '{' and '\"' characters, counted before parsing); a request needs a few dozen"
+        )
+
+
+def _check_tensor_counts(data: bytes | bytearray, start: int, end: int, max_rows: int, d_model: int) -> None:
+    """Refuse (413) a tensor's array with more arrays or values than `max_rows` rows of `d_model` hold."""
+    max_arrays = 2 * max_rows + JSON_SLACK  # [batch, seq, d]: 1 + batch + rows arrays
+    max_values = max_rows * d_model + max_arrays + JSON_SLACK
+    if data.count(b"[", start, end) > max_arrays or data.count(b",", start, end) > max_values:
+        raise PayloadTooLarge(
+            f"JSON body holds more arrays or values than {max_rows} rows of {d_model}; "
+            f"send fewer rows per request, or a binary body"
         )
 
 

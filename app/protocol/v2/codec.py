@@ -28,10 +28,9 @@ from app.protocol.fields import (
     header_int,
     int_field,
     list_field,
-    loads_json,
     media_type,
     number_field,
-    object_field,
+    parameters_field,
     str_field,
 )
 from app.protocol.shared_memory import Region, SharedMemoryRegions, turned_off
@@ -89,19 +88,21 @@ def decode(
 ) -> V2Request:
     """An infer request's one input tensor and its options; every field type-checked (400).
 
-    A JSON part with more arrays or values than `max_rows` rows is refused before it is parsed.
+    A JSON part with more arrays or values than `max_rows` rows, or more than MAX_OTHER_BYTES
+    besides the input's `data` array, is refused before it is parsed (413); the envelope is
+    parsed and checked (parameters are scalars: 400) before the input's data is parsed.
     `shared_memory`: the registered regions (None: the extension is off). An input read from one
     counts against `max_bytes`, the body limit, as a body would: it is copied into memory too.
     """
     json_end = _json_length(header_length, len(body))
     json_part = memoryview(body)[:json_end] if json_end < len(body) else body
-    tensors.check_json_counts(json_part, max_rows, d_model)
-    document = loads_json(json_part)
+    parsed = tensors.read_json_body(json_part, "data", max_rows, d_model)
+    document = parsed.envelope
     if not isinstance(document, dict):
         raise InvalidInput("infer request must be a JSON object")
     request_id = str_field(document, "id", "request")
     identity.named(request_id)  # from here on, an error answer carries the request's `id` too
-    parameters = object_field(document, "parameters", "request")
+    parameters = parameters_field(document, "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
     inputs = list_field(document, "inputs", "request")
     if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
@@ -110,8 +111,13 @@ def decode(
     dtype = check_input(str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input"))
     shape = _shape(tensor.get("shape"))
     rows = tensors.check_shape(shape, d_model)
-    input_parameters = object_field(tensor, "parameters", "input")
+    input_parameters = parameters_field(tensor, "input")
     refuse_extensions(parameters, input_parameters)
+    binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
+    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
+    output_bytes = rows * d_model * dtype.itemsize
+    # Before any tensor data is parsed: every field of the envelope is checked first.
+    outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if SHARED_MEMORY_REGION in input_parameters:
         if shared_memory is None:  # the extension is named first: nothing else about it matters then
@@ -128,11 +134,7 @@ def decode(
     else:
         if json_end != len(body):
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
-        values = _json_tensor(tensor.get("data"), json_part, shape, rows, d_model, dtype)
-    binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
-    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
-    output_bytes = rows * d_model * dtype.itemsize
-    outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
+        values = _json_tensor(parsed.tensor(tensor.get("data")), json_part, shape, rows, d_model, dtype)
     return V2Request(
         values,
         shape,
@@ -284,7 +286,7 @@ def _requested_outputs(
     wanted: dict[str, bool] = {}
     in_shared_memory: dict[str, SharedMemorySpan] = {}
     for output in outputs:
-        output_parameters = object_field(output, "parameters", "output")
+        output_parameters = parameters_field(output, "output")
         name = check_output(str_field(output, "name", "output"), output_parameters, monte_carlo)
         chosen = bool_field(output_parameters, "binary_data", "output parameter")
         if SHARED_MEMORY_REGION in output_parameters:

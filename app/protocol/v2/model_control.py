@@ -20,7 +20,7 @@ from typing import Any
 from app.engine.facade import EngineFacade
 from app.errors import ServiceError
 from app.protocol.errors import InvalidInput
-from app.protocol.fields import bool_field, loads_json, object_field, str_field
+from app.protocol.fields import bool_field, loads_json, parameters_field, str_field
 
 _FILES = (
     "file parameters (tritonclient's files=) are not supported: put the weights in the model "
@@ -62,7 +62,10 @@ def _only(parameters: Mapping[str, Any], allowed: set[str]) -> None:
 
 
 def parameters_of_body(body: bytes | bytearray) -> dict[str, Any]:
-    """An HTTP body's `parameters` object ({} for an empty body); InvalidInput for anything else."""
+    """An HTTP body's `parameters` object ({} for an empty body), each a scalar; InvalidInput for anything else.
+
+    Over gRPC a ModelRepositoryParameter can only be a scalar (bool, int64, string, bytes).
+    """
     if not body.strip():
         return {}
     document = loads_json(body)
@@ -71,4 +74,4 @@ def parameters_of_body(body: bytes | bytearray) -> dict[str, Any]:
     unknown = sorted(set(document) - {"parameters"})
     if unknown:
         raise InvalidInput(f"unknown member {unknown[0][:64]!r}: the body holds only parameters")
-    return object_field(document, "parameters", "member")
+    return parameters_field(document, "request")

@@ -55,24 +55,28 @@ class ModelMetadata(BaseModel):
     )
 
 
+# A request's, an input's or an output's parameter: a scalar (an array or an object is refused, 400).
+Parameter = bool | int | float | str | None
+
+
 class InferInput(BaseModel):
     name: Literal["input"]
     shape: list[int] = Field(description="[rows, d_model] or [batch, seq, d_model].")
     datatype: str = _datatype()
-    parameters: dict[str, Any] | None = Field(default=None, description="binary_data_size for binary inputs.")
+    parameters: dict[str, Parameter] | None = Field(default=None, description="binary_data_size for binary inputs.")
     data: list[Any] | None = Field(default=None, description="Row-major values, flat or nested.")
 
 
 class InferRequestedOutput(BaseModel):
     name: Literal["output", "output_std"] = Field(description="output_std: Monte Carlo dropout requests only.")
-    parameters: dict[str, Any] | None = Field(default=None, description="binary_data: true for a binary output.")
+    parameters: dict[str, Parameter] | None = Field(default=None, description="binary_data: true for a binary output.")
 
 
 class InferRequest(BaseModel):
     id: str | None = None
-    parameters: dict[str, Any] | None = Field(
+    parameters: dict[str, Parameter] | None = Field(
         default=None,
-        description="binary_data_output: true for binary outputs; timeout in microseconds; "
+        description="Scalars: binary_data_output: true for binary outputs; timeout in microseconds; "
         "Monte Carlo dropout: mc_passes (2..max_mc_passes), mc_seed, mc_dropout (a rate in [0, 1)).",
     )
     inputs: list[InferInput] = Field(min_length=1, max_length=1)
