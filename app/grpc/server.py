@@ -30,7 +30,7 @@ from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.ports import target
 from app.grpc.service import InferenceServicer
-from app.grpc.writes import written_within
+from app.grpc.writes import answered_within
 from app.protocol.admission import CallsInFlight, HeldBytes
 from app.protocol.limits import GRPC_STREAMS_PER_CONNECTION
 from app.protocol.state import ServiceState
@@ -123,10 +123,9 @@ def _tolerant_handlers(
     budget becomes a Malformed, which its method answers through the error table naming what was
     wrong (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): grpc's own handling would answer UNKNOWN.
 
-    ModelInfer is served as a unary-stream method writing its one answer (the same frames on the
-    wire, so a unary client sees a unary call), because only a write can be given a deadline: an
-    answer not taken within `send_timeout_s` ends the client's connection (connections.py), as the
-    HTTP door drops it, and the answer's bytes are held until it is written.
+    ModelInfer's answer is watched (writes.answered_within): one not taken within `send_timeout_s`
+    ends the client's connection (connections.py), as the HTTP door drops it, and the request's and
+    answer's bytes are held until the call is done.
     """
     capture = _Capture()
     register(servicer, capture)
@@ -136,8 +135,8 @@ def _tolerant_handlers(
     }
     infer = handlers.get("ModelInfer")
     if infer is not None:
-        handlers["ModelInfer"] = grpc.unary_stream_rpc_method_handler(
-            written_within(infer.unary_unary, send_timeout_s),
+        handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+            answered_within(infer.unary_unary, send_timeout_s),
             request_deserializer=infer.request_deserializer,
             response_serializer=infer.response_serializer,
         )
