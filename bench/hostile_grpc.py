@@ -45,9 +45,9 @@ from bench.hostile_clients import MEASURABLE_MALLOC, MiB, PeakMemory
 from bench.hostile_grpc_clients import (
     OWN_CONNECTION,
     GoodCaller,
+    callers_beside,
     endless_header_block,
     expected_answer,
-    good_caller_beside,
     headers_only_streams,
     infer_request,
     never_preface,
@@ -115,7 +115,7 @@ async def flooded(server: ServerProcess, scenario: str, flood: Callable[[], Awai
     x = np.random.default_rng(0).standard_normal((4, D_MODEL)).astype(np.float32)
     expected = await expected_answer(server.grpc_target, x, KEY)
     caller = GoodCaller(server.grpc_target, x, expected, KEY)
-    async with PeakMemory(server) as memory, good_caller_beside(caller):
+    async with PeakMemory(server) as memory, callers_beside(caller):
         outcome = await flood()
     return Row(scenario, outcome, memory.growth / MiB, caller)
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 import numpy as np
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import ConnectionTerminated, StreamEnded, StreamReset
+from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from tritonclient.grpc import service_pb2 as pb
@@ -68,6 +71,7 @@ class RawConnection:
         self.goaway_code: int | None = None
         self.resets = 0  # streams the server reset
         self.ended = 0  # streams the server ended (an answer or an error status)
+        self.unexpected = ""  # the server answered a stream h2 did not know of (sent as raw frames)
 
     @classmethod
     async def open(cls, port: int, *, window: int | None = None) -> RawConnection:
@@ -98,7 +102,12 @@ class RawConnection:
             if not data:
                 self.closed = True
                 break
-            for event in self.h2.receive_data(data):
+            try:
+                events = self.h2.receive_data(data)
+            except ProtocolError as error:  # frames on a stream h2 did not open (a raw HEADERS of ours): answered
+                self.unexpected = str(error)
+                break
+            for event in events:
                 if isinstance(event, ConnectionTerminated):
                     self.closed, self.goaway_code = True, event.error_code
                 elif isinstance(event, StreamReset):
@@ -337,13 +346,34 @@ async def expected_answer(target: str, x: np.ndarray, key: str | None = None) ->
     return np.frombuffer(answer.raw_output_contents[0], "<f4").reshape(x.shape).copy()
 
 
+class Caller(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
 @contextlib.asynccontextmanager
-async def good_caller_beside(caller: GoodCaller) -> AsyncIterator[GoodCaller]:
-    """Run `caller` for the block's duration, then wait for its last calls."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(caller.run(stop))
+async def callers_beside(*callers: Caller) -> AsyncIterator[None]:
+    """Run `callers` for the block's duration, then wait for their last calls.
+
+    They run on an event loop of their own, in a thread: an attacker's frame-by-frame work keeps
+    the caller's loop busy for seconds, and a good client whose call waited for that loop would
+    be measured late (or late for the server's header deadline) through no fault of the server's.
+    """
+    stop = threading.Event()
+
+    async def run_until_stopped() -> None:
+        stopped = asyncio.Event()
+
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            stopped.set()
+
+        await asyncio.gather(*(caller.run(stopped) for caller in callers), watch())
+
+    thread = threading.Thread(target=asyncio.run, args=(run_until_stopped(),), name="good-callers")
+    thread.start()
     try:
-        yield caller
+        yield
     finally:
         stop.set()
-        await task
+        await asyncio.to_thread(thread.join)

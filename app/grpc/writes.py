@@ -26,7 +26,8 @@ log = logging.getLogger("ffn_serve")
 async def send_within(context: grpc.aio.ServicerContext, response: Any, send_timeout_s: float) -> bool:
     """Write `response`, or end the client's connection if it has not taken it within `send_timeout_s`."""
     try:
-        await asyncio.wait_for(context.write(response), send_timeout_s)
+        async with asyncio.timeout(send_timeout_s):  # no task per write, as wait_for would make
+            await context.write(response)
         return True
     except TimeoutError:
         closed = close_connection(context.peer())
