@@ -9,6 +9,7 @@ each gauge merges as its `multiprocess_mode` says. One process: `merged` is `reg
 from __future__ import annotations
 
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -99,6 +100,11 @@ class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     # Triton's names (nv_inference_*, nv_gpu_*) written after the ffn_* series; None: off (triton_metrics).
     triton: TritonNames | None = None
+
+    # Names forgotten (a model no [[models]] table names any more, unloaded): their series are left
+    # out of every scrape. With workers, prometheus_client keeps every series written in the
+    # folder's files, live or dead, whatever this process removes: a scrape leaves them out.
+    hidden: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -244,6 +250,26 @@ class Metrics:
         self.worker_restarts = Counter(
             "ffn_worker_restarts", "Worker processes started to replace one that died.", registry=r
         )
+        # Every instrument with a model label: what a forgotten model leaves.
+        self.by_model: tuple[Counter | Gauge | Histogram, ...] = (
+            self.requests,
+            self.queue_seconds,
+            self.compute_seconds,
+            self.request_seconds,
+            self.request_compute_seconds,
+            self.failed_request_seconds,
+            self.last_inference,
+            self.batch_rows,
+            self.request_rows,
+            self.queue_rows,
+            self.batch_ceiling,
+            self.oom_splits,
+            self.model_state,
+            self.model_version,
+            self.model_info,
+            self.model_loads,
+            self.model_load_seconds,
+        )
 
     def loads_from_zero(self, model: str) -> None:
         """Create `model`'s load series at 0, so that `increase()` sees its first failed load (an alert on it fires)."""
@@ -251,9 +277,25 @@ class Metrics:
             self.model_loads.labels(model=model, outcome=outcome)
         self.model_load_seconds.labels(model=model)
 
+    def forget_model(self, model: str) -> None:
+        """`model` is no longer a model of the service: its series go, and no scrape shows them from now on."""
+        self.hidden.add(model)
+        with warnings.catch_warnings():
+            # "not implemented in multi-process mode": the files keep the values; render leaves them out.
+            warnings.simplefilter("ignore", UserWarning)
+            for instrument in self.by_model:
+                instrument.remove_by_labels({"model": model})
+
+    def remember_model(self, model: str) -> None:
+        """`model` is a model of the service again (a table names it, a load serves it): scrapes show it."""
+        self.hidden.discard(model)
+
     def render(self) -> bytes:
         """The Prometheus text of `merged`, then Triton's names of the same samples when they are on."""
         families = list(self.merged.collect())  # read once: with workers, every worker's files
+        if self.hidden:
+            for family in families:
+                family.samples = [s for s in family.samples if s.labels.get("model") not in self.hidden]
         text = generate_latest(_Collected(families))
         if self.triton is None:
             return text

@@ -350,7 +350,8 @@ class Settings(BaseSettings):
     model_control: Literal["none", "explicit"] = Field(
         default="none",
         description="none: the models are fixed at start (load and unload answer 400). explicit: "
-        "POST /v2/repository/models/{name}/load|unload and SIGHUP load, reload and unload models while serving.",
+        "POST /v2/repository/models/{name}/load|unload and SIGHUP load, reload and unload models while serving; "
+        "a load serves only a name a [[models]] table names.",
     )
     model_repository: Path | None = Field(
         default=None,

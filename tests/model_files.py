@@ -32,3 +32,11 @@ def matches(y: np.ndarray, params: dict[str, np.ndarray], x: np.ndarray) -> bool
     """`y` is the answer of `params` for `x`, to float32 tolerance."""
     expected = answer(params, x)
     return bool(np.abs(y - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max()))
+
+
+def add_table(config: Path, name: str, weights: str) -> None:
+    """Add a [[models]] table for `name` to the config file, once: a load serves only the models
+    the configuration names (as Triton loads only what its repository holds)."""
+    text = config.read_text()
+    if f'name = "{name}"' not in text:
+        config.write_text(f'{text}\n[[models]]\nname = "{name}"\nweights = "{weights}"\n')

@@ -11,8 +11,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from prometheus_client.metrics import MetricWrapperBase
 
 from app import __version__
+from app.metrics import Metrics
 from app.protocol.errors import ERRORS
 from app.settings import ModelSpec, Settings
 from ffn_client.testing import free_port, metric_value, read_rss, start_server
@@ -205,3 +207,29 @@ async def test_gpu_memory_per_device(start_app) -> None:
     # At least this process's own allocations (the weights), at most the device.
     assert torch.cuda.memory_reserved(0) <= used <= total
     assert used == pytest.approx(total - free, rel=0.05)
+
+
+def test_a_forgotten_model_leaves_every_series_of_its_name_and_no_other() -> None:
+    """Issue 28 class 7: a model no table names, unloaded, is forgotten: every instrument with a model
+    label (Metrics.by_model must list them all) drops its series, and scrapes leave out whatever the
+    worker processes' files still hold of it; another model's series stay."""
+    metrics = Metrics()
+    instruments = [value for value in vars(metrics).values() if isinstance(value, MetricWrapperBase)]
+    labelled = [i for i in instruments if "model" in i._labelnames]
+    assert {id(i) for i in labelled} == {id(i) for i in metrics.by_model} and len(labelled) == 17
+    for instrument in labelled:
+        for model in ("gone", "kept"):
+            labels = {name: model if name == "model" else "x" for name in instrument._labelnames}
+            instrument.labels(**labels)
+    metrics.forget_model("gone")
+    for instrument in labelled:
+        models = {sample.labels["model"] for family in instrument.collect() for sample in family.samples}
+        assert models == {"kept"}, instrument
+    # A series made again meanwhile (an answer counted as the copy retired) is left out of the page;
+    # a name named again shows.
+    metrics.requests.labels(model="gone", outcome="ok", protocol="http").inc()
+    assert 'model="gone"' not in metrics.render().decode()
+    metrics.remember_model("gone")
+    assert (
+        metric_value(metrics.render().decode(), "ffn_requests_total", model="gone", outcome="ok", protocol="http") == 1
+    )

@@ -32,6 +32,7 @@ from app.settings_problems import SettingsError
 from ffn_client.testing import metric_value
 from tests.in_process import InProcessApp
 from tests.model_files import matches, write_ffn
+from tests.reference import assert_close, demo_reference
 
 D = 16
 StartApp = Callable[..., Awaitable[InProcessApp]]
@@ -265,20 +266,61 @@ async def test_a_reloaded_copy_is_freed_even_after_gc_freeze(
 # ----- load with a config parameter, and the repository's walls --------------------------------------
 
 
-async def test_a_config_parameter_loads_a_new_model_from_inside_the_repository(
+async def test_a_load_of_a_name_no_table_names_is_refused_before_any_copy_is_built(
+    start_app: StartApp, repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 class 7: a load of any new name with `config {}` built a copy of the demo weights
+    (about 10 MiB each, without bound: python3 -m bench.model_loads). The models are the configuration's, as Triton's are its
+    repository's: a name no [[models]] table names is refused, weights named or not, before any
+    worker reads a file, and it leaves no entry in the index and no series in /metrics."""
+    write_ffn(repository / "a.safetensors", 1, d_model=D)
+    write_ffn(repository / "b.safetensors", 2, d_model=D)
+    service = await serve(start_app, repository)
+    client = service.client
+    reads: list[str] = []
+    read = lifecycle.read_weights
+    monkeypatch.setattr(lifecycle, "read_weights", lambda spec, path=None: reads.append(spec.name) or read(spec, path))
+    attempts = [(f"made-up-{i}", {}) for i in range(20)]
+    attempts += [("extra", {"weights": "b.safetensors", "format": "native"}), ("extra", None)]
+    for name, config in attempts:
+        response = await load(client, name, config)
+        assert response.status_code == 400 and response.json()["error_type"] == "load_failed", response.text
+        assert response.json()["error"] == (
+            f"no model {name!r} to load: no [[models]] table of the config file {repository / 'ffn.toml'} names it; "
+            "a load serves only the models the configuration names, as Triton loads only what its model repository "
+            "holds (add a [[models]] table to the config file, then load it or send SIGHUP)"
+        )
+    assert reads == []  # refused before any copy was begun
+    index = (await client.post("/v2/repository/index")).json()
+    assert [entry["name"] for entry in index] == ["m", "other"]
+    page = (await client.get("/metrics")).text
+    assert "made-up" not in page and '"extra"' not in page
+    assert metric_value(page, "ffn_model_loads_total", model="(other)", outcome="failed") == len(attempts)
+
+
+async def test_a_table_added_to_the_config_file_is_loaded_and_a_config_parameter_replaces_its_weights(
     start_app: StartApp, repository: Path
 ) -> None:
-    write_ffn(repository / "a.safetensors", 1, d_model=D)
+    a = write_ffn(repository / "a.safetensors", 1, d_model=D)
     b = write_ffn(repository / "b.safetensors", 2, d_model=D)
     (repository / "inside.safetensors").symlink_to(repository / "b.safetensors")
     service = await serve(start_app, repository)
     client, x = service.client, rows(2, 3)
-    for name, weights in (("extra", "b.safetensors"), ("linked", "inside.safetensors")):
-        response = await load(client, name, {"weights": weights, "format": "native"})
+    config = repository / "ffn.toml"
+    config.write_text(config.read_text() + '\n[[models]]\nname = "extra"\nweights = "a.safetensors"\n')
+    response = await load(client, "extra")  # its table, read from the file now
+    assert response.status_code == 200, response.text
+    assert response.json()["version"] == 1  # a model not served from the start: its first version
+    y, version = await infer(client, x, "/v2/models/extra/infer")
+    assert matches(y, a, x) and version == "1"
+    for expected_version, weights in ((2, "b.safetensors"), (3, "inside.safetensors")):
+        response = await load(client, "extra", {"weights": weights, "format": "native"})
         assert response.status_code == 200, response.text
-        assert response.json()["version"] == 1  # a model not served from the start: its first version
-        y, version = await infer(client, x, f"/v2/models/{name}/infer")
-        assert matches(y, b, x) and version == "1"
+        assert response.json()["version"] == expected_version
+        y, version = await infer(client, x, "/v2/models/extra/infer")
+        assert matches(y, b, x) and version == str(expected_version)
+    index = (await client.post("/v2/repository/index")).json()
+    assert [entry["name"] for entry in index] == ["m", "other", "extra"]
 
 
 async def test_a_load_reads_no_file_outside_the_repository(start_app: StartApp, repository: Path) -> None:
@@ -289,7 +331,7 @@ async def test_a_load_reads_no_file_outside_the_repository(start_app: StartApp, 
     (repository / "sub").mkdir()
     service = await serve(start_app, repository)
     for weights in ("../outside.safetensors", str(outside), "escape.safetensors", "sub/../../outside.safetensors"):
-        response = await load(service.client, "thief", {"weights": weights})
+        response = await load(service.client, "m", {"weights": weights})
         assert response.status_code == 400, weights
         assert response.json()["error_type"] == "load_failed"
         assert "outside the model repository" in response.json()["error"]
@@ -356,10 +398,15 @@ async def test_a_huge_or_broken_body_is_refused_before_it_is_read_whole(start_ap
 
 async def test_without_a_repository_a_config_naming_weights_is_refused(start_app: StartApp, tmp_path: Path) -> None:
     service = await start_app(load_settings(model_control="explicit", max_batch_rows=16))
-    response = await load(service.client, "extra", {"weights": str(tmp_path / "x.safetensors")})
+    response = await load(service.client, "demo", {"weights": str(tmp_path / "x.safetensors")})
     assert response.status_code == 400 and "needs a model repository" in response.json()["error"]
     demo = await load(service.client, "demo")  # the built-in demo has no file: reloading it is allowed
     assert demo.status_code == 200 and demo.json()["version"] == 2
+    # Without a config file the configuration is the models served from the start.
+    other = await load(service.client, "extra", {})
+    assert other.status_code == 400 and other.json()["error"].startswith(
+        "no model 'extra' to load: the server was started without a config file and serves demo only; "
+    )
 
 
 # ----- failures keep the old copy ------------------------------------------------------------------
@@ -446,7 +493,9 @@ async def test_every_refused_load_is_counted_and_unknown_names_add_no_series(
     made_up = [f"made-up-{i}" for i in range(5)]
     for name in made_up[:2]:  # no table names them: refused before any worker hears of them
         assert (await load(client, name)).status_code == 400
-    for name in made_up[2:4]:  # a config parameter's table, its file missing or of the wrong shapes
+    for name in made_up[
+        2:4
+    ]:  # a config parameter's table (its file missing or of the wrong shapes): no table names them
         weights = "gone.safetensors" if name == made_up[2] else "shapes.safetensors"
         assert (await load(client, name, {"weights": weights, "activation": "relu"})).status_code == 400
     bad = await client.post(f"/v2/repository/models/{made_up[4]}/load", json={"parameters": {"config": 7}})
@@ -463,7 +512,9 @@ async def test_a_model_first_loaded_while_serving_has_its_failures_counted_from_
     write_ffn(repository / "a.safetensors", 1, d_model=D)
     write_ffn(repository / "b.safetensors", 2, d_model=D)
     service = await serve(start_app, repository)
-    assert (await load(service.client, "extra", {"weights": "b.safetensors"})).status_code == 200
+    config = repository / "ffn.toml"
+    config.write_text(config.read_text() + '\n[[models]]\nname = "extra"\nweights = "b.safetensors"\n')
+    assert (await load(service.client, "extra")).status_code == 200
     page = (await service.client.get("/metrics")).text
     assert metric_value(page, "ffn_model_loads_total", model="extra", outcome="ok") == 1
     assert 'ffn_model_loads_total{model="extra",outcome="failed"} 0.0' in page
@@ -549,6 +600,64 @@ async def test_unload_then_infer_is_a_404_and_the_model_is_listed_unavailable(
     x = rows(2, 7)
     y, version = await infer(client, x)
     assert matches(y, a, x) and version == "2"
+
+
+async def test_a_model_no_table_names_leaves_the_index_and_metrics_once_unloaded_and_comes_back_afresh(
+    start_app: StartApp, repository: Path
+) -> None:
+    """Issue 28 class 7: unloaded names stayed in the index and their series in /metrics forever.
+    A model still named by a table stays listed once unloaded (to be loaded again, as Triton lists
+    its repository's models); one whose table is gone is forgotten when unloaded."""
+    a = write_ffn(repository / "a.safetensors", 1, d_model=D)
+    service = await serve(start_app, repository)
+    client, config = service.client, repository / "ffn.toml"
+    x = np.random.default_rng(11).standard_normal((2, 512)).astype(np.float32)
+    await demo_infer(client, x, "other")
+    page = (await client.get("/metrics")).text
+    assert metric_value(page, "ffn_requests_total", model="other", outcome="ok", protocol="http") == 1
+    assert 'nv_inference_request_success{model="other",version="1"}' in page  # Triton's names too
+
+    config.write_text('max_batch_rows = 16\n\n[[models]]\nname = "m"\nweights = "a.safetensors"\n')
+    refused = await load(client, "other")  # still served, but no table names it: no reload either
+    assert refused.status_code == 400 and "no [[models]] table of the config file" in refused.json()["error"]
+    await demo_infer(client, x, "other")  # served until unloaded
+    assert (await client.post("/v2/repository/models/other/unload")).status_code == 200
+    index = (await client.post("/v2/repository/index")).json()
+    assert [entry["name"] for entry in index] == ["m"]
+    assert [entry["name"] for entry in (await client.get("/v1/models")).json()["models"]] == ["m"]
+    gone = await client.get("/v2/models/other")
+    assert gone.status_code == 404 and "is not served here" in gone.json()["error"]
+    page = (await client.get("/metrics")).text
+    assert 'model="other"' not in page, [line for line in page.splitlines() if 'model="other"' in line]
+    assert metric_value(page, "ffn_requests_total", model="m", outcome="ok", protocol="http") == 0  # m's stay
+    assert (await client.post("/v2/repository/models/other/unload")).status_code == 404  # nothing left of it
+
+    # m unloaded while its table names it: listed UNAVAILABLE; its table removed, SIGHUP forgets it.
+    assert (await client.post("/v2/repository/models/m/unload")).status_code == 200
+    assert [e["name"] for e in (await client.post("/v2/repository/index")).json()] == ["m"]
+    config.write_text('max_batch_rows = 16\n\n[[models]]\nname = "other"\n')
+    await service.app.state.service.engine.apply_config_file()  # other added, m's table gone
+    index = {e["name"]: e["state"] for e in (await client.post("/v2/repository/index")).json()}
+    assert index == {"other": "READY"}
+    page = (await client.get("/metrics")).text
+    assert 'model="m"' not in page
+    # other named again: its series start afresh, and count its requests (the doors' too).
+    assert metric_value(page, "ffn_requests_total", model="other", outcome="ok", protocol="http") == 0
+    assert metric_value(page, "ffn_model_loads_total", model="other", outcome="ok") == 1
+    await demo_infer(client, x, "other")
+    page = (await client.get("/metrics")).text
+    assert metric_value(page, "ffn_requests_total", model="other", outcome="ok", protocol="http") == 1
+    assert metric_value(page, "ffn_model_state", model="other", state="READY") == 1
+    config.write_text(config.read_text() + '\n[[models]]\nname = "m"\nweights = "a.safetensors"\n')
+    assert (await load(client, "m")).status_code == 200  # named again: loaded again
+    y, _ = await infer(client, rows(2, 12))
+    assert matches(y, a, rows(2, 12))
+
+
+async def demo_infer(client: httpx.AsyncClient, x: np.ndarray, name: str) -> None:
+    """A V2 infer of the demo weights (served as `name`), checked against the float64 reference."""
+    y, _ = await infer(client, x, f"/v2/models/{name}/infer")
+    assert_close(y, demo_reference(x))
 
 
 # ----- order, drain ----------------------------------------------------------------------------------
@@ -638,7 +747,8 @@ async def test_the_config_file_read_again_loads_the_changes_and_unloads_what_it_
     y, version = await infer(client, x, "/v2/models/n/infer")
     assert matches(y, c, x) and version == "1"
     index = {e["name"]: (e["version"], e["state"]) for e in (await client.post("/v2/repository/index")).json()}
-    assert index == {"m": ("2", "READY"), "n": ("1", "READY"), "other": ("1", "UNAVAILABLE")}
+    assert index == {"m": ("2", "READY"), "n": ("1", "READY")}  # other: no table names it, unloaded, forgotten
+    assert 'model="other"' not in (await client.get("/metrics")).text
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ffn_serve"):

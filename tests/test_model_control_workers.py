@@ -14,11 +14,15 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
+import pytest
 from tritonclient.grpc import InferenceServerClient, InferInput
+from tritonclient.grpc import service_pb2 as pb
 
 from ffn_client.testing import ServerProcess, http_request, metric_value, raw_request, start_server
+from tests.grpc_helpers import stub, trailers
 from tests.model_files import matches, write_ffn
 from tests.test_workers import replaced, scrape, worker_pids
 
@@ -36,6 +40,7 @@ def config(folder: Path, models: str) -> Path:
 
 M = '[[models]]\nname = "m"\nweights = "a.safetensors"\n'
 N = '[[models]]\nname = "n"\nweights = "c.safetensors"\n'
+FORGOTTEN = "model {}: no [[models]] table names it: it leaves the repository index and /metrics"
 
 
 async def infer(port: int, name: str, x: np.ndarray, headers: dict[str, str] | None = None) -> tuple[int, object]:
@@ -164,9 +169,9 @@ async def test_sighup_to_one_process_applies_the_config_file_and_with_control_of
     with start_server(config=path) as server:
         config(tmp_path, M)  # n removed
         os.kill(server.pid, signal.SIGHUP)
-        await until(lambda: "model n version 1 unloaded" in server.logs(), server, "n unloaded")
+        await until(lambda: FORGOTTEN.format("n") in server.logs(), server, "n unloaded and forgotten")
         index = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
-        assert {e["name"]: e["state"] for e in index} == {"m": "READY", "n": "UNAVAILABLE"}
+        assert {e["name"]: e["state"] for e in index} == {"m": "READY"}  # no table names n: not listed
         status, result = await infer(server.port, "m", rows(2, 1))
         assert status == 200 and matches(result[0], a, rows(2, 1))  # type: ignore[index]
 
@@ -206,3 +211,66 @@ def test_a_grpc_load_reaches_both_workers_and_answers_once_both_serve_the_new_we
                 client.close()
             assert result.get_response().model_version == "2"
             assert matches(result.as_numpy("output"), b, x)
+
+
+async def test_names_no_table_names_are_refused_on_both_doors_and_a_model_whose_table_is_gone_leaves_every_worker(
+    tmp_path: Path,
+) -> None:
+    """Issue 28 class 7 through a real server with --model-control explicit and 2 workers: a load of
+    a name no [[models]] table names (with `config {}`, which built a copy of the demo weights before)
+    is refused alike over HTTP and gRPC, and adds no series and no index entry; a model whose table
+    is removed, once unloaded, leaves the index and /metrics of both workers (whose files
+    prometheus_client keeps: the scrape leaves it out), while m serves on, checked against numpy."""
+    a = write_ffn(tmp_path / "a.safetensors", 1, d_model=D)
+    path = tmp_path / "ffn.toml"
+    path.write_text(f"max_batch_rows = 64\n\n{M}\n{N.replace('c.safetensors', 'a.safetensors')}")
+    env = {"FFN_WORKERS": "2", "FFN_ACCESS_LOG": "true"}  # the access log says which worker answered
+    with start_server(config=path, env=env, args=["--model-control", "explicit"]) as server:
+        parameters = {"config": pb.ModelRepositoryParameter(string_param="{}")}
+        async with stub(server.grpc_target) as client:
+            for i in range(10):
+                name = f"made-up-{i}"
+                answer = httpx.post(
+                    f"{server.url}/v2/repository/models/{name}/load", json={"parameters": {"config": "{}"}}, timeout=60
+                )
+                assert answer.status_code == 400 and answer.json()["error_type"] == "load_failed", answer.text
+                assert answer.json()["error"].startswith(f"no model {name!r} to load: no [[models]] table of ")
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.RepositoryModelLoad(
+                        pb.RepositoryModelLoadRequest(model_name=name, parameters=parameters), timeout=60
+                    )
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details() == answer.json()["error"]
+                assert trailers(refused.value)["ffn-error-type"] == "load_failed"
+        for _ in range(6):  # a connection each: both workers answer
+            index = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
+            assert [e["name"] for e in index] == ["m", "n"]
+            page = scrape(server.url)
+            assert "made-up" not in page
+        assert metric_value(page, "ffn_model_loads_total", model="(other)", outcome="failed") == 20
+
+        status, _ = await infer(server.port, "n", rows(2, 1))  # n's series hold a request in some worker
+        assert status == 200
+        assert 'model="n"' in scrape(server.url)
+        path.write_text(f"max_batch_rows = 64\n\n{M}")  # n's table removed, then n unloaded
+        unloaded = httpx.post(f"{server.url}/v2/repository/models/n/unload", timeout=120)
+        assert unloaded.status_code == 200, unloaded.text
+        assert server.logs().count(FORGOTTEN.format("n")) == 2  # in both workers, before the answer
+        metrics_line = re.compile(r"\[worker (\d)\] uvicorn\.access: .*\"GET /metrics HTTP/1\.1\" 200")
+        answered: set[str] = set()
+        for round_ in range(40):  # until both workers have answered a scrape since
+            before = len(metrics_line.findall(server.logs()))
+            page = scrape(server.url)
+            assert 'model="n"' not in page, [line for line in page.splitlines() if 'model="n"' in line]
+            assert metric_value(page, "ffn_model_state", model="m", state="READY") == 2  # m's stay
+            index = httpx.post(f"{server.url}/v2/repository/index", timeout=30).json()
+            assert [e["name"] for e in index] == ["m"]
+            answered |= set(metrics_line.findall(server.logs())[before:])
+            x = rows(3, round_)
+            status, result = await infer(server.port, "m", x)
+            assert status == 200 and matches(result[0], a, x)  # type: ignore[index]
+            if answered == {"1", "2"} and round_ >= 5:
+                break
+        assert answered == {"1", "2"}, server.logs()
+        gone = httpx.get(f"{server.url}/v2/models/n", timeout=30)
+        assert gone.status_code == 404 and "is not served here" in gone.json()["error"]

@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from bench.otlp_receiver import OtlpReceiver
 from ffn_client.encodings import as_wire_values
 from ffn_client.testing import ServerProcess, start_server
-from tests.model_files import matches, write_ffn
+from tests.model_files import add_table, matches, write_ffn
 from tests.reference import demo_reference
 
 KEY = "tritonclient-grpc-key"
@@ -205,6 +205,7 @@ def check_load_and_unload(client: Client, server: ServerProcess) -> None:
     # A version grows with each load: so this check may run more than once (it is listed twice).
     index = client.get_model_repository_index(as_json=True)["models"]
     last = int(next((e["version"] for e in index if e["name"] == "extra"), 0))
+    add_table(server.repository / "ffn.toml", "extra", "extra.safetensors")  # type: ignore[attr-defined]
     client.load_model("extra", config=json.dumps({"weights": "extra.safetensors"}))
     assert client.is_model_ready("extra")
     result = client.infer("extra", [input_tensor(x)])

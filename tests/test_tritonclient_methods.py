@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 
 from bench.otlp_receiver import OtlpReceiver
 from ffn_client.testing import ServerProcess, start_server
-from tests.model_files import matches, write_ffn
+from tests.model_files import add_table, matches, write_ffn
 from tests.reference import demo_reference
 
 KEY = "tritonclient-table-key"
@@ -72,6 +72,7 @@ def server(repository: Path) -> Iterator[ServerProcess]:
             "FFN_SHARED_MEMORY": "true",
         }
         with start_server(config=repository / "ffn.toml", env=env) as srv:
+            srv.repository = repository  # type: ignore[attr-defined]
             yield srv
 
 
@@ -190,6 +191,7 @@ def check_load_and_unload(client: Client, server: ServerProcess) -> None:
     x = np.random.default_rng(8).standard_normal((3, 16)).astype(np.float32)
     # A version grows with each load: so this check may run more than once (it is listed twice).
     last = int(next((e["version"] for e in client.get_model_repository_index() if e["name"] == "extra"), 0))
+    add_table(server.repository / "ffn.toml", "extra", "extra.safetensors")  # type: ignore[attr-defined]
     client.load_model("extra", config=json.dumps({"weights": "extra.safetensors"}))
     assert client.is_model_ready("extra")
     result = client.infer("extra", [input_tensor(x)])

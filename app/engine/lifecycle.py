@@ -13,7 +13,8 @@ before finish on the old one, which then stops and lets its memory go. The model
 throughout. A failure at any step (a missing or replaced file, wrong shapes, NaN weights, a
 d_model other than the served copy's, out of memory) leaves the old copy serving, and the error
 names the file and why. An unload turns the model UNAVAILABLE ("unloaded"), finishes what it
-admitted, stops it and frees it.
+admitted, stops it and frees it; an unload that forgets (of a name no [[models]] table names any
+more: the Engine decides) then drops it from the lists and /metrics, as if it had never served.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class Lifecycle:
         model label of a failure (Engine.counted_as)} -> version, timings."""
         spec = ModelSpec.model_validate(args["spec"])
         source = WeightsFile.from_args(args.get("source"))
+        if spec.name in self._metrics.hidden:  # forgotten once, named by a table again (the Engine loads no other)
+            self._metrics.remember_model(spec.name)
         version = command_number.get() + (1 if spec.name in self._at_start else 0)
         current = self._registry.models.get(spec.name)
         timings = Timings()
@@ -153,15 +156,34 @@ class Lifecycle:
         return {"version": version, **asdict(timings)}
 
     async def apply_unload(self, args: dict[str, Any]) -> dict[str, Any]:
-        """UNLOAD_MODEL: {"name": ...} -> the version unloaded. Unloading an unloaded model is done already."""
-        name = args["name"]
-        if name in self._registry.unloaded:
-            return {"version": self._registry.unloaded[name].version, "retire_s": 0.0}
-        if name not in self._registry.models:
+        """UNLOAD_MODEL: {"name": ..., "forget": whether no table names it any more} -> the version unloaded.
+
+        Unloading an unloaded model is done already. With `forget`, the model then leaves the lists
+        and /metrics, once its copy has finished its work (its last answers are still counted); a
+        worker started later, which replays the unload, may never have served it: it forgets the name.
+        """
+        name, forget = args["name"], bool(args.get("forget"))
+        if name in self._registry.models:
+            served = self._registry.unload(name)
+            log.info("model %s version %d unloaded; finishing what it admitted", name, served.version)
+            result = {"version": served.version, "retire_s": await self._retire(served)}
+        elif name in self._registry.unloaded:
+            result = {"version": self._registry.unloaded[name].version, "retire_s": 0.0}
+        elif forget:
+            result = {"version": 0, "retire_s": 0.0}
+        else:
             raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload", name=name)
-        served = self._registry.unload(name)
-        log.info("model %s version %d unloaded; finishing what it admitted", name, served.version)
-        return {"version": served.version, "retire_s": await self._retire(served)}
+        if forget:
+            self._forget(name)
+        return result
+
+    def _forget(self, name: str) -> None:
+        """No table names `name` any more: it leaves the lists and /metrics; a later table of that name
+        starts afresh (its series made again at 0, the doors' too)."""
+        self._registry.forget(name)
+        self._loads_counted.discard(name)
+        self._prepared_names.discard(name)
+        log.info("model %s: no [[models]] table names it: it leaves the repository index and /metrics", name)
 
     async def stop(self) -> None:
         """Shutting down: answer 503 whatever the copies still retiring hold."""

@@ -474,6 +474,13 @@ class Registry:
         self._info_gone(served)
         return served
 
+    def forget(self, name: str) -> None:
+        """`name` is no model of the service any more (no [[models]] table names it, and it is unloaded):
+        it leaves the lists (the repository index, GET /v1/models) and /metrics."""
+        self.unloaded.pop(name, None)
+        self._instruments.pop(name, None)
+        self.metrics.forget_model(name)
+
     def _info_gone(self, served: ServedModel) -> None:
         """ffn_model_info drops a copy no longer served: its series goes (with workers, whose files keep
         every series written, it reads 0)."""

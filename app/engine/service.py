@@ -19,6 +19,15 @@ read again, and what differs loaded or unloaded the same way. Every load refused
 counted (ffn_model_loads_total{outcome="failed"}): here when refused before the broadcast, else
 by each worker that failed; under the model's name when a [[models]] table names it, else under
 one label for every other name (`counted_as`).
+
+The models are the configuration's, as Triton's are its repository's: a load serves only a name
+a [[models]] table names (the config file's, read again at each load; without a config file,
+the models served from the start), and a load's config parameter replaces that name's table,
+never adds a name. So the models a client can have served are the operator's, in number and
+weights, and a load of any other name is refused before any worker hears of it (before, a load
+of any new name with `config {}` built a copy of the demo weights, about 10 MiB each, without
+bound: python3 -m bench.model_loads). A model unloaded once no table names it (its table removed, then SIGHUP or an unload)
+is forgotten: it leaves the repository index and /metrics, in every worker.
 """
 
 from __future__ import annotations
@@ -76,8 +85,10 @@ class Engine:
         self._control.register(UNLOAD_MODEL, self._lifecycle.apply_unload)
         self._config_lock = asyncio.Lock()  # one SIGHUP applied at a time
         self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
-        # The names [[models]] tables gave: at start, and each time the config file is read again.
-        self._named = {spec.name for spec in settings.served_models()}
+        # The [[models]] tables served from the start (without a config file, the configuration for
+        # good), and the names the tables give: at start, then as the config file last read said.
+        self._start_tables = {spec.name: spec for spec in settings.served_models()}
+        self._configured = set(self._start_tables)
 
     # ----- lookup ----------------------------------------------------------------------------
 
@@ -231,20 +242,31 @@ class Engine:
 
     def counted_as(self, name: str) -> str:
         """The model label a failed load of `name` is counted under: the name when a [[models]] table
-        names it or it is served (or was), else one label for all others, so refusals add no series."""
-        known = name in self._named or name in self._registry.models or name in self._registry.unloaded
-        return name if known else OTHER_MODELS
+        names it or it is served (or listed unloaded), else one label for all others, so refusals add
+        no series. A name forgotten and named by a table again counts under the others until a load
+        of it reaches the workers (which show its series again)."""
+        known = name in self._configured or name in self._registry.models or name in self._registry.unloaded
+        return name if known and name not in self._registry.metrics.hidden else OTHER_MODELS
 
     def count_refused_load(self, name: str) -> None:
         """Count a load of `name` refused before any worker heard of it (ffn_model_loads_total, failed)."""
         self._registry.metrics.model_loads.labels(model=self.counted_as(name), outcome="failed").inc()
 
     async def unload(self, name: str) -> dict[str, Any]:
-        """Unload `name` in every serving process: {"name", "version" (the one unloaded), "workers"}."""
+        """Unload `name` in every serving process: {"name", "version" (the one unloaded), "workers"}.
+
+        A model a [[models]] table still names stays listed (UNAVAILABLE, "unloaded"), to be loaded
+        again; one no table names any more is forgotten (Lifecycle.apply_unload).
+        """
         self._check_control()
         if name not in self._registry.models and name not in self._registry.unloaded:
             raise ModelNotFound(f"model {name[:100]!r} is not served here: nothing to unload", name=name)
-        replies = await asyncio.shield(self._control.broadcast(UNLOAD_MODEL, {"name": name}, sticky=model_key(name)))
+        try:
+            configured = set(self._tables())
+        except LoadFailed:  # a config file that cannot be read now: as it last read
+            configured = self._configured
+        args = {"name": name, "forget": name not in configured}
+        replies = await asyncio.shield(self._control.broadcast(UNLOAD_MODEL, args, sticky=model_key(name)))
         return _outcome(name, "unload", replies)
 
     async def apply_config_file(self) -> None:
@@ -263,15 +285,22 @@ class Engine:
             except SettingsError as exc:
                 log.error("SIGHUP: config file %s not applied: %s", path, "; ".join(exc.problems))
                 return
-            self._named.update(spec.name for spec in wanted)
+            self._configured = {spec.name for spec in wanted}
             plan = changes({m.name: m.served for m in self.models()}, wanted)
             log.info("SIGHUP: config file %s read again: %s", path, plan.summary())
             specs = [*plan.added, *(spec for spec, _ in plan.changed)]
+            # Models unloaded earlier whose table is gone now: forgotten too (an unload of them is done already).
+            unlisted = [name for name in self._registry.unloaded if name not in self._configured]
             results = await asyncio.gather(
                 *(self._load(spec) for spec in specs),
                 *(self.unload(name) for name in plan.removed),
                 return_exceptions=True,
             )
+            for name in unlisted:
+                try:
+                    await self.unload(name)
+                except ServiceError as exc:
+                    log.error("SIGHUP: model %s not forgotten: %s", name, exc)
             done = ["serving"] * len(specs) + ["unloaded"] * len(plan.removed)
             for result, what in zip(results, done, strict=True):
                 if isinstance(result, dict):
@@ -292,27 +321,43 @@ class Engine:
         if self._draining:
             raise Unavailable("the server is draining before shutdown: nothing is loaded or unloaded")
 
+    def _tables(self) -> dict[str, ModelSpec]:
+        """The [[models]] tables by name: the config file's, read again now; without a config file, the
+        models served from the start. LoadFailed if the file cannot be read or holds invalid tables."""
+        path = self.settings.config
+        if path is None:
+            return self._start_tables
+        try:
+            tables = configured_models(path)
+        except SettingsError as exc:
+            raise LoadFailed(f"config file {path}: {'; '.join(exc.problems)}") from None
+        self._configured = {spec.name for spec in tables}
+        return {spec.name: spec for spec in tables}
+
     def _table(self, name: str, config: str | None) -> ModelSpec:
-        """The table a load of `name` applies: its config parameter, the config file's, or the one it was served with."""
+        """The table a load of `name` applies: its config parameter, else the config file's, else (no
+        config file) the one it was served with. LoadFailed for a name no table names."""
+        tables = self._tables()
+        table = tables.get(name)
+        if table is None:
+            path = self.settings.config
+            if path is not None:
+                where = f"no [[models]] table of the config file {path} names it"
+                how = "add a [[models]] table to the config file, then load it or send SIGHUP"
+            else:
+                where = f"the server was started without a config file and serves {', '.join(sorted(tables))} only"
+                how = "start it with a config file whose [[models]] tables name the models to serve"
+            raise LoadFailed(
+                f"no model {name[:100]!r} to load: {where}; a load serves only the models the configuration "
+                f"names, as Triton loads only what its model repository holds ({how})"
+            )
         if config is not None:
             return spec_from_config(name, config, self.settings.repository())
-        path = self.settings.config
-        if path is not None:
-            try:
-                tables = configured_models(path)
-            except SettingsError as exc:
-                raise LoadFailed(f"config file {path}: {'; '.join(exc.problems)}") from None
-            self._named.update(spec.name for spec in tables)
-            for spec in tables:
-                if spec.name == name:
-                    return spec
-        known = self._registry.models.get(name) or self._registry.unloaded.get(name)
-        if known is not None:
-            return known.spec
-        raise LoadFailed(
-            f"no model {name[:100]!r} to load: the config file has no [[models]] table of that name, "
-            "and the load has no config parameter"
-        )
+        if self.settings.config is None:
+            known = self._registry.models.get(name) or self._registry.unloaded.get(name)
+            if known is not None:  # a config parameter's table, if a load gave one
+                return known.spec
+        return table
 
     async def _load(self, spec: ModelSpec) -> dict[str, Any]:
         try:

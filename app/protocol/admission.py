@@ -136,7 +136,11 @@ class Outcomes:
 
         Labelled series appear on first use otherwise, and `increase()` over the first error of a
         kind reads 0: an alert on it would never fire. (The model's histograms are created with it.)
+        Called for a name's first copy: after a model was forgotten (its series removed), the
+        children this keeps of it are stale, and are made again.
         """
+        for key in [key for key in self._children if key[0] == model]:
+            del self._children[key]
         for outcome in OUTCOMES:
             for protocol in PROTOCOLS:
                 self.counter(model, outcome, protocol)
