@@ -1,4 +1,4 @@
-"""Per-process budgets (issue 20, classes 8 and 17): a held event loop, a stopped worker, SIGHUP.
+"""Per-process budgets (issue 20, classes 8 and 17; issue 28, class 8): a held event loop, a stopped worker, SIGHUP.
 
 The loop watch is driven by holding the test's own loop (time.sleep in it); the worker tests
 stop a real worker with SIGSTOP and send real signals. Every wait has a wide bound and is on an
@@ -143,6 +143,28 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
             resume(victim)
             for _, writer in connections:
                 writer.close()
+
+
+UVICORN_KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive, which the server keeps
+
+
+async def test_requests_sent_while_the_loop_was_held_are_answered_not_closed_under() -> None:
+    # Found with issue 28, class 8: once the loop had been held past uvicorn's keep-alive timeout,
+    # the timer ran before the loop read what had arrived meanwhile (uvloop runs due timers before it
+    # polls), and closed the kept-alive connections under the requests their clients had sent.
+    with start_server(env={"FFN_WARMUP": "0"}) as server:
+        x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+        connections = [await asyncio.open_connection(HOST, server.port) for _ in range(4)]
+        assert [await request_on(c, x) for c in connections] == [200] * 4
+        os.kill(server.pid, signal.SIGSTOP)  # as a long parse holds it, on a loaded machine
+        try:
+            requests = [asyncio.create_task(request_on(c, x)) for c in connections]
+            await asyncio.sleep(UVICORN_KEEP_ALIVE_S + 1)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert await asyncio.wait_for(asyncio.gather(*requests), 60) == [200] * 4  # each checked against numpy
+        for _, writer in connections:
+            writer.close()
 
 
 async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_replaced() -> None:
