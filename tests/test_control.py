@@ -339,3 +339,30 @@ async def test_a_long_broadcast_waits_while_the_supervisor_answers_and_not_once_
     finally:
         beating.cancel()
         GATES["slow"].set()
+
+
+async def test_a_supervisor_that_reads_nothing_never_blocks_a_worker(cluster: Cluster) -> None:
+    # A supervisor stopped for minutes read none of a worker's heartbeats (two a second): once they
+    # filled the pipe's buffer (278 of them, 139 s), the next send held the worker's event loop, and
+    # every request on it, until the supervisor ran again. Beats past half the buffer are skipped.
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+
+    def beat_for_twenty_minutes() -> None:
+        for _ in range(2400):
+            one.heartbeat()
+
+    with cluster.lock:  # the supervisor stopped
+        # In a thread: a send that blocks fails this bound instead of hanging the test.
+        await asyncio.wait_for(asyncio.to_thread(beat_for_twenty_minutes), 60)
+        # Nothing more fits: a broadcast is refused at once, unsent, rather than after the silence.
+        with pytest.raises(Unanswered, match=r"has read nothing this worker sent it for .* set was not sent"):
+            await one.broadcast("set", {"value": "while stopped"}, sticky="level", timeout_s=60)
+    # Running again, the supervisor reads what queued and answers: the worker is heard, and sends again.
+    async with asyncio.timeout(30):
+        while one._unanswered_since is not None:
+            await asyncio.sleep(0.01)
+    replies = await one.broadcast("set", {"value": "after"}, sticky="level")
+    assert [(r.worker, r.ok) for r in replies] == [(1, True), (2, True)]
+    assert sorted(cluster.log) == [(1, "after"), (2, "after")]
