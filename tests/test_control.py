@@ -274,13 +274,15 @@ async def test_a_broadcast_to_a_stopped_supervisor_is_unanswered_and_never_appli
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Issue 28, class 8: with the supervisor stopped, a POST /v2/logging waited 40 s with no answer.
-    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 0.5)
-    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 0.2)
+    # Wide margins: a loaded host may hold the relay thread for a while, and a broadcast it takes up
+    # late for that reason would be dropped too.
+    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 1.5)
+    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 1.0)
     one, two = cluster.start_worker(1), cluster.start_worker(2)
     await one.open()
     await two.open()
     with cluster.lock:  # the supervisor stopped
-        with pytest.raises(Unanswered, match=r"answered nothing for 0\.5 s .* may not have been applied"):
+        with pytest.raises(Unanswered, match=r"answered nothing for 1\.5 s .* may not have been applied"):
             await one.broadcast("set", {"value": "while stopped"}, sticky="level", timeout_s=60)
     # Resumed, it takes the first up too late: dropped, neither applied, kept nor numbered.
     replies = await two.broadcast("set", {"value": "after"}, sticky="level")
@@ -302,7 +304,7 @@ async def test_a_broadcast_taken_up_late_is_refused_by_every_worker_with_why(
     cluster.lock.acquire()  # the supervisor stopped for longer than RELAY_WITHIN_S, shorter than its silence
     try:
         late = asyncio.create_task(one.broadcast("set", {"value": "late"}, sticky="level"))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
     finally:
         cluster.lock.release()
     replies = await late
@@ -315,7 +317,7 @@ async def test_a_broadcast_taken_up_late_is_refused_by_every_worker_with_why(
 async def test_a_long_broadcast_waits_while_the_supervisor_answers_and_not_once_it_stops(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 1.0)
+    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 2.0)
     one = cluster.start_worker(1)
     await one.open()
 
@@ -328,7 +330,7 @@ async def test_a_long_broadcast_waits_while_the_supervisor_answers_and_not_once_
     GATES["slow"] = threading.Event()
     try:
         slow = asyncio.create_task(one.broadcast("set", {"value": 1, "gate": "slow"}, timeout_s=60))
-        await asyncio.sleep(2.0)  # twice the silence allowed: the supervisor's answers keep it waiting
+        await asyncio.sleep(3.0)  # past the silence allowed: the supervisor's answers keep it waiting
         assert not slow.done()
         cluster.lock.acquire()  # now the supervisor stops, with the command applying
         try:
