@@ -20,6 +20,22 @@ worker over that worker's pipe and collects the replies.
   that orders them (the supervisor, or this process alone), so every worker reads the same
   number, a replayed command too (a model's version is its load's number).
 
+- Deadlines: a broadcast is answered by its `timeout_s`, and sooner when the supervisor goes
+  quiet: it answers every heartbeat a worker sends (ALIVE), so a worker that has sent it a beat or
+  a broadcast and heard nothing back for SUPERVISOR_SILENCE_S stops waiting (Unanswered: 503 with
+  Retry-After). The supervisor relays a broadcast only if it takes it up within RELAY_WITHIN_S of
+  its sending (time.monotonic() is one clock for every process of a host), so one that queued
+  while the supervisor was stopped, and whose sender may have stopped waiting, is dropped, not
+  applied behind the sender's back. A stop that falls after the relay leaves the command applied
+  where it arrived: the 503 then says it may not have been applied everywhere, and a sticky
+  command still reaches every worker once the supervisor runs.
+- A full pipe never blocks a worker: what a worker sends the supervisor and has not heard back
+  from it about is counted, in bytes with the kernel's bookkeeping, against half the pipe's
+  send buffer. Past that, heartbeats are skipped (those queued already say all a later one
+  would) and a broadcast is refused at once (Unanswered): a supervisor stopped for minutes
+  would otherwise leave the pipe full, and the next send would hold the worker's event loop,
+  and every request on it, until the supervisor ran again.
+
 Handlers run on the process's event loop: `async def handler(args) -> dict`. A ServiceError they
 raise is the reply's error, for the caller to read; anything else is logged and reported as a bug.
 """
@@ -31,12 +47,15 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from app.errors import ServiceError
@@ -48,7 +67,8 @@ Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 # Messages on a worker's pipe, as tuples: the first item says which.
 READY = "ready"  # worker -> supervisor: warm, taking traffic
 HEARTBEAT = "heartbeat"  # worker -> supervisor: its event loop runs (app/engine/loop_watch.py)
-BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s, forget)
+ALIVE = "alive"  # supervisor -> worker: the answer to its heartbeats, the supervisor's loop runs
+BROADCAST = "broadcast"  # worker -> supervisor: (BROADCAST, id, name, args, sticky, timeout_s, forget, sent)
 APPLY = "apply"  # supervisor -> worker: (APPLY, id or None, name, args, key, number)
 APPLIED = "applied"  # worker -> supervisor: (APPLIED, id, Reply)
 DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...])
@@ -57,6 +77,11 @@ DONE = "done"  # supervisor -> the worker that broadcast: (DONE, id, [Reply, ...
 command_number: ContextVar[int] = ContextVar("command_number", default=0)
 THE_ONE_PROCESS = 0  # the worker number of a service without workers
 RELAY_MARGIN_S = 5.0  # the supervisor answers by a broadcast's timeout; this covers the relay itself
+SUPERVISOR_SILENCE_S = 5.0  # a broadcast stops waiting once the supervisor has answered nothing this long
+RELAY_WITHIN_S = 3.0  # the supervisor drops a broadcast it takes up later than this after its sending
+# What the kernel charges a message on a pipe beyond its bytes (measured on Linux 6: 400 to 1,300
+# bytes for messages of 20 bytes to 16 KiB; a heartbeat costs 770 in all).
+PIPE_MESSAGE_OVERHEAD_BYTES = 1536
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,14 @@ class Control:
         self._send_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._numbering = Numbering()  # alone; with workers the supervisor numbers the commands
+        # When this process first sent the supervisor something it answers (a beat, a broadcast)
+        # after the last message it heard from it; None: it has heard from it since.
+        self._unanswered_since: float | None = None
+        # The bytes sent since (each message's, with the kernel's overhead), within half the pipe's
+        # buffer: a send never blocks on a supervisor that reads nothing. Never held across a send.
+        self._unanswered_bytes = 0
+        self._unanswered_budget = 0 if conn is None else _send_buffer_bytes(conn) // 2
+        self._budget_lock = threading.Lock()
 
     def register(self, name: str, handler: Handler) -> None:
         assert name not in self._handlers, f"two handlers for control command {name!r}; this is a bug."
@@ -137,16 +170,31 @@ class Control:
         if self._conn is None:
             key = sticky or name
             return [await self._apply(name, args, key, self._numbering.next(name, key))]
-        loop = asyncio.get_running_loop()
         request_id = next(self._ids)
-        answer: asyncio.Future[list[Reply]] = loop.create_future()
+        answer: asyncio.Future[list[Reply]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = answer
+        sent = time.monotonic()
+        deadline = sent + timeout_s + RELAY_MARGIN_S
         try:
-            self._send((BROADCAST, request_id, name, args, sticky, timeout_s, forget))
-            async with asyncio.timeout(timeout_s + RELAY_MARGIN_S):
-                return await answer
-        except TimeoutError:
-            raise Unanswered(f"no answer from the workers within {timeout_s:g} s") from None
+            if not self._send_answerable((BROADCAST, request_id, name, args, sticky, timeout_s, forget, sent)):
+                raise Unanswered(
+                    f"the supervisor process has read nothing this worker sent it for {self._quiet_for():.1f} s "
+                    f"(it is stopped or starved of CPU): {name} was not sent"
+                )
+            while not answer.done():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise Unanswered(f"no answer from the workers within {timeout_s:g} s")
+                quiet = self._unanswered_since
+                quiet_since = None if quiet is None else max(quiet, sent)  # only what was sent with or after it
+                if quiet_since is not None and now - quiet_since >= SUPERVISOR_SILENCE_S:
+                    raise Unanswered(
+                        f"the supervisor process has answered nothing for {now - quiet_since:.1f} s (it is stopped "
+                        f"or starved of CPU): {name} may not have been applied in every worker"
+                    )
+                wake = min(deadline, (quiet_since or now) + SUPERVISOR_SILENCE_S)
+                await asyncio.wait([answer], timeout=max(0.0, wake - now))
+            return answer.result()
         finally:
             self._pending.pop(request_id, None)
 
@@ -168,12 +216,16 @@ class Control:
     def heartbeat(self) -> None:
         """From the event loop: it runs. The supervisor replaces a worker whose heartbeats stop."""
         if self._conn is not None:
-            self._send((HEARTBEAT,))
+            self._send_answerable((HEARTBEAT,))
 
     def _read(self, conn: Connection, closed: Callable[[], None]) -> None:
         try:
             while True:
                 message = conn.recv()
+                with self._budget_lock:  # the supervisor runs: it has read all this process sent before
+                    self._unanswered_since, self._unanswered_bytes = None, 0
+                if message[0] == ALIVE:
+                    continue
                 with self._early_lock:
                     loop = self._loop
                     if loop is None:
@@ -204,11 +256,33 @@ class Control:
         else:
             log.error("unknown control message %r; this is a bug", kind)
 
+    def _send_answerable(self, message: tuple[Any, ...]) -> bool:
+        """Send something the supervisor answers: from now on, hearing nothing back is its silence.
+        False, and nothing sent, when what it has not answered yet would pass the pipe's budget."""
+        data = bytes(ForkingPickler.dumps(message))  # what Connection.send would write
+        cost = len(data) + PIPE_MESSAGE_OVERHEAD_BYTES
+        with self._budget_lock:
+            if self._unanswered_bytes + cost > self._unanswered_budget:
+                return False
+            self._unanswered_bytes += cost
+            if self._unanswered_since is None:
+                self._unanswered_since = time.monotonic()
+        self._send_bytes(data)
+        return True
+
+    def _quiet_for(self) -> float:
+        """How long the supervisor has answered nothing this process sent it."""
+        since = self._unanswered_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _send(self, message: tuple[Any, ...]) -> None:
+        self._send_bytes(bytes(ForkingPickler.dumps(message)))
+
+    def _send_bytes(self, data: bytes) -> None:
         assert self._conn is not None
         try:
             with self._send_lock:
-                self._conn.send(message)
+                self._conn.send_bytes(data)  # read by the supervisor's recv(), as if sent by send()
         except OSError:  # the supervisor is gone; the reader thread stops this worker
             pass
 
@@ -231,3 +305,15 @@ class Control:
                 return Reply(self.worker, ok=False, error="internal error")
             finally:
                 command_number.reset(numbered)
+
+
+def _send_buffer_bytes(conn: Connection) -> int:
+    """The kernel's send buffer for this end of the pipe (a socket pair): past it, a send blocks."""
+    fd = os.dup(conn.fileno())
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # a one-way pipe (os.pipe) is no socket; it holds 64 KiB
+        os.close(fd)
+        return 64 * 1024
+    with sock:
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)

@@ -6,6 +6,10 @@ sender gets DONE with one Reply per worker. Sticky commands are kept, the latest
 replayed in order to every worker started afterwards, before it takes traffic; a command that
 forgets its key (a region unregistered) drops it, so only keys in use are kept. Every command is
 numbered here (app/control.py: command_number), the one place that orders them, and kept with its number.
+A broadcast taken up more than RELAY_WITHIN_S after it was sent (the supervisor was stopped or
+starved meanwhile, and its sender may have stopped waiting: app/control.py) is dropped: nobody
+applies it, nothing is kept or numbered, and its sender gets DONE with every worker's refusal
+saying why.
 
 Pure bookkeeping over the workers' pipes: no processes, no clock of its own (the supervisor's
 loop passes `now` and asks `next_deadline()`), so it is tested with plain pipes.
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-from app.control import APPLIED, APPLY, BROADCAST, DONE, Numbering, Reply
+from app.control import APPLIED, APPLY, BROADCAST, DONE, RELAY_WITHIN_S, Numbering, Reply
 
 
 class Worker(Protocol):
@@ -61,8 +65,11 @@ class Relay:
     def received(self, worker: Worker, message: tuple[Any, ...]) -> None:
         """A control message from `worker`'s pipe."""
         if message[0] == BROADCAST:
-            _, request_id, name, args, sticky, timeout_s, forget = message
-            self._broadcast(worker, request_id, name, args, sticky, timeout_s, forget)
+            _, request_id, name, args, sticky, timeout_s, forget, sent = message
+            if time.monotonic() - sent > RELAY_WITHIN_S:
+                self._drop(worker, request_id, time.monotonic() - sent)
+            else:
+                self._broadcast(worker, request_id, name, args, sticky, timeout_s, forget)
         elif message[0] == APPLIED:
             _, broadcast_id, reply = message
             self._answered(worker, broadcast_id, reply)
@@ -106,6 +113,15 @@ class Relay:
         for worker in targets:
             _send(worker, (APPLY, broadcast_id, name, args, key, number))
         self._finish_if_answered(broadcast_id, broadcast)
+
+    def _drop(self, origin: Worker, request_id: int, late_s: float) -> None:
+        why = (
+            f"not applied: the supervisor took it up {late_s:.1f} s after it was sent (more than {RELAY_WITHIN_S:g} s: "
+            "it was stopped or starved of CPU), when its sender may have stopped waiting"
+        )
+        indexes = sorted(worker.index for worker in self._workers.values() if worker.conn is not None)
+        replies = [Reply(index, ok=False, error=why) for index in indexes]
+        _send(origin, (DONE, request_id, replies))
 
     def _answered(self, worker: Worker, broadcast_id: int, reply: Reply) -> None:
         broadcast = self._broadcasts.get(broadcast_id)

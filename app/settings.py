@@ -256,8 +256,9 @@ class Settings(BaseSettings):
     heartbeat_timeout_s: float = Field(
         default=5.0,
         gt=0.0,
-        description="Workers: one whose event loop sends its supervisor no heartbeat for this long (stopped, hung, "
-        "blocked) is killed and replaced, with a log line.",
+        description="Workers: one whose event loop sends its supervisor no heartbeat for this long (held, stopped, "
+        "hung) is asked to drain (SIGTERM), and killed if silent as long again; replaced either way, with a log line "
+        "saying why. Counted only over time the supervisor itself ran.",
     )
     worker_start_timeout_s: float = Field(
         default=300.0,

@@ -7,13 +7,12 @@ a connection is only ever accepted by a warm worker.
 
 - A worker that dies is started again after a backoff (0.5 s, doubling to 30 s; back to 0.5 s
   once a worker has stayed up 30 s), with a log line.
-- A ready worker's event loop beats every half second (app/engine/loop_watch.py); one silent for
-  `heartbeat_timeout_s` (stopped, hung, its loop blocked) is killed with SIGKILL, with a log line,
-  and started again like any dead worker: its clients see their connections close, not a hang.
-- A starting worker beats from a thread of its own while it loads and warms up; one silent for
-  STARTING_SILENCE_S (stopped), or not ready within `worker_start_timeout_s` (hung loading), is
-  killed the same way. Its beats say only that it runs, not that it progresses: loading holds
-  the interpreter for a second or more at times, hence the longer silence allowed, and the deadline.
+- Liveness (app/liveness.py): a ready worker silent for `heartbeat_timeout_s` is asked to drain
+  (SIGTERM), and killed (SIGKILL) if it stays silent as long again; a starting worker silent for
+  STARTING_SILENCE_S, or not ready within `worker_start_timeout_s`, is killed; each with a log line
+  saying why, and started again like any dead worker. Silence is counted only over time this loop
+  ran: it turns at least every TURN_S, a later turn is time it did not run (stopped, starved, its
+  machine paused) and moves every deadline on, and it reads every pipe dry before judging.
 - A worker that exits before the service was first ready stops the start: the others are
   stopped and the parent exits with that worker's code (no restart loop on a bad model).
 - SIGTERM or SIGINT is passed to every worker, which drains what it accepted; the parent exits
@@ -40,18 +39,17 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
 from prometheus_client import multiprocess
 
 from app.collectors import write_processes
-from app.control import HEARTBEAT, READY, Control
+from app.control import ALIVE, HEARTBEAT, READY, Control
 from app.exits import EXIT_OK, EXIT_START_FAILED
-from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
+from app.listeners import Listeners, log_start
+from app.liveness import STOP_MARGIN_S, TURN_S, Slot, drain_allowance_s, reason, verdict
 from app.logs import configure_logging
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.metrics_folder import metrics_folder
@@ -63,37 +61,13 @@ log = logging.getLogger("ffn_serve.supervisor")
 
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backoff
-# After the drain timeout and uvicorn's grace, a worker still running is killed.
-STOP_MARGIN_S = 10.0
 STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
-# A starting worker silent this long is stopped: its beat thread waits for the interpreter, which
-# an import or a model's load can hold for a second or two, never for this long.
-STARTING_SILENCE_S = 30.0
+LOST_LOGGED_S = 1.0  # a stretch this long in which the supervisor did not run is logged
 
 
 def threads_per_worker(settings: Settings) -> int:
     """torch threads for each worker: the setting (one in batch-invariant mode), or this process's cores shared out."""
     return settings.intra_op_threads() or max(1, len(os.sched_getaffinity(0)) // settings.workers)
-
-
-@dataclass(eq=False)
-class Slot:
-    """One worker position: the process in it now, and how often it has died lately."""
-
-    index: int
-    process: BaseProcess | None = None
-    conn: Connection | None = None
-    ready: bool = False
-    ready_at: float = 0.0
-    started_at: float = 0.0
-    beat_at: float | None = None  # its last heartbeat; None: none yet since its start, or killed
-    killed: bool = False  # killed as silent or late; its exit is on the way
-    failures: int = 0
-    restart_at: float | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
 
 
 class Supervisor:
@@ -112,6 +86,7 @@ class Supervisor:
         self._exit_code = EXIT_OK
         self._signals: list[int] = []
         self._relay = Relay()
+        self._turned_at = time.monotonic()  # when the loop last woke
 
     def run(self) -> int:
         """Supervise until stopped; the exit code for the whole service."""
@@ -143,6 +118,7 @@ class Supervisor:
     # ----- the loop ------------------------------------------------------------------------
 
     def _loop(self, wakeup: socket.socket) -> None:
+        self._turned_at = time.monotonic()
         while self._stop_deadline is None or any(slot.process for slot in self._slots):
             waitables: list[Connection | socket.socket | int] = [wakeup]
             for slot in self._slots:
@@ -151,6 +127,7 @@ class Supervisor:
                 if slot.process is not None:
                     waitables.append(slot.process.sentinel)
             woken = wait(waitables, self._timeout())
+            self._woke(time.monotonic())
             if wakeup in woken:
                 while True:
                     try:
@@ -170,7 +147,7 @@ class Supervisor:
                 if slot.process is not None and slot.process.sentinel in woken:
                     self._reap(slot)
             now = time.monotonic()
-            self._kill_the_silent(now)
+            self._judge(now)
             for slot in self._slots:
                 if slot.restart_at is not None and slot.restart_at <= now and self._stop_deadline is None:
                     slot.restart_at = None
@@ -179,15 +156,34 @@ class Supervisor:
                 self._kill_the_rest()
             self._relay.expire(now)
 
-    def _timeout(self) -> float | None:
+    def _timeout(self) -> float:
+        """How long the loop may wait: until the next thing due, and never longer than TURN_S (see _woke)."""
         due = [slot.restart_at for slot in self._slots if slot.restart_at is not None]
         if self._stop_deadline is None:
-            due += [watch[0] for slot in self._slots if (watch := self._deadline(slot)) is not None]
+            due += [judged.at for slot in self._slots if (judged := verdict(slot, self.settings)) is not None]
         if (deadline := self._relay.next_deadline()) is not None:
             due.append(deadline)
         if self._stop_deadline is not None:
             due.append(self._stop_deadline)
-        return max(0.0, min(due) - time.monotonic()) if due else None
+        return max(0.0, min([*due, time.monotonic() + TURN_S]) - time.monotonic())
+
+    def _woke(self, now: float) -> None:
+        """The loop woke at `now`: time past TURN_S since it last woke is time this process did not run
+        (stopped, starved of CPU, its machine paused), and no worker's silence: every deadline moves on by it."""
+        lost = now - self._turned_at - TURN_S
+        self._turned_at = now
+        if lost <= 0:
+            return
+        for slot in self._slots:
+            slot.resumed(lost)
+        if self._stop_deadline is not None:
+            self._stop_deadline += lost
+        if lost >= LOST_LOGGED_S:
+            log.warning(
+                "the supervisor did not run for %.1f s (stopped, starved of CPU, or its machine paused): "
+                "its workers' silence is not counted for that time",
+                lost,
+            )
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self._signals.append(sig)  # handled in the loop: the wake-up fd ends its wait
@@ -205,26 +201,35 @@ class Supervisor:
         process.start()
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
         slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
-        slot.started_at, slot.killed = time.monotonic(), False
+        slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
         log.info("worker %d started (pid %d)", slot.index, process.pid)
         self._record_processes()
         self._relay.started(slot)
 
     def _receive(self, slot: Slot) -> None:
-        assert slot.conn is not None
-        try:
-            message = slot.conn.recv()
-        except (EOFError, OSError):  # the worker exited; its sentinel tells the rest
-            slot.conn.close()
-            slot.conn = None
-            return
-        if message[0] == HEARTBEAT:
-            if not slot.killed:
-                slot.beat_at = time.monotonic()
-        elif message[0] == READY:
-            self._ready(slot)
-        else:
-            self._relay.received(slot, message)
+        """Read all that the worker's pipe holds (beats queued while this loop did not run count before
+        it judges), and answer its heartbeats: the worker knows this loop runs (app/control.py)."""
+        beat = False
+        while slot.conn is not None and slot.conn.poll():
+            try:
+                message = slot.conn.recv()
+            except (EOFError, OSError):  # the worker exited; its sentinel tells the rest
+                slot.conn.close()
+                slot.conn = None
+                return
+            if message[0] == HEARTBEAT:
+                beat = True
+                if not slot.killed:
+                    slot.beat_at = time.monotonic()
+            elif message[0] == READY:
+                self._ready(slot)
+            else:
+                self._relay.received(slot, message)
+        if beat and slot.conn is not None:
+            try:
+                slot.conn.send((ALIVE,))
+            except OSError:  # the worker is exiting; its sentinel tells the rest
+                pass
 
     def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
@@ -237,35 +242,21 @@ class Supervisor:
             log_start(self.settings, self.listeners)
             log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
-    def _deadline(self, slot: Slot) -> tuple[float, str] | None:
-        """When `slot`'s worker is to be killed if nothing changes, and what it will then have failed:
-        "silent" (a ready worker's beats), "silent starting" (a starting one's), or "late" (not ready in time)."""
-        if slot.process is None or slot.killed:
-            return None
-        if slot.ready:
-            return None if slot.beat_at is None else (slot.beat_at + self.settings.heartbeat_timeout_s, "silent")
-        late = (slot.started_at + self.settings.worker_start_timeout_s, "late")
-        return late if slot.beat_at is None else min(late, (slot.beat_at + STARTING_SILENCE_S, "silent starting"))
-
-    def _kill_the_silent(self, now: float) -> None:
-        """SIGKILL every worker whose heartbeats stopped, or that is not ready within worker_start_timeout_s."""
+    def _judge(self, now: float) -> None:
+        """Ask to drain, or kill, every worker whose verdict is due (app/liveness.py), with a log line saying why."""
         if self._stop_deadline is not None:
             return  # stopping: the drain has its own deadline, and a draining loop may stop beating
         for slot in self._slots:
-            deadline = self._deadline(slot)
-            if deadline is None or now < deadline[0] or slot.process is None:
+            judged = verdict(slot, self.settings)
+            if judged is None or now < judged.at or slot.process is None:
                 continue
-            silent_for = now - (slot.beat_at or now)
-            why = {
-                "silent": f"sent no heartbeat for {silent_for:.1f} s (heartbeat_timeout_s): "
-                "its event loop is stopped, hung or blocked",
-                "silent starting": f"sent no heartbeat for {silent_for:.1f} s while starting: it is stopped",
-                "late": f"was not ready {now - slot.started_at:.1f} s after its start "
-                f"(worker_start_timeout_s {self.settings.worker_start_timeout_s:g}): it is hung loading or warming up",
-            }[deadline[1]]
-            log.error("worker %d (pid %s) %s; killing it", slot.index, slot.pid, why)
-            slot.killed = True
-            slot.process.kill()
+            log.error("worker %d (pid %s) %s", slot.index, slot.pid, reason(slot, judged.what, now, self.settings))
+            if judged.kill:
+                slot.killed = True
+                slot.process.kill()
+            else:
+                slot.drain_asked_at = now
+                slot.process.terminate()
 
     # ----- workers leaving ------------------------------------------------------------------
 
@@ -315,9 +306,7 @@ class Supervisor:
         if self._stop_deadline is None:
             if sig is not None:
                 log.info("received %s: stopping %d workers", signal.Signals(sig).name, len(self._slots))
-            self._stop_deadline = (
-                time.monotonic() + self.settings.drain_timeout_s + CONNECTION_CLOSE_GRACE_S + STOP_MARGIN_S
-            )
+            self._stop_deadline = time.monotonic() + drain_allowance_s(self.settings)
             self.listeners.close()  # the workers hold their own copies until they have drained
             for slot in self._slots:
                 slot.restart_at = None

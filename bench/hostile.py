@@ -39,7 +39,11 @@ per 1-row request; p50 and p99 against the same stream while quiet, measured fir
   held at once, not the compute;
 - stopped-worker (class 8): two workers, 8 keep-alive clients, one worker SIGSTOPped: how many
   clients were answered, refused (their connection closed) or left hanging (30 s), and how long
-  until a replacement was ready.
+  until a replacement was ready;
+- stopped-supervisor (class 8): two workers, the supervisor SIGSTOPped 40 s (as the review paused
+  it; `--supervisor-stop-s`): when a POST /v2/logging sent at the stop's start is answered and with what, the good
+  requests on new connections meanwhile, and whether the workers are the same ones 15 s after it
+  resumes (before: both were killed on resuming).
 
 The server runs with a fixed glibc mmap threshold (MEASURABLE_MALLOC), so that memory it frees
 shows in its RSS.
@@ -393,6 +397,58 @@ async def stopped_worker_scenario(server: ServerProcess) -> Row:
     return Row("stopped-worker", ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())), note=note)
 
 
+STOPPED_SUPERVISOR_S = 40.0  # the review's pause (--supervisor-stop-s)
+AFTER_RESUMING_S = 15.0  # then this long to see whether a worker is replaced (2 x heartbeat_timeout_s and more)
+
+
+async def stopped_supervisor_scenario(server: ServerProcess, stop_s: float) -> Row:
+    async with asyncio.timeout(120):
+        while "ready: 2 workers" not in server.logs():
+            await asyncio.sleep(0.1)
+    workers = server.worker_pids()
+    log_setting = http_request(
+        "POST", "/v2/logging", {"Content-Type": "application/json"}, b'{"log_verbose_level": 0}', close=True
+    )
+    good = one_row_request()
+    loop = asyncio.get_running_loop()
+    answered: list[str] = []
+
+    async def change_the_log_setting(stopped: float) -> None:
+        try:
+            r = await raw_request(server.port, log_setting, timeout=stop_s + 30)
+            when = loop.time() - stopped
+            answered.append(f"{r.status} after {when:.1f} s" + (" (once resumed)" if when > stop_s else ""))
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            answered.append(f"no answer ({type(exc).__name__})")
+
+    statuses: Counter[int | None] = Counter()
+    first_failed: float | None = None
+    stopped = loop.time()
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        change = asyncio.create_task(change_the_log_setting(stopped))
+        while loop.time() - stopped < stop_s:
+            try:
+                status: int | None = (await raw_request(server.port, good, timeout=5)).status
+            except (TimeoutError, OSError, asyncio.IncompleteReadError):
+                status = None
+            statuses[status] += 1
+            if status != 200 and first_failed is None:
+                first_failed = loop.time() - stopped
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    await change
+    await asyncio.sleep(AFTER_RESUMING_S)
+    now = server.worker_pids()
+    outcome = f"POST /v2/logging: {answered[0]}; good requests while stopped: " + ", ".join(
+        f"{k}: {v}" for k, v in sorted(statuses.items(), key=str)
+    )
+    if first_failed is not None:
+        outcome += f" (the first failed {first_failed:.0f} s into the stop)"
+    note = f"workers replaced {AFTER_RESUMING_S:g} s after resuming: {len(workers - now)} of {len(workers)}"
+    return Row("stopped-supervisor", outcome, note=note)
+
+
 # ----- running them ---------------------------------------------------------------------------------
 
 SCENARIOS = [
@@ -413,6 +469,7 @@ SCENARIOS = [
     "parameters",
     "held",
     "stopped-worker",
+    "stopped-supervisor",
 ]
 
 
@@ -424,12 +481,12 @@ def server_env(scenario: str, send_timeout: float) -> dict[str, str]:
         env |= {"FFN_MAX_BATCH_ROWS": "64", "FFN_MAX_QUEUE_ROWS": "131072", "FFN_MAX_MC_PASSES": "64"}
     if scenario == "held":
         env |= {"FFN_MAX_HELD_BYTES": str(256 * MiB)}
-    if scenario == "stopped-worker":
+    if scenario in ("stopped-worker", "stopped-supervisor"):
         env |= {"FFN_WORKERS": "2", "FFN_LOG_LEVEL": "info"}
     return env
 
 
-async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
+async def run(scenario: str, server: ServerProcess, send_timeout: float, supervisor_stop_s: float) -> Row:
     scenarios: dict[str, Callable[[], Awaitable[Row]]] = {
         "headers": lambda: headers_scenario(server),
         "empty-rows": lambda: body_scenario(server, scenario, empty_rows_body(64 * MiB)),
@@ -448,6 +505,7 @@ async def run(scenario: str, server: ServerProcess, send_timeout: float) -> Row:
         "parameters": lambda: parameters_scenario(server),
         "held": lambda: held_scenario(server),
         "stopped-worker": lambda: stopped_worker_scenario(server),
+        "stopped-supervisor": lambda: stopped_supervisor_scenario(server, supervisor_stop_s),
     }
     return await scenarios[scenario]()
 
@@ -484,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="FFN_NAME=VALUE", help="a server setting for every scenario"
     )
+    parser.add_argument(
+        "--supervisor-stop-s", type=float, default=STOPPED_SUPERVISOR_S, help="how long stopped-supervisor stops it"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="run the scenarios this many times, in turn")
     args = parser.parse_args(argv)
     overrides = server_overrides(args.set)
@@ -498,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                     config=config if scenario == "mc-flood" else None,
                     cwd=args.server_dir,
                 ) as server:
-                    row = asyncio.run(run(scenario, server, args.send_timeout))
+                    row = asyncio.run(run(scenario, server, args.send_timeout, args.supervisor_stop_s))
                     row.scenario = scenario
                     rows.append(row)
                     print("| " + " | ".join(row.cells()) + " |", flush=True)

@@ -1,7 +1,8 @@
 """Control commands: applied in every serving process, in order per key, replayed to workers started later.
 
 The relay between workers is the supervisor's own (app/relay.py), driven here over real pipes by a
-thread that plays the supervisor's loop; each worker is a Control on this test's event loop.
+thread that plays the supervisor's loop (answering heartbeats as it does); each worker is a Control
+on this test's event loop. Holding the cluster's lock stops that supervisor, as SIGSTOP would.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.control import Control, Reply, Unanswered, command_number
+from app.control import ALIVE, HEARTBEAT, Control, Reply, Unanswered, command_number
 from app.errors import ServiceError
 from app.relay import Relay
 
@@ -121,6 +122,8 @@ class Cluster:
                         message = conn.recv()  # type: ignore[union-attr]
                     except (EOFError, OSError):
                         continue
+                    if message[0] == HEARTBEAT:
+                        conn.send((ALIVE,))  # type: ignore[union-attr]
                     self.relay.received(by_conn[conn], message)  # type: ignore[index]
             with self.lock:
                 self.relay.expire(time.monotonic())
@@ -262,3 +265,106 @@ async def test_no_supervisor_answer_is_unanswered(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(Unanswered, match=r"within 0\.1 s"):
         await control.broadcast("set", {"value": 1}, timeout_s=0.1)
     ours.close()
+
+
+# ----- deadlines: a stopped supervisor -----------------------------------------------------------
+
+
+async def test_a_broadcast_to_a_stopped_supervisor_is_unanswered_and_never_applied_after(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 28, class 8: with the supervisor stopped, a POST /v2/logging waited 40 s with no answer.
+    # Wide margins: a loaded host may hold the relay thread for a while, and a broadcast it takes up
+    # late for that reason would be dropped too.
+    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 1.5)
+    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 1.0)
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+    with cluster.lock:  # the supervisor stopped
+        with pytest.raises(Unanswered, match=r"answered nothing for 1\.5 s .* may not have been applied"):
+            await one.broadcast("set", {"value": "while stopped"}, sticky="level", timeout_s=60)
+    # Resumed, it takes the first up too late: dropped, neither applied, kept nor numbered.
+    replies = await two.broadcast("set", {"value": "after"}, sticky="level")
+    assert [(r.worker, r.ok) for r in replies] == [(1, True), (2, True)]
+    async with asyncio.timeout(30):  # the dropped one's sender hears of it too: nothing else is left
+        while cluster.relay._broadcasts or one._pending:
+            await asyncio.sleep(0.01)
+    assert sorted(cluster.log) == [(1, "after"), (2, "after")]
+    assert cluster.relay._sticky == {"level": ("set", {"value": "after"}, 1)}
+
+
+async def test_a_broadcast_taken_up_late_is_refused_by_every_worker_with_why(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 0.2)
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+    cluster.lock.acquire()  # the supervisor stopped for longer than RELAY_WITHIN_S, shorter than its silence
+    try:
+        late = asyncio.create_task(one.broadcast("set", {"value": "late"}, sticky="level"))
+        await asyncio.sleep(1.0)
+    finally:
+        cluster.lock.release()
+    replies = await late
+    assert [(r.worker, r.ok) for r in replies] == [(1, False), (2, False)]
+    assert replies[0].error.startswith("not applied: the supervisor took it up ")
+    assert "it was stopped or starved of CPU" in replies[0].error
+    assert cluster.log == [] and cluster.relay._sticky == {}
+
+
+async def test_a_long_broadcast_waits_while_the_supervisor_answers_and_not_once_it_stops(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 2.0)
+    one = cluster.start_worker(1)
+    await one.open()
+
+    async def beat() -> None:  # what the loop watch does in a worker
+        while True:
+            one.heartbeat()
+            await asyncio.sleep(0.05)
+
+    beating = asyncio.create_task(beat())
+    GATES["slow"] = threading.Event()
+    try:
+        slow = asyncio.create_task(one.broadcast("set", {"value": 1, "gate": "slow"}, timeout_s=60))
+        await asyncio.sleep(3.0)  # past the silence allowed: the supervisor's answers keep it waiting
+        assert not slow.done()
+        cluster.lock.acquire()  # now the supervisor stops, with the command applying
+        try:
+            with pytest.raises(Unanswered, match="may not have been applied in every worker"):
+                await slow
+        finally:
+            cluster.lock.release()
+    finally:
+        beating.cancel()
+        GATES["slow"].set()
+
+
+async def test_a_supervisor_that_reads_nothing_never_blocks_a_worker(cluster: Cluster) -> None:
+    # A supervisor stopped for minutes read none of a worker's heartbeats (two a second): once they
+    # filled the pipe's buffer (278 of them, 139 s), the next send held the worker's event loop, and
+    # every request on it, until the supervisor ran again. Beats past half the buffer are skipped.
+    one, two = cluster.start_worker(1), cluster.start_worker(2)
+    await one.open()
+    await two.open()
+
+    def beat_for_twenty_minutes() -> None:
+        for _ in range(2400):
+            one.heartbeat()
+
+    with cluster.lock:  # the supervisor stopped
+        # In a thread: a send that blocks fails this bound instead of hanging the test.
+        await asyncio.wait_for(asyncio.to_thread(beat_for_twenty_minutes), 60)
+        # Nothing more fits: a broadcast is refused at once, unsent, rather than after the silence.
+        with pytest.raises(Unanswered, match=r"has read nothing this worker sent it for .* set was not sent"):
+            await one.broadcast("set", {"value": "while stopped"}, sticky="level", timeout_s=60)
+    # Running again, the supervisor reads what queued and answers: the worker is heard, and sends again.
+    async with asyncio.timeout(30):
+        while one._unanswered_since is not None:
+            await asyncio.sleep(0.01)
+    replies = await one.broadcast("set", {"value": "after"}, sticky="level")
+    assert [(r.worker, r.ok) for r in replies] == [(1, True), (2, True)]
+    assert sorted(cluster.log) == [(1, "after"), (2, "after")]

@@ -1,8 +1,10 @@
-"""Per-process budgets (issue 20, classes 8 and 17): a held event loop, a stopped worker, SIGHUP.
+"""Per-process budgets (issue 20, classes 8 and 17; issue 28, class 8): a held event loop, a stopped
+worker, a stopped supervisor, SIGHUP.
 
 The loop watch is driven by holding the test's own loop (time.sleep in it); the worker tests
-stop a real worker with SIGSTOP and send real signals. Every wait has a wide bound and is on an
-event (an answer, a log line, an exit), never a measured duration.
+stop a real worker or the supervisor with SIGSTOP and send real signals. Every wait has a wide
+bound and is on an event (an answer, a log line, an exit), never a measured duration; the one
+bound that is a contract is the 15 s in which a control request is answered.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 from app.engine.loop_watch import LoopWatch
 from app.settings import Settings
 from ffn_client.http1 import read_response
-from ffn_client.testing import HOST, http_request, raw_request, start_server
+from ffn_client.testing import HOST, http_request, metric_value, raw_request, start_server
 from tests import worker_logs
 from tests.in_process import InProcessApp
 from tests.reference import demo_reference
@@ -145,6 +147,68 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
                 writer.close()
 
 
+UVICORN_KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive, which the server keeps
+
+
+async def test_requests_sent_while_the_loop_was_held_are_answered_not_closed_under() -> None:
+    # Found with issue 28, class 8: once the loop had been held past uvicorn's keep-alive timeout,
+    # the timer ran before the loop read what had arrived meanwhile (uvloop runs due timers before it
+    # polls), and closed the kept-alive connections under the requests their clients had sent.
+    with start_server(env={"FFN_WARMUP": "0"}) as server:
+        x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+        connections = [await asyncio.open_connection(HOST, server.port) for _ in range(4)]
+        assert [await request_on(c, x) for c in connections] == [200] * 4
+        os.kill(server.pid, signal.SIGSTOP)  # as a long parse holds it, on a loaded machine
+        try:
+            requests = [asyncio.create_task(request_on(c, x)) for c in connections]
+            await asyncio.sleep(UVICORN_KEEP_ALIVE_S + 1)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert await asyncio.wait_for(asyncio.gather(*requests), 60) == [200] * 4  # each checked against numpy
+        for _, writer in connections:
+            writer.close()
+
+
+async def test_a_worker_held_past_the_heartbeat_timeout_answers_what_it_held_once_its_loop_runs_again() -> None:
+    # Issue 28, class 8: under load, a worker silent for 5 s was SIGKILLed at once, and the request it
+    # was running never got an answer. Now it is asked to drain first, and killed only if it stays
+    # silent as long again. SIGSTOP holds it here as a long parse on a loaded machine would (the
+    # supervisor cannot tell them apart); its loop runs again within that second timeout.
+    env = {
+        "FFN_WORKERS": "2",
+        "FFN_WARMUP": "0",
+        "FFN_HEARTBEAT_TIMEOUT_S": "5",
+        "FFN_LOG_FORMAT": "json",
+        "FFN_ACCESS_LOG": "true",
+    }
+    with start_server(env=env) as server:
+        await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
+        x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+        since = len(server.logs())
+        connections = [await asyncio.open_connection(HOST, server.port) for _ in range(8)]
+        assert [await request_on(c, x) for c in connections] == [200] * 8
+        held = min(worker_logs.pids_that_served(server, "/v1/models/demo/transform", since))  # holds some of them
+        os.kill(held, signal.SIGSTOP)
+        try:
+            requests = [asyncio.create_task(request_on(c, x)) for c in connections]
+            await until(lambda: f"(pid {held}) sent no heartbeat" in server.logs(), "the drain's log line")
+            waiting = [task for task in requests if not task.done()]
+        finally:
+            resume(held)
+        assert "asking it to drain (SIGTERM)" in server.logs()
+        assert waiting  # those on the held worker
+        statuses = await asyncio.wait_for(asyncio.gather(*requests), 60)
+        # Every request answered (its answer checked against numpy), or refused by the drain: none lost.
+        assert set(statuses) <= {200, 503}, statuses
+        await until(lambda: f"(pid {held}) exited with code 0; starting another" in server.logs(), "its drained exit")
+        assert f"(pid {held}) sent no heartbeat for" in server.logs() and "killing it" not in server.logs()
+        await until(lambda: server.logs().count(") ready") >= 3, "a replacement ready")
+        for _ in range(8):
+            assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
+        for _, writer in connections:
+            writer.close()
+
+
 async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_replaced() -> None:
     # Before: a worker was watched only once ready; one stopped (or hung) while loading was never
     # replaced, and with it gone its slot served nobody for good.
@@ -173,6 +237,83 @@ async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_re
                 assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
         finally:
             resume(late)
+
+
+# ----- a stopped supervisor ---------------------------------------------------------------------------------
+
+CONTROL_ANSWER_S = 15.0  # the contract: a control request is answered, 200 or 503, within this
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/<pid>/stat), as SIGSTOP leaves it."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+async def control_requests(client: httpx.AsyncClient) -> list[httpx.Response]:
+    """A log setting, a model's load and a shared-memory registration, at once: each needs every worker."""
+    return list(
+        await asyncio.gather(
+            client.post("/v2/logging", json={"log_warning": False}),
+            client.post("/v2/repository/models/demo/load"),
+            client.post("/v2/systemsharedmemory/region/r/register", json={"key": "/" + SHM_NAME, "byte_size": 8}),
+        )
+    )
+
+
+SHM_NAME = f"ffn-test-supervisor-{os.getpid()}"
+
+
+async def test_a_stopped_supervisor_leaves_no_control_request_waiting_and_kills_nobody_when_it_resumes() -> None:
+    # Issue 28, class 8: the supervisor paused 40 s (SIGSTOP) killed both healthy workers on resuming,
+    # and a POST /v2/logging waited those 40 s with no answer.
+    heartbeat_timeout_s = 3.0
+    env = {
+        "FFN_WORKERS": "2",
+        "FFN_WARMUP": "0",
+        "FFN_HEARTBEAT_TIMEOUT_S": str(heartbeat_timeout_s),
+        "FFN_MODEL_CONTROL": "explicit",
+        "FFN_SHARED_MEMORY": "true",
+    }
+    shm = Path("/dev/shm") / SHM_NAME
+    shm.write_bytes(bytes(8))
+    try:
+        with start_server(env=env) as server:
+            await until(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
+            workers = server.worker_pids()
+            async with httpx.AsyncClient(base_url=server.url, timeout=CONTROL_ANSWER_S) as client:
+                restarts = metric_value((await client.get("/metrics")).text, "ffn_worker_restarts_total")
+                x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+                os.kill(server.pid, signal.SIGSTOP)
+                try:
+                    await until(lambda: stopped(server.pid), "the supervisor stopped")
+                    # Before: no answer until the supervisor resumed (httpx's timeout: the 15 s).
+                    answers = await control_requests(client)
+                    for r in answers:
+                        assert r.status_code == 503, r.text  # nothing can reach the other worker
+                        assert r.json()["error_type"] == "unavailable" and "Retry-After" in r.headers
+                        assert "the supervisor process has answered nothing" in r.json()["error"]
+                    for _ in range(8):  # the workers serve on, on new connections, while their supervisor is stopped
+                        assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
+                    await asyncio.sleep(2 * heartbeat_timeout_s)  # stopped longer than a drain and a kill take
+                finally:
+                    os.kill(server.pid, signal.SIGCONT)
+                await until(lambda: "the supervisor did not run for" in server.logs(), "the supervisor's wake-up")
+                # The requests refused while it was stopped were dropped, never applied behind their
+                # clients' backs: the setting is unchanged in every worker, the region unregistered.
+                for _ in range(8):
+                    r = await raw_request(server.port, http_request("GET", "/v2/logging"))
+                    assert r.status == 200 and r.json()["log_warning"] is True, r.body
+                # And every worker took part once more: all three applied everywhere.
+                answers = await control_requests(client)
+                assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+                for _ in range(8):  # new connections, to either worker: all served right
+                    assert await request_on(await asyncio.open_connection(HOST, server.port), x) == 200
+                assert metric_value((await client.get("/metrics")).text, "ffn_worker_restarts_total") == restarts
+            assert server.worker_pids() == workers
+            assert "asking it to drain" not in server.logs() and "killing it" not in server.logs(), server.logs()
+    finally:
+        shm.unlink(missing_ok=True)
 
 
 # ----- SIGHUP: never an exit without cleanup -------------------------------------------------------

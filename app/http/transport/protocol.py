@@ -28,6 +28,10 @@ is parsed and when. Each connection:
   `too_many_connections`; at most half the cap may be connections still sending their request;
 - once the server drains (`close_connections`), answers with `Connection: close`, and is closed
   when idle: a client is never left with a request on a connection the process is about to close;
+- is idle only with no byte waiting unread in its socket: after the event loop was held (a long
+  parse, a stopped worker asked to drain as it resumes), the idle timers (uvicorn's keep-alive,
+  the head timeout, the drain's quiet close) come due before the loop has read what clients sent
+  meanwhile, and would close those connections under their requests;
 - writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
   between two writes would leave a head without its body, which a proxy can no longer retry.
 
@@ -56,8 +60,11 @@ ffn-serve checks them before serving.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import re
+import struct
+import termios
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -90,8 +97,10 @@ log = logging.getLogger("ffn_serve")
 ON_DISCONNECT = "ffn.on_disconnect"
 LINGER_S = 2.0  # after an error answer: how long to read and discard before closing
 LINGER_BYTES = 1024 * 1024  # ... and how much at most: then reading stops until the close
-# While draining, an idle connection is closed once quiet this long: a client that has just read
-# an answer may be writing its next request, which a close at that moment would lose.
+# While draining, an idle connection is closed once quiet this long from the drain's start: a client
+# that has just read an answer may be writing its next request, which a close at that moment would
+# lose; and a loop that was held (a long parse, a stopped process asked to drain as it resumes) has
+# not yet read what arrived meanwhile, however long ago the last answer went out.
 IDLE_CLOSE_S = 0.5
 # Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
 ONE_WRITE_BYTES = 64 * 1024
@@ -566,14 +575,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _close_when_quiet(self) -> None:
         if self._quiet_timer is None:
-            delay = max(0.0, self._idle_since + IDLE_CLOSE_S - self.loop.time())
-            self._quiet_timer = self.loop.call_later(delay, self._close_if_idle)
+            self._quiet_timer = self.loop.call_later(IDLE_CLOSE_S, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
         self._quiet_timer = None
         answering = self.cycle is not None and not self.cycle.response_complete
-        if not (answering or self._unanswered or self._receiving_request()) and not self.transport.is_closing():
+        if answering or self._unanswered or self._receiving_request() or self.transport.is_closing():
+            return
+        if self._unread_bytes():
+            self._close_when_quiet()  # a request the held loop has not read yet: look again once it has
+        else:
             self.transport.close()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """uvicorn's keep-alive close, unless a request waits unread (the loop was held): reading it
+        cancels this timer, and the head timer still bounds the connection."""
+        if not self._unread_bytes():
+            super().timeout_keep_alive_handler()
+
+    def _unread_bytes(self) -> int:
+        """Bytes the client sent that the event loop has not read yet (FIONREAD on the socket)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return 0
+        try:
+            unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0]
+        except (OSError, ValueError):  # closed meanwhile
+            return 0
+        return unread
 
     # ----- flow control: the send timeout ----------------------------------------------------
 
@@ -613,6 +642,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._head_begun or self._overhead:
             self._refuse(RequestTimeout(f"the request head did not arrive within {self.limits.header_timeout_s:g} s"))
+        elif self._unread_bytes():
+            self._arm_head_timer()  # a request the held loop has not read yet: its head gets a period of its own
         else:
             self.transport.close()  # an idle connection: closed quietly, as a keep-alive timeout does
 
