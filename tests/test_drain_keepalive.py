@@ -18,7 +18,7 @@ import pytest
 
 from ffn_client.http1 import build_request, read_response
 from ffn_client.losses import Fates, keep_alive_clients
-from ffn_client.testing import HOST, metric_value, start_server, wait_for_metrics
+from ffn_client.testing import HOST, ServerProcess, metric_value, start_server, wait_for_metrics
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
 
@@ -44,6 +44,8 @@ def transform_request(model: str, rows: int) -> bytes:
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_sigterm_answers_every_request_written_on_kept_alive_connections(config: Path, workers: int) -> None:
     with start_server(config=config, env={"FFN_WORKERS": str(workers)}) as server:
+        if workers > 1:  # ready answers once one worker is: a signal while another still starts is another test
+            await _all_workers_ready(server, workers)
         stop = asyncio.Event()
         flowing = asyncio.Event()
 
@@ -84,3 +86,11 @@ async def test_sigterm_answers_every_request_written_on_kept_alive_connections(c
     assert set(fates.answered) <= {200, 503}, fates.to_dict()
     assert fates.closing[503] == fates.answered[503], "every 503 of the drain closes its connection"
     assert fates.refused == CLIENTS, fates.to_dict()
+
+
+async def _all_workers_ready(server: ServerProcess, workers: int) -> None:
+    """Wait (up to 180 s, for a loaded machine) for the supervisor's line saying every worker is ready."""
+    line = f"ready: {workers} workers"
+    async with asyncio.timeout(180):
+        while line not in server.logs():
+            await asyncio.sleep(0.2)
