@@ -1,0 +1,97 @@
+"""Server CPU time per gRPC ModelInfer call, and the same for another checkout in the same run (an A/B).
+
+    python3 -m bench.grpc_cpu                                     # this checkout
+    git worktree add /tmp/before <commit>
+    python3 -m bench.grpc_cpu --against /tmp/before --repeat 4    # alternating rounds, old and new
+
+The gRPC twin of bench/cpu.py: the server pinned to core 0 with one torch thread (the built-in
+demo model), this process sending prebuilt ModelInferRequests (raw_input_contents, one row, as
+tritonclient.grpc sends them) over one channel from `--clients` concurrent callers, `--calls`
+calls per cell after 200 to warm up. The figure is the server's own CPU time per call (utime +
+stime from /proc over the measured calls): on a shared machine it moves far less than latency.
+Each round measures every checkout once; the table gives each cell's median and least.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from bench.gpu.service import tree_cpu_seconds
+from bench.serve import pinned, server_env
+from ffn_client.testing import ServerProcess, start_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+D_MODEL = 512  # the demo model's
+
+
+async def _measure(server: ServerProcess, calls: int, clients: int, rows: int) -> tuple[float, float, float]:
+    """(server CPU µs per call, p50 ms, calls/s) over `calls` calls from `clients` concurrent callers."""
+    x = np.random.default_rng(0).standard_normal((rows, D_MODEL)).astype(np.float32)
+    request = pb.ModelInferRequest(model_name="demo", raw_input_contents=[x.tobytes()])
+    request.inputs.add(name="input", datatype="FP32", shape=[rows, D_MODEL])
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for _ in range(200):
+            await stub.ModelInfer(request)
+
+        async def caller(count: int) -> None:
+            for _ in range(count):
+                started = time.perf_counter()
+                await stub.ModelInfer(request)
+                latencies.append(time.perf_counter() - started)
+
+        cpu_before, started = tree_cpu_seconds(server.proc.pid), time.perf_counter()
+        await asyncio.gather(*(caller(calls // clients) for _ in range(clients)))
+        elapsed, cpu = time.perf_counter() - started, tree_cpu_seconds(server.proc.pid) - cpu_before
+    done = (calls // clients) * clients
+    return cpu / done * 1e6, statistics.median(latencies) * 1e3, done / elapsed
+
+
+def measure(checkout: Path, calls: int, clients: int, rows: int) -> tuple[float, float, float]:
+    env = {**server_env(max_wait_ms=0, max_batch_rows=1024), "FFN_WARMUP": "1"}
+    with start_server(env=env, cwd=checkout, prefix=pinned(0)) as server:
+        return asyncio.run(_measure(server, calls, clients, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", type=Path, help="another checkout to measure in the same run")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; each round measures every checkout once")
+    parser.add_argument("--calls", type=int, default=3000, help="measured calls per cell")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16], help="concurrent callers, one cell each")
+    parser.add_argument("--rows", type=int, default=1)
+    args = parser.parse_args(argv)
+    checkouts = {"this": REPO_ROOT, **({"other": args.against.resolve()} if args.against else {})}
+    found: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for round_ in range(args.repeat):
+        for name, checkout in checkouts.items():
+            for clients in args.clients:
+                cell = measure(checkout, args.calls, clients, args.rows)
+                found.setdefault((name, clients), []).append(cell)
+                print(
+                    f"round {round_ + 1}: {name} C={clients}: {cell[0]:,.0f} us/call, p50 {cell[1]:.2f} ms", flush=True
+                )
+    print()
+    print("| checkout | C | server CPU µs/call, median | least | p50 ms | calls/s |")
+    print("|---|---|---|---|---|---|")
+    for (name, clients), cells in found.items():
+        cpu = [cell[0] for cell in cells]
+        p50 = statistics.median(cell[1] for cell in cells)
+        rate = statistics.median(cell[2] for cell in cells)
+        print(f"| {name} | {clients} | {statistics.median(cpu):,.0f} | {min(cpu):,.0f} | {p50:.2f} | {rate:,.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
