@@ -209,19 +209,22 @@ class Settings(BaseSettings):
         default=1024 * 1024 * 1024,
         ge=1024,
         description="Bytes the requests one process is answering may hold: bodies as they arrive (a declared "
-        "length before it is read), then their tensors; past it, 429 (retry shortly). At least max_body_bytes.",
+        "length before it is read), then their tensors; gRPC messages likewise, from before they are parsed; past it, "
+        "429 (RESOURCE_EXHAUSTED over gRPC; retry shortly). At least max_body_bytes.",
     )
     max_header_bytes: int = Field(
         default=16 * 1024,
         ge=1024,
         le=1024 * 1024,
         description="Largest request head (request line and headers), and the budget of every other byte of a "
-        "request that is not body data (chunk framing, trailers: plus 1/64 of the body); cut off with 431 as it arrives.",
+        "request that is not body data (chunk framing, trailers: plus 1/64 of the body); cut off with 431 as it arrives. "
+        "Also the largest gRPC metadata (RESOURCE_EXHAUSTED).",
     )
     header_timeout_s: float = Field(
         default=10.0,
         gt=0.0,
-        description="A request's head must arrive within this many seconds; else 408 and close.",
+        description="A request's head must arrive within this many seconds; else 408 and close. gRPC: a connection's "
+        "preface and settings within it, and a connection with no call in flight for as long is closed.",
     )
     read_timeout_s: float = Field(
         default=30.0,
@@ -237,14 +240,15 @@ class Settings(BaseSettings):
     send_timeout_s: float = Field(
         default=30.0,
         gt=0.0,
-        description="Longest a client may take no part of an answer; then it is dropped.",
+        description="Longest a client may take no part of an answer; then it is dropped (gRPC: its connection ended).",
     )
     max_connections: int = Field(
         default=1024,
         ge=1,
         description="Open HTTP connections per process: at the cap the one idle longest is closed for a new one, "
         "and with none idle the new one gets 503; at most half may be still sending their request. Also the most "
-        "gRPC calls in flight per process (past it, RESOURCE_EXHAUSTED). The process's file descriptor limit is "
+        "gRPC connections, and gRPC calls in flight, per process (past it, RESOURCE_EXHAUSTED; the probes, which "
+        "need no key, have as many of their own). The process's file descriptor limit is "
         "raised to fit it, or it is lowered with a log line.",
     )
     max_loop_lag_s: float = Field(
