@@ -39,6 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.server)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_ffn_environment_for_shared_fixtures() -> Iterator[None]:
+    """No FFN_* variable from the developer's shell for the module- and session-scoped fixtures
+    either (an in-process app's Settings read the environment), which start before any test's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith("FFN_"):
+                patch.delenv(name)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_ffn_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test sees no FFN_* variable, whatever the developer's shell exports."""

@@ -10,16 +10,20 @@ from __future__ import annotations
 import gzip
 import io
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import pytest_asyncio
 from starlette.middleware.errors import ServerErrorMiddleware
 
 from app.http.endpoints import FastPath
 from app.main import ENDPOINTS, create_app
 from app.settings import Settings
+from tests.in_process import serve_in_process
 
 D = 512
 x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
@@ -143,15 +147,20 @@ COMPARED_HEADERS = (
 )
 
 
-@pytest.fixture
-async def both(start_app) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def both() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """The two apps, shared by the cases: each case sends both the same request, so that whatever
+    one app has answered before, the other has too."""
     settings = Settings(max_batch_rows=64, max_body_bytes=4 << 20)  # the gzip bomb inflates past it
-    fast, routed = await start_app(settings), await start_app(settings, fast_path=False)
-    assert any(m.cls is FastPath for m in fast.app.edge_middleware)
-    assert not any(m.cls is FastPath for m in routed.app.edge_middleware)
-    return fast.client, routed.client
+    async with AsyncExitStack() as stack:
+        fast = await stack.enter_async_context(serve_in_process(settings))
+        routed = await stack.enter_async_context(serve_in_process(settings, fast_path=False))
+        assert any(m.cls is FastPath for m in fast.app.edge_middleware)
+        assert not any(m.cls is FastPath for m in routed.app.edge_middleware)
+        yield fast.client, routed.client
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("case", list(REQUESTS))
 async def test_fast_path_and_fastapi_routes_answer_alike(both, case: str) -> None:
     fast, routed = both

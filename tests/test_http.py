@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
 import pytest
+import pytest_asyncio
 
 from app.settings import Settings
 from ffn_client.testing import metric_value
+from tests.in_process import serve_in_process
 from tests.reference import bf16_round, demo_reference
 from tests.wire import bf16_bytes, from_bf16_bytes, npy_bytes
 
@@ -18,9 +21,15 @@ D = 512
 URL = "/v1/models/demo/transform"
 
 
-@pytest.fixture
-async def client(start_app) -> httpx.AsyncClient:
-    return (await start_app(Settings(max_batch_rows=256, max_body_bytes=4 * 1024 * 1024))).client
+# One app for the file, on the module's event loop: the tests only send requests (the metrics
+# test counts what moved between two scrapes).
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with serve_in_process(Settings(max_batch_rows=256, max_body_bytes=4 * 1024 * 1024)) as app:
+        yield app.client
 
 
 def random_input(shape, seed=0) -> np.ndarray:

@@ -10,20 +10,21 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import pytest_asyncio
 import torch
 import tritonclient.http as triton
 
 from app.settings import ModelSpec, Settings
-from ffn_client.testing import ServerProcess, start_server
+from ffn_client.testing import ServerProcess
 from ffn_core import FFNConfig, build_ffn, save_ffn
-from tests.in_process import InProcessApp
+from tests.in_process import InProcessApp, serve_in_process
 from tests.reference import assert_close, demo_weights, numpy_ffn, numpy_hidden, numpy_weights
 
 D_MODEL, D_FF = 16, 64
@@ -80,22 +81,27 @@ def weights(files: dict[str, Path]) -> dict[str, np.ndarray]:
     return numpy_weights(load_ffn(files["rated"]))
 
 
-@pytest.fixture
-async def service(start_app, files: dict[str, Path]) -> InProcessApp:
-    return await start_app(
-        Settings(
-            max_batch_rows=32,
-            max_mc_passes=64,
-            warmup=False,
-            models=[
-                ModelSpec(name="mc", weights=files["rated"]),
-                ModelSpec(name="unrated", weights=files["unrated"]),
-            ],
-        )
+# One in-process app for the file, on the module's event loop (the tests marked so run there): the
+# tests only send requests (the statistics test counts what moved).
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def service(files: dict[str, Path]) -> AsyncIterator[InProcessApp]:
+    settings = Settings(
+        max_batch_rows=32,
+        max_mc_passes=64,
+        warmup=False,
+        models=[
+            ModelSpec(name="mc", weights=files["rated"]),
+            ModelSpec(name="unrated", weights=files["unrated"]),
+        ],
     )
+    async with serve_in_process(settings) as app:
+        yield app
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def device(service: InProcessApp) -> str:
     """Where the model runs (auto: CUDA where there is one)."""
     return (await service.client.get("/v1/models")).json()["models"][0]["device"]
@@ -111,6 +117,7 @@ def expected(weights, device: str):
 
 
 @pytest.mark.parametrize("shape", [(4, D_MODEL), (2, 3, D_MODEL)])
+@in_module_loop
 async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessApp, expected, shape) -> None:
     x = inputs(*shape)
     r = await service.client.post(f"{URL}?mc_passes=16&mc_seed=5", json={"inputs": x.tolist()})
@@ -126,6 +133,7 @@ async def test_native_json_is_mean_and_std_of_the_same_masks(service: InProcessA
 
 
 @pytest.mark.parametrize("accept", ["application/octet-stream", "application/x-npy"])
+@in_module_loop
 async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, expected, accept: str) -> None:
     x = inputs(3, D_MODEL, seed=1)
     r = await service.client.post(
@@ -145,6 +153,7 @@ async def test_native_binary_answers_stack_mean_then_std(service: InProcessApp, 
     assert_close(stacked[1], std, rtol=1e-4)
 
 
+@in_module_loop
 async def test_a_drawn_seed_is_answered_and_repeats_the_answer(service: InProcessApp, expected) -> None:
     x = inputs(2, D_MODEL, seed=2)
     first = await service.client.post(f"{URL}?mc_passes=4", json={"inputs": x.tolist()})
@@ -157,6 +166,7 @@ async def test_a_drawn_seed_is_answered_and_repeats_the_answer(service: InProces
     assert_close(np.array(first.json()["mean"]), mean)
 
 
+@in_module_loop
 async def test_without_query_string_the_answer_is_the_plain_ffn(service: InProcessApp, weights) -> None:
     x = inputs(2, D_MODEL, seed=3)
     r = await service.client.post(URL, json={"inputs": x.tolist()})
@@ -189,12 +199,14 @@ async def test_without_query_string_the_answer_is_the_plain_ffn(service: InProce
         ("mc_passes", "malformed query string"),
     ],
 )
+@in_module_loop
 async def test_bad_monte_carlo_queries_are_400(service: InProcessApp, query: str, needle: str) -> None:
     r = await service.client.post(f"{URL}?{query}", json={"inputs": inputs(1, D_MODEL).tolist()})
     assert r.status_code == 400, r.text
     assert r.json()["error_type"] == "invalid_input" and needle in r.json()["error"], r.text
 
 
+@in_module_loop
 async def test_a_model_without_a_rate_needs_one_in_the_request(service: InProcessApp) -> None:
     body = {"inputs": inputs(1, D_MODEL).tolist()}
     r = await service.client.post("/v1/models/unrated/transform?mc_passes=4", json=body)
@@ -204,6 +216,7 @@ async def test_a_model_without_a_rate_needs_one_in_the_request(service: InProces
 
 
 @pytest.mark.parametrize("accept", ["application/json", "application/octet-stream"])
+@in_module_loop
 async def test_an_output_that_overflows_is_422_in_every_encoding(service: InProcessApp, files, accept: str) -> None:
     from ffn_core import load_ffn
 
@@ -219,18 +232,20 @@ async def test_an_output_that_overflows_is_422_in_every_encoding(service: InProc
     assert r.status_code == 422 and r.json()["error_type"] == "non_finite_output", r.text
 
 
+@in_module_loop
 async def test_more_rows_than_one_forward_pass_is_413(service: InProcessApp) -> None:
     r = await service.client.post(f"{URL}?mc_passes=2", json={"inputs": inputs(33, D_MODEL).tolist()})
     assert r.status_code == 413 and "at most 32 rows" in r.json()["error"], r.text
 
 
-async def test_turned_off_with_max_mc_passes_zero(start_app, files) -> None:
+async def test_turned_off_with_max_mc_passes_zero(files) -> None:
     settings = Settings(max_mc_passes=0, warmup=False, models=[ModelSpec(name="mc", weights=files["rated"])])
-    app = await start_app(settings)
-    r = await app.client.post(f"{URL}?mc_passes=2", json={"inputs": inputs(1, D_MODEL).tolist()})
+    async with serve_in_process(settings) as app:
+        r = await app.client.post(f"{URL}?mc_passes=2", json={"inputs": inputs(1, D_MODEL).tolist()})
     assert r.status_code == 400 and "turned off" in r.json()["error"], r.text
 
 
+@in_module_loop
 async def test_never_batched_with_plain_requests(service: InProcessApp, weights, expected) -> None:
     """Plain and Monte Carlo requests sent at once: each answer is its own, exactly."""
     client = service.client
@@ -250,12 +265,23 @@ async def test_never_batched_with_plain_requests(service: InProcessApp, weights,
             assert_close(np.array(r.json()["outputs"]), numpy_ffn(xs[i], weights, "gelu"))
 
 
+@in_module_loop
 async def test_counted_in_the_statistics_as_one_execution(service: InProcessApp) -> None:
+    async def counts() -> tuple[int, int, int, int]:
+        (stat,) = (await service.client.get("/v2/models/mc/stats")).json()["model_stats"]
+        inference = stat["inference_stats"]
+        return (
+            stat["execution_count"],
+            stat["inference_count"],
+            inference["success"]["count"],
+            inference["compute_infer"]["count"],
+        )
+
+    before = await counts()
     r = await service.client.post(f"{URL}?mc_passes=5", json={"inputs": inputs(4, D_MODEL).tolist()})
     assert r.status_code == 200
-    (stat,) = (await service.client.get("/v2/models/mc/stats")).json()["model_stats"]
-    assert (stat["execution_count"], stat["inference_count"]) == (1, 4)
-    assert stat["inference_stats"]["success"]["count"] == stat["inference_stats"]["compute_infer"]["count"] == 1
+    moved = tuple(now - then for now, then in zip(await counts(), before, strict=True))
+    assert moved == (1, 4, 1, 1)  # executions, rows, successes, forward passes: 5 passes are one execution
 
 
 # ----- V2 --------------------------------------------------------------------------------------
@@ -271,6 +297,7 @@ def v2_document(x: np.ndarray, parameters: dict, outputs: list | None = None) ->
     return document
 
 
+@in_module_loop
 async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, expected) -> None:
     x = inputs(2, 2, D_MODEL, seed=4)
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(x, {"mc_passes": 12, "mc_seed": 3}))
@@ -286,6 +313,7 @@ async def test_v2_outputs_are_output_and_output_std(service: InProcessApp, expec
     assert_close(np.array(by_name["output_std"]["data"]).reshape(x.shape), std, rtol=1e-4)
 
 
+@in_module_loop
 async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> None:
     x = inputs(3, D_MODEL, seed=6)
     document = v2_document(
@@ -318,12 +346,14 @@ async def test_v2_binary_output_std_alone(service: InProcessApp, expected) -> No
         ({"mc_passes": 4, "mc_dropout": 1.0}, "mc_dropout must be a number in [0, 1)"),
     ],
 )
+@in_module_loop
 async def test_v2_bad_parameters_are_400(service: InProcessApp, parameters: dict, needle: str) -> None:
     r = await service.client.post("/v2/models/mc/infer", json=v2_document(inputs(1, D_MODEL), parameters))
     assert r.status_code == 400 and needle in r.json()["error"], r.text
 
 
 @pytest.mark.parametrize("parameters", [{}, {"mc_passes": None}], ids=["none", "null"])
+@in_module_loop
 async def test_v2_plain_answer_has_no_parameters(service: InProcessApp, weights, parameters: dict) -> None:
     """A null mc_passes is no mc_passes: one test decides "is this Monte Carlo", in the decoder and the route alike."""
     x = inputs(1, D_MODEL)
@@ -337,16 +367,10 @@ async def test_v2_plain_answer_has_no_parameters(service: InProcessApp, weights,
 # ----- a real server and NVIDIA's tritonclient -------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def demo_server_mc() -> Iterator[ServerProcess]:
-    with start_server(env={"FFN_LOG_LEVEL": "warning", "FFN_WARMUP": "0"}) as server:
-        yield server
-
-
 @pytest.mark.parametrize("binary", [False, True])
-def test_tritonclient_asks_with_parameters(demo_server_mc: ServerProcess, binary: bool) -> None:
+def test_tritonclient_asks_with_parameters(demo_server: ServerProcess, binary: bool) -> None:
     x = inputs(3, 512, seed=7)
-    client = triton.InferenceServerClient(demo_server_mc.url.removeprefix("http://"))
+    client = triton.InferenceServerClient(demo_server.url.removeprefix("http://"))
     try:
         tensor = triton.InferInput("input", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x, binary_data=binary)
@@ -361,7 +385,7 @@ def test_tritonclient_asks_with_parameters(demo_server_mc: ServerProcess, binary
     echoed = result.get_response()["parameters"]
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", echoed.pop("model_digest")), "which weights answered"
     assert echoed == {"mc_passes": 8, "mc_dropout": 0.2, "mc_seed": 21}
-    device = httpx.get(f"{demo_server_mc.url}/v1/models").json()["models"][0]["device"]
+    device = httpx.get(f"{demo_server.url}/v1/models").json()["models"][0]["device"]
     mean, std = reference(x, demo_weights(), "relu", passes=8, p=0.2, seed=21, device=device)
     assert_close(result.as_numpy("output"), mean)
     assert_close(result.as_numpy("output_std"), std, rtol=1e-4)

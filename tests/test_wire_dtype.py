@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import AsyncIterator, Callable
 
+import httpx
 import numpy as np
 import pytest
+import pytest_asyncio
 import torch
 
 from app.settings import ModelSpec, Settings
 from ffn_core import demo_ffn
+from tests.in_process import serve_in_process
 from tests.reference import numpy_ffn, numpy_weights
 from tests.wire import npy_bytes, raw_headers
 
@@ -22,17 +26,25 @@ D = 512
 ROWS = 3
 TOLERANCE = {"bfloat16": 2e-2, "float16": 3e-3}
 
+# The tests only send requests: each configuration's app (its start and warm-up, seconds in
+# float16 on a CPU) serves all of them, on the module's event loop.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-@pytest.fixture(
+
+@pytest_asyncio.fixture(
+    scope="module",
+    loop_scope="module",
     params=[("bfloat16", "off"), ("bfloat16", "on"), ("float16", "off"), ("float16", "on")],
     ids=lambda p: f"{p[0]}-staging-{p[1]}",
 )
-async def served(request, start_app):
+async def served(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[httpx.AsyncClient, str, Callable[[np.ndarray], np.ndarray]]]:
     """(client, model dtype, reference of x) for the demo model computing in a half-precision dtype."""
     dtype, staging = request.param
-    app = await start_app(Settings(models=[ModelSpec(name="demo", dtype=dtype)], staging=staging))
-    weights = numpy_weights(demo_ffn().to(getattr(torch, dtype)))  # the rounded weights the model computes with
-    return app.client, dtype, lambda x: numpy_ffn(x, weights, "relu")
+    async with serve_in_process(Settings(models=[ModelSpec(name="demo", dtype=dtype)], staging=staging)) as app:
+        weights = numpy_weights(demo_ffn().to(getattr(torch, dtype)))  # the rounded weights the model computes with
+        yield app.client, dtype, lambda x: numpy_ffn(x, weights, "relu")
 
 
 def x_in(seed: int = 0) -> np.ndarray:
