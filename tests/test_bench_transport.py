@@ -19,9 +19,13 @@ def test_quick_run_measures_the_service_beside_both_echoes(tmp_path, capsys):
     cells = {(c["server"], c["rows"], c["concurrency"]): c for c in result["cells"]}
     assert set(cells) == {(s, r, c) for s in ("echo", "echo+protocol", "near-free") for r in (1, 16) for c in (1, 4)}
     for cell in cells.values():
-        assert cell["errors"] == 0 and cell["rows_per_s"] > 0 and cell["cpu_ms_per_request"] > 0, cell
+        assert cell["errors"] == 0 and cell["rows_per_s"] > 0 and cell["cpu_ms_per_request"] >= 0, cell
         # Request and answer bodies of r rows of 768 float32 each.
         assert cell["bytes_per_s"] == pytest.approx(cell["rows_per_s"] * 2 * 768 * 4)
+    # CPU time is read from /proc in clock ticks (10 ms): a quick cell of 0.25 s on a loaded machine may
+    # see none (a CI run: echo+protocol at 41 rows/s read 0.0), but every server's cells together do.
+    for server in ("echo", "echo+protocol", "near-free"):
+        assert sum(c["cpu_ms_per_request"] for (s, _, _), c in cells.items() if s == server) > 0, server
     served = cells["near-free", 16, 4]
     assert 16 <= served["mean_batch_rows"] <= 64 and served["model_ms_per_request"] > 0
     assert math.isnan(cells["echo", 16, 4]["mean_batch_rows"])
