@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -325,15 +325,19 @@ class GoodCaller:
         self.latencies.append(time.perf_counter() - started)
 
     async def run(self, stop: asyncio.Event) -> None:
-        calls: set[asyncio.Task[None]] = set()
-        while not stop.is_set():
-            task = asyncio.create_task(self.one())
-            calls.add(task)
-            task.add_done_callback(calls.discard)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-        if calls:
-            await asyncio.gather(*calls)
+        await every(self.interval_s, self.one, stop)
+
+
+async def every(interval_s: float, call: Callable[[], Coroutine[Any, Any, None]], stop: asyncio.Event) -> None:
+    """Start `call()` every `interval_s` until `stop` is set (one never waits for another), then await them all."""
+    calls: set[asyncio.Task[None]] = set()
+    while not stop.is_set():
+        task = asyncio.create_task(call())
+        calls.add(task)
+        task.add_done_callback(calls.discard)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+    await asyncio.gather(*calls)
 
 
 async def expected_answer(target: str, x: np.ndarray, key: str | None = None) -> np.ndarray:

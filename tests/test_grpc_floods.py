@@ -30,6 +30,7 @@ from bench.hostile_grpc_clients import (
     HOST,
     GoodCaller,
     callers_beside,
+    every,
     headers_only_streams,
     infer_request,
     rapid_reset,
@@ -101,14 +102,7 @@ class HttpCaller:
             self.answered += 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        calls: set[asyncio.Task[None]] = set()
-        while not stop.is_set():
-            task = asyncio.create_task(self.one())
-            calls.add(task)
-            task.add_done_callback(calls.discard)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.interval_s)
-        await asyncio.gather(*calls)
+        await every(self.interval_s, self.one, stop)
 
 
 @dataclass
