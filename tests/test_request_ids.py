@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from app.protocol import identity
+from app.protocol.throttle import Throttle
 from app.settings import Settings
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp
@@ -72,7 +73,7 @@ async def test_a_plausible_client_id_is_kept(app: InProcessApp, given: str) -> N
 async def test_an_implausible_client_id_is_replaced_by_one_of_the_servers_and_the_request_answered(
     app: InProcessApp, given: str, says: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    identity._REPLACED = identity._Replacements()  # a fresh limiter: this test's replacement is logged
+    identity._REPLACED = Throttle()  # a fresh limiter: this test's replacement is logged
     with caplog.at_level(logging.WARNING, logger="ffn_serve"):
         r = await app.client.get("/v1/models", headers=[("X-Request-Id", given.encode("utf-8"))])
     assert r.status_code == 200 and r.json()["models"][0]["name"] == "demo"
@@ -88,11 +89,18 @@ async def test_two_client_ids_are_replaced(app: InProcessApp) -> None:
 
 
 def test_replacements_are_logged_at_most_once_a_minute_with_the_count_since(caplog: pytest.LogCaptureFixture) -> None:
-    replacements = identity._Replacements(every_s=60.0)
+    identity._REPLACED = Throttle(every_s=60.0)
     with caplog.at_level(logging.WARNING, logger="ffn_serve"):
         for _ in range(1000):  # a client sending bad ids as fast as it can
-            replacements.note("why")
+            identity.request_id_from([b"a", b"b"])
     assert len(caplog.records) == 1 and "(1 since the last line)" in caplog.records[0].getMessage()
+
+
+def test_a_throttle_reports_the_events_since_its_last_line() -> None:
+    throttle = Throttle(every_s=60.0)
+    assert [throttle.due() for _ in range(1000)] == [1] + [0] * 999
+    every_time = Throttle(every_s=0.0)
+    assert [every_time.due() for _ in range(3)] == [1, 1, 1]
 
 
 async def test_every_error_body_carries_the_id_of_its_answer(app: InProcessApp) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ import grpc
 
 from app.grpc.connections import close_connection
 from app.grpc.wire import InferMessage
+from app.protocol.throttle import Throttle
 
 log = logging.getLogger("ffn_serve")
 
@@ -31,7 +31,7 @@ async def send_within(context: grpc.aio.ServicerContext, response: Any, send_tim
         return True
     except TimeoutError:
         closed = close_connection(context.peer())
-        _UNREAD.note(context.peer(), send_timeout_s, closed)
+        _log_unread(context.peer(), send_timeout_s, closed)
         return False
 
 
@@ -87,28 +87,18 @@ class _AnswerWatch:
     def _late(self) -> None:
         if not self._ended:
             peer = self._context.peer()
-            _UNREAD.note(peer, self._send_timeout_s, close_connection(peer))
+            _log_unread(peer, self._send_timeout_s, close_connection(peer))
 
 
-class _UnreadAnswers:
-    """Logs the connections ended for answers not taken: the first at once, then one line a minute with the count."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self._every_s, self._next, self._since = every_s, 0.0, 0
-
-    def note(self, peer: str, send_timeout_s: float, closed: bool) -> None:
-        self._since += 1
-        now = time.monotonic()
-        if now >= self._next:
-            what = "ended its connection" if closed else "could not find its connection to end"
-            log.warning(
-                "a gRPC client (%s) took no answer within send_timeout_s (%g s): %s (%d since the last line)",
-                peer[:64],
-                send_timeout_s,
-                what,
-                self._since,
-            )
-            self._since, self._next = 0, now + self._every_s
+def _log_unread(peer: str, send_timeout_s: float, closed: bool) -> None:
+    if count := _UNREAD.due():
+        log.warning(
+            "a gRPC client (%s) took no answer within send_timeout_s (%g s): %s (%d since the last line)",
+            peer[:64],
+            send_timeout_s,
+            "ended its connection" if closed else "could not find its connection to end",
+            count,
+        )
 
 
-_UNREAD = _UnreadAnswers()
+_UNREAD = Throttle()  # connections ended for answers not taken

@@ -23,11 +23,11 @@ import itertools
 import logging
 import re
 import secrets
-import time
 from contextvars import ContextVar
 from typing import Protocol
 
 from app.protocol.limits import MAX_REQUEST_ID_LENGTH
+from app.protocol.throttle import Throttle
 
 log = logging.getLogger("ffn_serve")
 
@@ -117,30 +117,11 @@ def request_id_from(values: list[bytes]) -> tuple[bytes, bool]:
     problem = request_id_problem(values) if values else None
     if values and problem is None:
         return values[0], False
-    if problem is not None:
-        _REPLACED.note(problem)
+    if problem is not None and (count := _REPLACED.due()):
+        log.warning(
+            "replaced a client's X-Request-Id with one of the server's (%d since the last line): %s", count, problem
+        )
     return new_request_id().encode("ascii"), problem is not None
 
 
-class _Replacements:
-    """Logs replaced request ids: the first at once, then at most one line per `every_s` with the count since."""
-
-    def __init__(self, every_s: float = 60.0) -> None:
-        self._every_s = every_s
-        self._next_log = 0.0
-        self._since = 0
-
-    def note(self, problem: str) -> None:
-        self._since += 1
-        now = time.monotonic()
-        if now >= self._next_log:
-            log.warning(
-                "replaced a client's X-Request-Id with one of the server's (%d since the last line): %s",
-                self._since,
-                problem,
-            )
-            self._since = 0
-            self._next_log = now + self._every_s
-
-
-_REPLACED = _Replacements()
+_REPLACED = Throttle()  # replaced request ids: a client can send a bad one with every request
