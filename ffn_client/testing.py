@@ -43,6 +43,26 @@ def free_port(host: str = HOST) -> int:
         return port
 
 
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process `pid` and all its descendants, children it
+    has waited for included (a server and its workers); None where there is no Linux /proc."""
+    total, pending, found = 0.0, [pid], False
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = [task / "children" for task in Path(f"/proc/{current}/task").iterdir()]
+            pending += [int(child) for path in children for child in path.read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile (or no /proc)
+            continue
+        total += sum(int(ticks) for ticks in fields[11:15]) / CLOCK_TICKS_PER_S  # utime stime cutime cstime
+        found = True
+    return total if found else None
+
+
 def read_rss(pid: int) -> int:
     """A process's resident set size in bytes, from /proc/<pid>/status (VmRSS; Linux only)."""
     with open(f"/proc/{pid}/status") as f:
@@ -50,6 +70,57 @@ def read_rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# ----- waiting for a start ----------------------------------------------------------------------
+
+CLOCK_FACTOR = 10  # the clock's bound on a start: ten times its CPU budget (a machine loaded ten times over)
+STALL_S = 60.0  # by the clock: a start that used no CPU at all for this long is stuck, not slow
+
+
+@dataclass
+class StartPatience:
+    """How long to wait for a start: `budget` seconds of the starting processes' CPU time, not of the clock.
+
+    A start costs CPU seconds (a server: about 4 per process, for Python, torch, the app and the
+    model), which a machine with a load average of 20 on 2 cores hands out ten times slower than
+    an idle one: a deadline by the clock failed there with nothing wrong (issue 27: servers that
+    had logged "listening on" were "not ready within 90 s"). So the wait goes on while the start
+    uses CPU, and gives up once it has used `budget` seconds of it (a start that spins), has used
+    none for `stall_s` seconds by the clock (stuck on something that will not come), or the clock
+    has passed CLOCK_FACTOR times `budget`. `cpu_seconds` reads the starting processes' CPU time
+    (None: not readable here, and the clock counts instead).
+    """
+
+    cpu_seconds: Callable[[], float | None]
+    budget: float
+    stall_s: float = STALL_S
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(init=False)
+    _last_cpu: float | None = field(init=False, default=None)
+    _last_progress: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self._last_progress = self.clock()
+
+    def exhausted(self) -> str | None:
+        """Why to stop waiting now, or None to wait on."""
+        now = self.clock()
+        elapsed = now - self.started
+        cpu = self.cpu_seconds()
+        if cpu is None:
+            return f"not ready within {self.budget:g} s" if elapsed > self.budget else None
+        if self._last_cpu is None or cpu > self._last_cpu:
+            self._last_cpu, self._last_progress = cpu, now
+        if cpu > self.budget:
+            return (
+                f"not ready after {cpu:.1f} s of CPU time (its budget: {self.budget:g} s), {elapsed:.0f} s by the clock"
+            )
+        if now - self._last_progress > self.stall_s:
+            return f"stuck: no CPU time used in {self.stall_s:g} s ({cpu:.1f} s in all, {elapsed:.0f} s by the clock)"
+        if elapsed > CLOCK_FACTOR * self.budget:
+            return f"not ready within {elapsed:.0f} s by the clock ({cpu:.1f} s of CPU time)"
+        return None
 
 
 # ----- the launcher ------------------------------------------------------------------------------
@@ -154,7 +225,8 @@ def start_server(
     env: added to the calling environment less its FFN_* variables (FFN_LOG_LEVEL is info
     unless given; FFN_GRPC_PORT a free port unless given). prefix: a wrapper such as `taskset -c 0`. command: another way to run the
     server, such as the installed `ffn-serve` script. Ready is GET /v2/health/ready answering
-    200; a server that exits first or is not ready within `ready_timeout` s raises ServerFailed.
+    200; a server that exits first, or is not ready within `ready_timeout` seconds of its CPU time
+    (its worker processes' included; see StartPatience), raises ServerFailed.
     """
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
@@ -182,15 +254,22 @@ def start_server(
 
 
 def _wait_ready(server: ServerProcess, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with Client(server.url, timeout=2.0, max_retries=0) as client:
-        while time.monotonic() < deadline:
+    patience = StartPatience(lambda: tree_cpu_seconds(server.pid), timeout)
+    # A probe that times out is asked again, not counted against the start: on a loaded machine a
+    # server still importing holds connections in its listening socket's backlog unanswered.
+    with Client(server.url, timeout=PROBE_TIMEOUT_S, max_retries=0) as client:
+        while True:
             if server.proc.poll() is not None:
                 raise ServerFailed(f"server exited with {server.proc.returncode} while starting; log:\n{server.logs()}")
             if client.ready():
                 return
+            reason = patience.exhausted()
+            if reason is not None:
+                raise ServerFailed(f"server {reason}; log:\n{server.logs()}")
             time.sleep(0.05)
-    raise ServerFailed(f"server not ready within {timeout:g} s; log:\n{server.logs()}")
+
+
+PROBE_TIMEOUT_S = 5.0
 
 
 # ----- raw requests ------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ for arg in "$@"; do
   args+=("$arg")
 done
 cd "$(dirname "$0")/.."
+# The project's modules compiled once (half a second): a run starts some 200 Python processes
+# (servers, workers, CLI runs), and where PYTHONDONTWRITEBYTECODE is set none of them would keep
+# what it compiled for the next. __pycache__ is ignored by git.
+compile_project() { .venv/bin/python -m compileall -q app ffn_core ffn_client bench >/dev/null || true; }
 # A tool of the test extra missing (an older .venv): set up again, which adds what is new.
 [ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] && [ -x .venv/bin/lint-imports ] \
   && [ -x .venv/bin/docker-compose ] && .venv/bin/python -c "import xdist" 2>/dev/null || bash scripts/setup.sh --test
@@ -27,11 +31,15 @@ if [ $# -eq 0 ]; then
   # The whole suite, three test files at a time (pytest-xdist): most tests wait on a server
   # process or a socket rather than compute, so three keep two cores busier than two do; a
   # file's module-scoped servers stay in one process.
+  # Files are handed out in collection order, the longest first (tests/conftest.py, LONGEST_FIRST).
+  compile_project
   status=0
-  .venv/bin/python -m pytest -q -p no:cacheprovider -n "${FFN_TEST_PROCESSES:-3}" --dist loadfile || status=$?
+  .venv/bin/python -m pytest -q -p no:cacheprovider -n "${FFN_TEST_PROCESSES:-3}" --dist loadfile \
+    --no-loadscope-reorder || status=$?
   wait "$mypy_pid" || { cat "$mypy_log"; rm -f "$mypy_log"; echo "mypy failed" >&2; exit 1; }
   cat "$mypy_log"
   rm -f "$mypy_log"
   exit "$status"
 fi
+compile_project
 exec .venv/bin/python -m pytest -q -p no:cacheprovider ${args[@]+"${args[@]}"}

@@ -25,7 +25,40 @@ if TYPE_CHECKING:  # imported when used, so that ffn_core's tests do not load th
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The files that take longest in a run of the whole suite, longest first (seconds by the clock of
+# each file in `pytest -n 3 --dist loadfile` on this project's 2-core machine, issue 27's run).
+# scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; by
+# default pytest-xdist starts the files with the most tests first, and a long file of few tests
+# then ran last, alone, as the run's tail): these go first. The order is only a schedule.
+LONGEST_FIRST = (
+    "test_process_budgets.py",  # 133 s
+    "test_startup_checks.py",  # 115
+    "test_bench_gpu.py",  # 97
+    "test_model_control.py",  # 93
+    "test_grpc_budgets.py",  # 81
+    "test_workers.py",  # 64
+    "test_grpc_lifecycle.py",  # 63
+    "test_tritonclient_grpc_methods.py",  # 59
+    "test_tritonclient_methods.py",  # 59
+    "test_hostile_properties.py",  # 58
+    "test_docs_snippets.py",  # 56
+    "test_cli.py",  # 54
+    "test_log_settings.py",  # 54
+    "test_system_shared_memory.py",  # 51
+    "test_model_control_workers.py",  # 50
+    "test_grpc.py",  # 49
+    "test_trace_extension.py",  # 46
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests that start servers (before `-m` selects), then put the longest files first (LONGEST_FIRST)."""
+    mark_server_tests(items)
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: each file keeps its order
+
+
+def mark_server_tests(items: list[pytest.Item]) -> None:
     """Mark `server` every test that uses, directly or through another fixture, a fixture named *server*.
 
     By convention a fixture whose name holds "server" (demo_server, burst_server, ...) starts a

@@ -6,6 +6,7 @@ No sockets: httpx.ASGITransport calls the app directly. Used through conftest's 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import Settings
+from ffn_client.testing import StartPatience
 
 BASE_URL = "http://ffn.test"
 
@@ -30,7 +32,8 @@ class InProcessApp:
 async def serve_in_process(
     settings: Settings, *, ready_timeout: float = 60.0, fast_path: bool = True
 ) -> AsyncIterator[InProcessApp]:
-    """The app, running and ready, for the block; the test fails if it is not ready in `ready_timeout` s."""
+    """The app, running and ready, for the block; the test fails if it is not ready within
+    `ready_timeout` seconds of this process's CPU time (its start and warm-up run here; StartPatience)."""
     app = create_app(settings, fast_path=fast_path)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -41,9 +44,9 @@ async def serve_in_process(
 
 async def _until_ready(client: httpx.AsyncClient, timeout: float) -> None:
     # Warm-up runs in the background after the lifespan starts; readiness is what gates requests.
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
+    patience = StartPatience(time.process_time, timeout)
     while (status := (await client.get("/v2/health/ready")).status_code) != 200:
-        if loop.time() > give_up:
-            pytest.fail(f"the in-process app was not ready within {timeout:g} s (last /v2/health/ready: {status})")
+        reason = patience.exhausted()
+        if reason is not None:
+            pytest.fail(f"the in-process app was {reason} (last /v2/health/ready: {status})")
         await asyncio.sleep(0.01)
