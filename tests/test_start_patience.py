@@ -67,6 +67,17 @@ def test_the_clock_bounds_a_start_that_creeps() -> None:
     assert reason is not None and reason.startswith(f"not ready within {CLOCK_FACTOR * 10 + 1} s by the clock")
 
 
+def test_only_the_cpu_time_spent_while_waiting_counts() -> None:
+    meter = Readings()
+    meter.cpu = 500.0  # an in-process app: the test process had run for minutes before this start
+    patience = meter.patience(budget=60)
+    meter.now, meter.cpu = 1010.0, 559.0
+    assert patience.exhausted() is None
+    meter.now, meter.cpu = 1011.0, 561.0
+    reason = patience.exhausted()
+    assert reason is not None and "61.0 s of CPU time (its budget: 60 s)" in reason
+
+
 def test_without_a_cpu_meter_the_clock_counts() -> None:
     meter = Readings()
     meter.cpu = None
