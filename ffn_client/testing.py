@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -129,6 +130,44 @@ class StartPatience:
 # ----- the launcher ------------------------------------------------------------------------------
 
 
+class Process(Protocol):
+    """A started server process as a launcher hands it back: subprocess.Popen is one."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# How a start becomes a process: (argv, environment, folder or None, log file) -> the process.
+Launcher = Callable[[Sequence[str], Mapping[str, str], "str | Path | None", Path], Process]
+
+
+def exec_server(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | None, log_path: Path) -> Process:
+    """The plain launcher: a new process running `argv`, its output appended to `log_path`."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(argv), cwd=cwd, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+
+
+_launcher: Launcher = exec_server
+
+
+def use_launcher(launcher: Launcher) -> Launcher:
+    """Start every later server with `launcher` (the test suite's fork server); returns the one it replaces."""
+    global _launcher
+    previous, _launcher = _launcher, launcher
+    return previous
+
+
 class ServerFailed(RuntimeError):
     """The server exited or never became ready, or would not stop; the message holds its log."""
 
@@ -141,7 +180,7 @@ class ServerProcess:
     stopped it; the log file is removed when it exited 0 and kept for whoever debugs it otherwise.
     """
 
-    proc: subprocess.Popen[bytes]
+    proc: Process
     port: int
     log_path: Path
     returncode: int | None = field(default=None)  # set once it has exited and been waited for
@@ -243,8 +282,8 @@ def start_server(
         argv += ["--config", str(config)]
     argv += args
     log_fd, log_name = tempfile.mkstemp(prefix=f"ffn-serve-{port}-", suffix=".log")
-    with os.fdopen(log_fd, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, env=child_env, stdout=log, stderr=subprocess.STDOUT)
+    os.close(log_fd)
+    proc = _launcher(argv, child_env, cwd, Path(log_name))
     server = ServerProcess(proc, port, Path(log_name), grpc_port=grpc_port)
     try:
         _wait_ready(server, ready_timeout)
