@@ -35,7 +35,7 @@ if forkserver.enabled():
 
 
 # The files that take longest in a run of the whole suite, longest first (seconds by the clock of
-# each file in `pytest -n 3 --dist loadfile` on this project's 2-core machine, issue 27's run).
+# each file in `pytest -n 3 --dist loadfile`, before the fork server, on this project's 2-core machine, issue 27's run).
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; by
 # default pytest-xdist starts the files with the most tests first, and a long file of few tests
 # then ran last, alone, as the run's tail): these go first. The order is only a schedule.
