@@ -41,13 +41,17 @@ install() {
   fi
 }
 
-step "creating .venv and upgrading pip in it (about 10 s)"
+# The venv's own pip (Python's bundled one) installs torch and uv; it is upgraded only where uv
+# did not install and pip does the rest (an editable install of this project needs pip 21.3+).
+step "creating .venv (about 3 s)"
 python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
 done_step
 step "torch==2.13.0 from ${TORCH_INDEX_URL:-the index pip is configured with (PyPI)} (the CPU build: a 190 MB download, 750 MB installed, about 40 s; a CUDA build: GBs, many minutes)"
 .venv/bin/python -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-.venv/bin/python -m pip install -q uv || echo "setup.sh: uv did not install; pip installs the rest" >&2
+.venv/bin/python -m pip install -q uv || {
+  echo "setup.sh: uv did not install; pip installs the rest" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+}
 done_step
 if [ "${1:-}" = "--test" ]; then
   step "ffn-serve and its test tools: FastAPI, uvicorn, pydantic, tritonclient, pytest, mypy, ... (about 15 s)"
