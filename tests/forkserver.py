@@ -54,6 +54,12 @@ def _without_ffn(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("FFN_") and k != "PYTEST_CURRENT_TEST"}
 
 
+def _fork_server_environment() -> dict[str, str]:
+    """What the fork server starts with: this process's environment as start_server passes it on
+    (PYTHONUNBUFFERED set), less FFN_*: each start brings its own."""
+    return _without_ffn({**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 # ----- the test process's side -----------------------------------------------------------------------
 
 
@@ -83,9 +89,6 @@ class Forked:
         # of the fork server until a poll reaps it.
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -128,10 +131,8 @@ class ForkServer:
                 self._proc = None
 
     def _same_environment(self, env: Mapping[str, str]) -> bool:
-        # Compared with what the fork server was (or would be) started with: this process's
-        # environment less FFN_*, as start_server builds a start's (PYTHONUNBUFFERED included).
-        base = self._env or _without_ffn({**os.environ, "PYTHONUNBUFFERED": "1"})
-        return _without_ffn(env) == base
+        # Compared with what the fork server was (or would be) started with.
+        return _without_ffn(env) == (self._env or _fork_server_environment())
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -150,7 +151,7 @@ class ForkServer:
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is None:
-            self._env = _without_ffn({**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._env = _fork_server_environment()
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.forkserver"],
                 stdin=subprocess.PIPE,
