@@ -13,7 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ffn_client.testing import SERVE_COMMAND, ServerProcess, start_server, use_launcher
+from ffn_client import Client
+from ffn_client.testing import SERVE_COMMAND, start_server, use_launcher
 from tests.forkserver import Forked, ForkServer
 from tests.reference import assert_close, demo_reference
 
@@ -30,20 +31,13 @@ def forks() -> Iterator[ForkServer]:
         own.close()
 
 
-def infer(server: ServerProcess, x: np.ndarray) -> np.ndarray:
-    body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
-    answer = httpx.post(f"{server.url}/v2/models/demo/infer", json=body, timeout=30)
-    assert answer.status_code == 200, answer.text
-    output = answer.json()["outputs"][0]
-    return np.asarray(output["data"], dtype=np.float64).reshape(output["shape"])
-
-
 def test_a_forked_start_serves_right_and_its_sigterm_exit_is_reported(forks: ForkServer) -> None:
     x = np.linspace(-2, 2, 3 * 512, dtype=np.float32).reshape(3, 512)
     with start_server(env={"FFN_WARMUP": "0", "FFN_MAX_BATCH_ROWS": "8"}) as server:
         assert isinstance(server.proc, Forked)
         assert server.proc.poll() is None
-        assert_close(infer(server, x), demo_reference(x.astype(np.float64)))
+        with Client(server.url) as client:
+            assert_close(client.transform("demo", x), demo_reference(x.astype(np.float64)))
         cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
         assert b"tests.forkserver" in cmdline  # the fork, not a fresh interpreter
     assert server.returncode == 0  # the drain's exit, asked of the fork server

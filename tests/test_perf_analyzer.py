@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ffn_client import Client
 from ffn_client.testing import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +46,8 @@ def perf_analyzer() -> list[str]:
 
 def succeeded(server: ServerProcess) -> int:
     """The server's own count of the demo model's successful requests (the statistics extension)."""
-    stats = httpx.get(f"{server.url}/v2/models/demo/stats").json()["model_stats"][0]
-    return int(stats["inference_stats"]["success"]["count"])
+    with Client(server.url) as client:
+        return int(client.statistics("demo")[0]["inference_stats"]["success"]["count"])
 
 
 @pytest.fixture(scope="module")
