@@ -15,6 +15,7 @@ dropped, so that a developer's shell cannot change what a test or a benchmark se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -38,10 +39,23 @@ SERVE_COMMAND = (sys.executable, "-m", "app.cli")
 
 def free_port(host: str = HOST) -> int:
     """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = HOST) -> list[int]:
+    """`count` different TCP ports nobody listens on right now.
+
+    Each is held bound until all are chosen: once one is closed the kernel may hand the same port
+    out again, and two calls of free_port() in a row gave a server the same HTTP and gRPC port
+    (seen in a CI-style run).
+    """
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
@@ -270,10 +284,10 @@ def start_server(
     200; a server that exits first, or is not ready within `ready_timeout` seconds of its CPU time
     (its worker processes' included; see StartPatience), raises ServerFailed.
     """
-    port = free_port()
-    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
     # A free gRPC port too: two servers on the default 8001 would refuse to start.
-    child_env.update({"PYTHONUNBUFFERED": "1", "FFN_LOG_LEVEL": "info", "FFN_GRPC_PORT": str(free_port())})
+    port, free_grpc_port = free_ports(2)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    child_env.update({"PYTHONUNBUFFERED": "1", "FFN_LOG_LEVEL": "info", "FFN_GRPC_PORT": str(free_grpc_port)})
     child_env.update(env or {})
     grpc_on = child_env.get("FFN_GRPC", "true").lower() not in ("0", "false", "no", "off")
     grpc_port = int(child_env["FFN_GRPC_PORT"]) if grpc_on else None

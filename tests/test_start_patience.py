@@ -7,10 +7,11 @@ cost: the wait must outlast that, and still give up on a start that spins or is 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
-from ffn_client.testing import CLOCK_FACTOR, StartPatience, tree_cpu_seconds
+from ffn_client.testing import CLOCK_FACTOR, HOST, StartPatience, free_ports, tree_cpu_seconds
 
 
 class Readings:
@@ -105,3 +106,13 @@ def test_a_process_trees_cpu_time_counts_its_children_running_and_waited_for() -
     after = tree_cpu_seconds(os.getpid())
     assert after is not None and after - running >= 0.4  # the second child, exited and waited for
     assert tree_cpu_seconds(2**22 + 12345) is None  # no such process
+
+
+def test_ports_drawn_together_all_differ_and_are_free() -> None:
+    # Drawn one at a time, a port closed may be handed out again at once: a server once got the
+    # same HTTP and gRPC port and refused to start.
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    for port in ports:
+        with socket.socket() as s:
+            s.bind((HOST, port))  # nobody holds it any more
