@@ -190,13 +190,17 @@ def serve_here(
     `starting`: the caller's SIGTERM/SIGINT guard of the start, if it began one (app/starting.py);
     a signal before the server serves stops the start, exit 0.
     """
+    guard = starting or Starting()
     try:
-        with starting or Starting():  # until uvicorn's handlers take over
+        with guard:  # until uvicorn's handlers take over
             prepared = _prepare(settings, listeners, metrics, on_ready, control)
     except StartStopped as stopped:
         log.info("%s: stopped before serving", stopped)
         return EXIT_OK
     if isinstance(prepared, int):
+        if guard.stopped_the(prepared):
+            log.info("%s: stopped before serving (what failed above, failed as the signal came)", guard.stopped)
+            return EXIT_OK
         return prepared
     server = prepared
     try:

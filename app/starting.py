@@ -42,6 +42,17 @@ class Starting:
     def __init__(self) -> None:
         self._previous: dict[int, Any] | None = None
         self._raised = False
+        self.stopped: StartStopped | None = None  # the signal that stopped the start, once one came
+
+    def stopped_the(self, code: int) -> bool:
+        """Whether a start that ended with exit `code` was in fact stopped by a signal.
+
+        StartStopped is raised wherever the main thread is when the signal comes; raised inside a
+        call back into Python from C (torch reading a tensor), it can come out as that code's own
+        error instead (ValueError: could not determine the shape of object type ...), and the start
+        fails as if its model were bad. Whatever failed after the signal came is the signal's doing.
+        """
+        return code != 0 and self.stopped is not None
 
     def __enter__(self) -> Starting:
         if self._previous is None and threading.current_thread() is threading.main_thread():
@@ -64,4 +75,5 @@ class Starting:
         # Once: a second signal while the first unwinds the start must not interrupt its clean-up.
         if not self._raised:
             self._raised = True
-            raise StartStopped(signum)
+            self.stopped = StartStopped(signum)
+            raise self.stopped

@@ -10,8 +10,8 @@ same code in a real process, on real sockets, taking real signals, for about 0.5
 What a fork cannot give a start is started the plain way (ffn_client.testing.exec_server): a
 command other than `python -m app.cli` or a prefix (the installed script, taskset, ...), worker
 processes (a supervisor imports no torch, and that is tested; its workers are spawned anew), or an
-environment that differs from the fork server's in anything but FFN_* variables, since some
-libraries read their variables only when they load (glibc's MALLOC_*, OpenMP's OMP_*,
+environment that differs from the fork server's in anything but FFN_* variables and the few read
+only when used (READ_WHEN_USED), since some libraries read their variables only when they load (glibc's MALLOC_*, OpenMP's OMP_*,
 huggingface_hub's HF_*). FFN_TEST_FORKSERVER=0 turns it off: every start a fresh interpreter,
 as a user's is.
 
@@ -31,6 +31,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -48,10 +49,19 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# Variables that may differ between a start and the fork server, beside FFN_*: each is read when it
+# is used, never when a library loads, so the fork's environment (the start's, whole) is all that
+# counts. PYTEST_CURRENT_TEST: pytest's name of the running test. TORCHINDUCTOR_CACHE_DIR: torch
+# sets it in the test process at its first torch.compile (torch/_inductor/runtime/cache_dir_utils.py),
+# and with it every later start of that process would differ and be started the plain way (15 of
+# a run's starts, 40 s of CPU). TMPDIR: read by tempfile, whose cached answer the child forgets.
+READ_WHEN_USED = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"})
+
+
 def _without_ffn(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment but its FFN_* variables and pytest's name of the running test, which the
-    server reads only once started (a fork takes the start's whole environment all the same)."""
-    return {k: v for k, v in env.items() if not k.startswith("FFN_") and k != "PYTEST_CURRENT_TEST"}
+    """The environment but its FFN_* variables and those of READ_WHEN_USED, which the server reads
+    only once started (a fork takes the start's whole environment all the same)."""
+    return {k: v for k, v in env.items() if not k.startswith("FFN_") and k not in READ_WHEN_USED}
 
 
 def _fork_server_environment() -> dict[str, str]:
@@ -225,6 +235,7 @@ def become_server(start: Start) -> int:
     sys.stderr = _text(2)
     os.environ.clear()
     os.environ.update(start.env)
+    tempfile.tempdir = None  # found again from TMPDIR, as a fresh interpreter would
     random.seed()  # a fresh interpreter's seeds, not the sequence every fork would share
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
