@@ -19,9 +19,10 @@ from tests.forkserver import Forked, ForkServer
 from tests.reference import assert_close, demo_reference
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
-    """A fork server of the test's own, the launcher while the test runs."""
+    """A fork server of this file's own (each costs an import of the server: 3 s of CPU), the
+    launcher while its tests run."""
     own = ForkServer()
     previous = use_launcher(own.launch)
     try:
