@@ -1,0 +1,26 @@
+"""The hand-off between a front process and an engine process (issue 30's layout, its first part).
+
+A front runs the doors and the protocol core and imports no torch; an engine owns the models and
+batches across every front. Between them:
+
+- an arena (arena.py): shared memory a front creates for one connection to an engine, cut into
+  slots of a fixed size. A request's rows are copied once from its body into a slot, and the
+  engine writes the answer back into the same slot; rows or answers too large for a slot travel
+  in the message instead. Each slot carries a generation number, renewed every time the slot is
+  taken, which the engine writes beside the answer and the front checks before it reads it.
+- small control messages (messages.py) over a Unix socket, written as one frame per turn of the
+  sender's event loop, however many requests or answers the turn produced (frames.py).
+
+The front's side is front.py (EngineClient: `infer` and `infer_monte_carlo`, as the engine
+facade's models take them), the engine's is engine.py (EngineServer, on any EngineFacade).
+
+What may go wrong, and what each side does:
+- The engine process dies: the front reads the socket's end, answers every request it had in
+  flight Unavailable (503 with Retry-After) at once, and drops the arena with the connection: a
+  new connection gets a new arena, so nothing a dead engine (or one still dying) wrote can reach
+  a later request. The next request connects again, to the engine restarted meanwhile.
+- A client leaves while its request is in the engine: the front asks the engine to cancel it,
+  and its slot is taken again only once the engine has answered for it (answer or cancellation),
+  so an answer late by any amount is never written over another request's rows.
+- No free slot: Overloaded (429 with Retry-After), as a full queue is.
+"""

@@ -1,0 +1,218 @@
+"""EngineClient: a front process's side of the hand-off. No torch: numpy arrays in, numpy arrays out.
+
+`infer` and `infer_monte_carlo` take what the engine facade's models take (app/engine/facade.py)
+and answer the same, or raise the engine's error as the engine raised it. The first call
+connects; a connection the engine ended (it died, or is restarting) fails what it had in flight
+Unavailable at once, and the next call connects again, with a new arena.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from app.engine.errors import Overloaded, Unavailable
+from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.handoff.arena import Arena, Slot
+from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
+from app.handoff.messages import CANCEL, DONE, FAILED, HELLO, SUBMIT, error_from_data
+from ffn_core.dtypes import DType
+
+SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
+
+
+@dataclass
+class Pending:
+    answer: asyncio.Future[list[np.ndarray]]
+    slot: Slot | None
+    dtype: DType
+    parts: int  # 1, or 2 for a Monte Carlo request's mean and std
+
+
+class EngineClient:
+    """One front's link to one engine, over the Unix socket at `path`."""
+
+    def __init__(self, path: Path, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
+        self.path = path
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self._link: _Link | None = None
+        self._connecting = asyncio.Lock()
+
+    async def infer(
+        self, model: str, version: str | None, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+    ) -> np.ndarray:
+        """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`."""
+        link = await self._connected()
+        (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None)
+        return answer
+
+    async def infer_monte_carlo(
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        request: MonteCarloRequest,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+    ) -> MonteCarloResult:
+        link = await self._connected()
+        mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request)
+        return MonteCarloResult(mean, std)
+
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._link is None else len(self._link.pending)
+
+    async def close(self) -> None:
+        if self._link is not None:
+            await self._link.close()
+            self._link = None
+
+    async def _connected(self) -> _Link:
+        async with self._connecting:
+            if self._link is None or self._link.closed:
+                self._link = await _Link.open(self.path, self.slots, self.slot_bytes)
+            return self._link
+
+
+class _Link:
+    """One connection: its arena, its requests in flight, and the task reading the engine's answers."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: Arena) -> None:
+        self.arena = arena
+        self.pending: dict[int, Pending] = {}
+        self.closed = False
+        self._writer = writer
+        self._frames = FrameWriter(writer)
+        self._ids = itertools.count(1)
+        self._frames.send((HELLO, arena.name, len(arena.slots), arena.slot_bytes))
+        self._reading = asyncio.create_task(self._read(reader), name="handoff-answers")
+
+    @classmethod
+    async def open(cls, path: Path, slots: int, slot_bytes: int) -> _Link:
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(path))
+        except OSError as exc:
+            raise Unavailable(f"the engine is not running (it may be restarting): {exc.strerror}") from None
+        return cls(reader, writer, Arena.create(slots, slot_bytes))
+
+    async def ask(
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        deadline: float | None,
+        monte_carlo: MonteCarloRequest | None,
+    ) -> list[np.ndarray]:
+        slot = None
+        if self.arena.fits(rows.nbytes):
+            slot = self.arena.take()
+            if slot is None:
+                raise Overloaded(
+                    f"all {len(self.arena.slots)} of this process's hand-off slots are in use", retry_after_s=1
+                )
+            target = self.arena.payload(slot.index, rows.nbytes)
+            target[:] = np.ascontiguousarray(rows).data.cast("B")
+            target.release()
+        ask = next(self._ids)
+        loop = asyncio.get_running_loop()
+        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2)
+        self.pending[ask] = pending
+        self._frames.send(
+            (
+                SUBMIT,
+                ask,
+                -1 if slot is None else slot.index,
+                0 if slot is None else slot.generation,
+                model,
+                version,
+                tuple(rows.shape),
+                _dtype_name(rows),
+                answer_dtype.name,
+                None if deadline is None else time.monotonic() + (deadline - loop.time()),
+                None if monte_carlo is None else (monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
+                None if slot is not None else rows.tobytes(),
+            )
+        )
+        try:
+            return await pending.answer
+        except asyncio.CancelledError:
+            if ask in self.pending and not self.closed:
+                # Its slot stays taken until the engine answers for it (see app/handoff/engine.py).
+                self._frames.send((CANCEL, ask))
+            raise
+
+    async def close(self) -> None:
+        self._reading.cancel()
+        await asyncio.gather(self._reading, return_exceptions=True)
+        self._end(Unavailable("the front is closing its link to the engine"))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                for message in await read_frame(reader):
+                    self._answered(message)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameTooLarge):
+            pass  # the engine ended the connection: everything in flight fails below
+        finally:
+            self._end(Unavailable("the engine process ended while this request was in flight; it is restarting"))
+
+    def _answered(self, message: tuple) -> None:
+        kind, ask, generation = message[0], message[1], message[2]
+        pending = self.pending.pop(ask, None)
+        if pending is None:
+            return
+        slot = pending.slot
+        if slot is not None and generation != slot.generation:
+            # Not this request's answer (it cannot be, while a slot is given back only on its answer).
+            self.pending[ask] = pending
+            return
+        try:
+            if pending.answer.done():  # its client left: nothing to answer, the slot is free again
+                return
+            if kind == FAILED:
+                pending.answer.set_exception(error_from_data(message[3], message[4], message[5]))
+            elif kind == DONE:
+                pending.answer.set_result(self._arrays(pending, message[3], message[4]))
+        finally:
+            if slot is not None:
+                self.arena.give_back(slot)
+
+    def _arrays(self, pending: Pending, shape: tuple[int, ...], inline: bytes | None) -> list[np.ndarray]:
+        dtype = np.dtype(pending.dtype.array)
+        count = int(np.prod(shape))
+        if inline is not None:
+            flat = np.frombuffer(inline, dtype=dtype)
+        else:
+            assert pending.slot is not None
+            view = self.arena.answer(pending.slot)
+            if view is None:
+                raise RuntimeError("the slot holds no answer of this request's generation; this is a bug")
+            flat = np.frombuffer(view, dtype=dtype).copy()  # the slot is taken again at once
+            view.release()
+        return [flat[i * count : (i + 1) * count].reshape(shape) for i in range(pending.parts)]
+
+    def _end(self, error: Exception) -> None:
+        """Fail what is in flight with `error`, and drop the arena: a new connection gets a new one."""
+        if self.closed:
+            return
+        self.closed = True
+        for pending in self.pending.values():
+            if not pending.answer.done():
+                pending.answer.set_exception(error)
+        self.pending.clear()
+        self._writer.close()
+        self.arena.close()
+
+
+def _dtype_name(rows: np.ndarray) -> str:
+    """The rows' dtype by ffn_core/dtypes.py's name: a uint16 array carries bfloat16."""
+    return "bfloat16" if rows.dtype == np.uint16 else str(rows.dtype)

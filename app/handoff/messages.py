@@ -1,0 +1,57 @@
+"""The control messages between a front and an engine, and the engine's errors as data.
+
+Front to engine:
+- (HELLO, arena name, slots, slot bytes): the first message of a connection.
+- (SUBMIT, id, slot, generation, model, version, shape, rows dtype, answer dtype, deadline,
+  monte carlo, inline rows): one request. `slot` is -1 when the rows travel inline (bytes);
+  `deadline` is time.monotonic() seconds (one clock for every process of a host) or None;
+  `monte carlo` is (passes, dropout, seed) or None. Dtypes are ffn_core/dtypes.py's names.
+- (CANCEL, id): its client left; the engine answers it anyway, FAILED or DONE.
+
+Engine to front:
+- (DONE, id, generation, shape, inline answer): the answer is in the request's slot under its
+  generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its std.
+- (FAILED, id, generation, kind, message, attributes): an app/engine/errors.py kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.engine import errors
+
+HELLO, SUBMIT, CANCEL, DONE, FAILED = "hello", "submit", "cancel", "done", "failed"
+
+# The engine's errors that cross, by name; anything else crosses as a ModelError.
+KINDS: dict[str, type[errors.EngineError]] = {
+    kind.__name__: kind
+    for kind in (
+        errors.ModelNotFound,
+        errors.RequestTooLarge,
+        errors.Overloaded,
+        errors.Unavailable,
+        errors.DeadlineExceeded,
+        errors.InsufficientMemory,
+        errors.ModelError,
+    )
+}
+
+
+def error_as_data(exc: BaseException) -> tuple[str, str, dict[str, Any]]:
+    """(kind, message, attributes) of an engine error; a bug crosses as ModelError, named only by its type."""
+    if type(exc).__name__ in KINDS and isinstance(exc, errors.EngineError):
+        attributes = {
+            k: v for k, v in vars(exc).items() if k != "message" and isinstance(v, str | int | float | bool | None)
+        }
+        return type(exc).__name__, exc.message, attributes
+    return "ModelError", f"the engine failed: {type(exc).__name__}", {}
+
+
+def error_from_data(kind: str, message: str, attributes: dict[str, Any]) -> errors.EngineError:
+    """The error `error_as_data` described, as the engine raised it (its attributes set as they were)."""
+    cls = KINDS.get(kind, errors.ModelError)
+    error = cls.__new__(cls)
+    errors.EngineError.__init__(error, message)
+    for name, value in attributes.items():
+        setattr(error, name, value)
+    return error

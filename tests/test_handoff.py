@@ -1,0 +1,205 @@
+"""The hand-off between a front and an engine (app/handoff): answers equal to numpy through the
+arena's slots and inline, the engine's errors as it raised them, back-pressure when the slots run
+out, generations that keep an old answer from being read as a new one, and an engine killed with
+a request in flight: the request fails at once, and a restarted engine serves the same client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.engine.errors import ModelNotFound, Overloaded, Unavailable
+from app.engine.montecarlo import MonteCarloRequest
+from app.engine.registry import Registry
+from app.engine.service import Engine
+from app.handoff.arena import Arena
+from app.handoff.engine import EngineServer
+from app.handoff.front import EngineClient
+from app.metrics import Metrics
+from app.settings import load_settings
+from ffn_core.dtypes import DTYPES
+from tests.reference import assert_close, demo_reference
+
+F32, F16 = DTYPES["float32"], DTYPES["float16"]
+D_MODEL = 512  # the demo model's
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, D_MODEL)).astype(np.float32)
+
+
+@pytest.fixture
+async def engine(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Engine]:
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    settings = load_settings()
+    served = Engine(settings, Registry(settings, Metrics()))
+    await served.start()
+    await served.until_warm()
+    yield served
+    await served.stop()
+
+
+@pytest.fixture
+async def served(engine: Engine, tmp_path: Path) -> AsyncIterator[Path]:
+    """The engine's models on a Unix socket; the socket's path."""
+    path = tmp_path / "engine.sock"
+    server = EngineServer(engine, path)
+    await server.start()
+    yield path
+    await server.close()
+
+
+async def test_answers_equal_numpy_through_a_slot_and_inline(served: Path) -> None:
+    client = EngineClient(served, slots=4, slot_bytes=8 * D_MODEL * 4)  # 8 float32 rows fit a slot
+    try:
+        small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: its rows go in the message
+        answers = await asyncio.gather(
+            client.infer("demo", None, small, F32, deadline=None),
+            client.infer("demo", None, large, F32, deadline=None),
+            client.infer("demo", None, small, F16, deadline=None),
+        )
+        assert_close(answers[0], demo_reference(small.astype(np.float64)))
+        assert_close(answers[1], demo_reference(large.astype(np.float64)))
+        assert answers[2].dtype == np.float16
+        assert_close(answers[2].astype(np.float32), demo_reference(small.astype(np.float64)), rtol=2e-3)
+        assert client.in_flight == 0
+    finally:
+        await client.close()
+
+
+async def test_a_monte_carlo_answer_crosses_whole(served: Path, engine: Engine) -> None:
+    client = EngineClient(served)
+    try:
+        x, ask = rows(4, 3), MonteCarloRequest(passes=8, dropout=0.25, seed=7)
+        crossed = await client.infer_monte_carlo("demo", None, x, ask, F32, deadline=None)
+        direct = await engine.model("demo").infer_monte_carlo(x, ask, F32, deadline=None)
+        np.testing.assert_array_equal(crossed.mean, direct.mean)  # the same seed: the same passes
+        np.testing.assert_array_equal(crossed.std, direct.std)
+        assert crossed.mean.shape == crossed.std.shape == (4, D_MODEL) and np.all(crossed.std > 0)
+    finally:
+        await client.close()
+
+
+async def test_the_engines_errors_cross_as_it_raised_them(served: Path) -> None:
+    client = EngineClient(served)
+    try:
+        with pytest.raises(ModelNotFound) as missing:
+            await client.infer("nope", None, rows(1), F32, deadline=None)
+        assert missing.value.name == "nope" and missing.value.version is None
+        assert "is not served here" in missing.value.message
+        assert_close(await client.infer("demo", None, rows(1), F32, deadline=None), demo_reference(rows(1)))
+    finally:
+        await client.close()
+
+
+async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:
+    client = EngineClient(served, slots=1)
+    try:
+        first, second = await asyncio.gather(
+            client.infer("demo", None, rows(2), F32, deadline=None),
+            client.infer("demo", None, rows(2), F32, deadline=None),
+            return_exceptions=True,
+        )
+        assert_close(first, demo_reference(rows(2)))
+        assert isinstance(second, Overloaded) and second.retry_after_s == 1
+        assert_close(await client.infer("demo", None, rows(2), F32, deadline=None), demo_reference(rows(2)))
+    finally:
+        await client.close()
+
+
+def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> None:
+    front = Arena.create(slots=2, slot_bytes=64)
+    engine = Arena.attach(front.name, 2, 64)
+    try:
+        slot = front.take()
+        assert slot is not None
+        old = slot.generation
+        assert front.answer(slot) is None  # nothing written yet
+        front.give_back(slot)
+        again = front.take()
+        assert again is slot and slot.generation == old + 1
+        # A late answer for the slot's earlier request (the engine never writes one, but were it to):
+        assert engine.write_answer(slot.index, old, [np.arange(4, dtype=np.float32)])
+        assert front.answer(slot) is None
+        assert engine.write_answer(slot.index, slot.generation, [np.full(4, 2.0, np.float32)])
+        view = front.answer(slot)
+        assert view is not None
+        np.testing.assert_array_equal(np.frombuffer(view, np.float32), [2.0] * 4)
+        view.release()
+        assert not engine.write_answer(slot.index, slot.generation, [np.zeros(17, np.float32)])  # 68 bytes > 64
+    finally:
+        engine.close()
+        front.close()
+
+
+# ----- an engine of its own process ------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine_process(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[bytes]]]]:
+    """Where an engine process listens, and the processes started there (killed at the end)."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield tmp_path / "engine.sock", started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def start_engine(path: Path, started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    # A queue deep enough for the long Monte Carlo request below.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {
+        "FFN_WARMUP": "0",
+        "FFN_MAX_QUEUE_ROWS": "10000000",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.handoff.engine_process", str(path)], env=env, stderr=subprocess.PIPE
+    )
+    started.append(proc)
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # the models load first: its line says it listens
+        if b"engine ready" in line:
+            return proc
+        said.append(line.decode(errors="replace"))
+    raise AssertionError(f"the engine process exited ({proc.wait(30)}) before it was ready: {''.join(said)[-2000:]}")
+
+
+@pytest.mark.server
+async def test_a_killed_engine_fails_what_is_in_flight_and_a_restarted_one_serves(
+    engine_process: tuple[Path, list[subprocess.Popen[bytes]]],
+) -> None:
+    path, started = engine_process
+    first = await asyncio.to_thread(start_engine, path, started)
+    client = EngineClient(path)
+    try:
+        assert_close(await client.infer("demo", None, rows(2), F32, deadline=None), demo_reference(rows(2)))
+        # Long enough to be in the engine when it is killed: 10,000 passes over 64 rows.
+        long = asyncio.create_task(
+            client.infer_monte_carlo(
+                "demo", None, rows(64), MonteCarloRequest(passes=10_000, dropout=0.1, seed=1), F32, deadline=None
+            )
+        )
+        await asyncio.sleep(0.5)
+        first.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(Unavailable, match="engine process ended"):
+            await asyncio.wait_for(long, 60)  # it would hang here, had the front not seen the engine go
+        print(f"failed {time.monotonic() - killed_at:.3f} s after the kill")
+        await asyncio.to_thread(first.wait, 30)  # its listening socket closed with it
+        with pytest.raises(Unavailable, match="not running"):  # nothing listens until the restart
+            await client.infer("demo", None, rows(1), F32, deadline=None)
+        await asyncio.to_thread(start_engine, path, started)
+        x = rows(5, 9)
+        assert_close(await client.infer("demo", None, x, F32, deadline=None), demo_reference(x))
+    finally:
+        await client.close()
