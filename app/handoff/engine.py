@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -125,7 +126,7 @@ class EngineServer:
 def _copied(arena: Arena, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """The slot's rows, copied out: nothing of the arena outlives the call (a batch may keep its
     rows past a cancellation), and the slot is the answer's to write."""
-    view = arena.payload(slot, int(np.prod(shape)) * dtype.itemsize)
+    view = arena.payload(slot, math.prod(shape) * dtype.itemsize)
     try:
         return np.frombuffer(view, dtype=dtype).reshape(shape).copy()
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,7 @@ class _Link:
 
     def _arrays(self, pending: Pending, shape: tuple[int, ...], inline: bytes | None) -> list[np.ndarray]:
         dtype = np.dtype(pending.dtype.array)
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         if inline is not None:
             flat = np.frombuffer(inline, dtype=dtype)
         else:
