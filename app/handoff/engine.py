@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.engine.errors import EngineError
 from app.engine.facade import EngineFacade
 from app.engine.montecarlo import MonteCarloRequest
 from app.handoff.arena import Arena
@@ -114,7 +115,11 @@ class EngineServer:
         except asyncio.CancelledError:
             frames.send((FAILED, ask, generation, "ModelError", "cancelled", {}))
             return
-        except Exception as exc:
+        except EngineError as exc:
+            frames.send((FAILED, ask, generation, *error_as_data(exc)))
+            return
+        except Exception as exc:  # a bug: the front hears ModelError (500), the log says where
+            log.exception("hand-off: request %d of model %r failed", ask, name)
             frames.send((FAILED, ask, generation, *error_as_data(exc)))
             return
         if slot >= 0 and arena.write_answer(slot, generation, parts):
