@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import sys
 from pathlib import Path
@@ -23,8 +22,6 @@ from app.handoff.engine import EngineServer
 from app.logs import configure_logging
 from app.metrics import Metrics
 from app.settings import load_settings
-
-log = logging.getLogger("ffn_serve.handoff")
 
 
 async def serve(path: Path) -> None:
