@@ -35,6 +35,7 @@ import torch
 from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.handoff.front import EngineClient
+from app.handoff.loop import run_on_served_loop
 from app.metrics import Metrics
 from app.settings import load_settings
 from ffn_client.testing import tree_cpu_seconds
@@ -158,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 for rows in args.rows:
                     for concurrency in args.concurrency:
                         cell = cells.setdefault((rows, concurrency), {})
-                        direct = asyncio.run(in_process(config, rows, concurrency, args.seconds))
-                        crossed = asyncio.run(handed_off(socket, engine.pid, rows, concurrency, args.seconds))
+                        direct = run_on_served_loop(in_process(config, rows, concurrency, args.seconds))
+                        crossed = run_on_served_loop(handed_off(socket, engine.pid, rows, concurrency, args.seconds))
                         for key, value in direct.items():
                             cell.setdefault(f"in-process {key}", []).append(value)
                         for key, value in crossed.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.engine.batcher import Batcher
-from app.engine.errors import DeadlineExceeded, ModelError, Overloaded, RequestTooLarge, Unavailable
+from app.engine.errors import DeadlineExceeded, ModelError, NotTogether, Overloaded, RequestTooLarge, Unavailable
 from app.metrics import Metrics
 
 D = 4
@@ -426,4 +426,68 @@ async def test_batches_within_inline_rows_run_on_the_loops_thread_and_larger_one
         assert torch.equal(await asyncio.wait_for(batcher.submit(x), 5), x * 2 + 1)
     loop_thread = threading.current_thread().name
     assert [(n, name == loop_thread) for n, name in threads] == [(1, True), (4, True), (5, False), (3, True)]
+    await batcher.stop()
+
+
+async def test_requests_offered_together_are_one_entry_and_counted_one_by_one(executor):
+    forward = RecordingForward()
+    metrics = Metrics()
+    batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=64)
+    await batcher.start()
+    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    x = rows(6)
+    out = await asyncio.wait_for(batcher.submit_soon(x, requests=[1, 3, 2]), 5)
+    assert torch.equal(out, x * 2 + 1)
+    assert forward.batches == [[6]]  # one entry
+    assert count("ffn_request_rows_count") == 3 and count("ffn_request_rows_sum") == 6
+    assert count("ffn_request_seconds_count") == 3
+    assert count("ffn_queue_seconds_count") == 3
+    assert count("ffn_failed_request_seconds_count") == 0
+    await batcher.stop()
+
+
+async def test_requests_that_do_not_fit_together_are_refused_uncounted_and_fit_one_by_one(executor):
+    forward = RecordingForward()
+    metrics = Metrics()
+    batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=4, max_queue_rows=10)
+    await batcher.start()
+    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    with pytest.raises(NotTogether):
+        batcher.submit_soon(rows(12), requests=[4, 4, 4])  # 12 rows: the queue holds 10, each request fits
+    assert batcher.queued_work == 0
+    assert count("ffn_request_rows_count") == 0 and count("ffn_failed_request_seconds_count") == 0
+    for i in range(3):  # offered one by one, each gets its own verdict: here, its answer
+        assert torch.equal(await asyncio.wait_for(batcher.submit(rows(4, 16 * i)), 5), rows(4, 16 * i) * 2 + 1)
+    assert count("ffn_request_rows_count") == 3 and count("ffn_failed_request_seconds_count") == 0
+    with pytest.raises(RequestTooLarge):  # one request past the queue is still 413, as a lone request is
+        batcher.submit_soon(rows(11))
+    await batcher.stop()
+
+
+async def test_a_group_refused_for_all_counts_each_request_failed(executor):
+    forward = RecordingForward()
+    metrics = Metrics()
+    batcher = Batcher(forward, executor=executor, metrics=metrics)
+    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    with pytest.raises(Unavailable):  # not started: nothing is accepted, for any of them
+        batcher.submit_soon(rows(3), requests=[1, 2])
+    assert count("ffn_failed_request_seconds_count") == 2
+
+
+async def test_cancelling_a_future_from_submit_soon_withdraws_its_rows(executor):
+    forward = RecordingForward()
+    metrics = Metrics()
+    batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=4)
+    await batcher.start()
+    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    blocker = await hold(forward, batcher, rows(1))
+    waiting = batcher.submit_soon(rows(3), requests=[1, 2])
+    assert batcher.queued_work == 3
+    waiting.cancel()
+    await asyncio.sleep(0)  # its callback runs
+    assert batcher.queued_work == 0
+    assert count("ffn_failed_request_seconds_count") == 2
+    forward.release.set()
+    await asyncio.wait_for(blocker, 5)
+    assert forward.batches == [[1]]  # the withdrawn rows were never computed
     await batcher.stop()

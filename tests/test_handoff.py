@@ -13,21 +13,24 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from app.engine.errors import ModelNotFound, Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest
-from app.engine.registry import Registry
+from app.engine.registry import Registry, ServedModel
 from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
 from app.handoff.front import EngineClient
 from app.metrics import Metrics
 from app.settings import load_settings
+from ffn_core import load_ffn
 from ffn_core.dtypes import DTYPES
-from tests.reference import assert_close, demo_reference
+from tests.reference import assert_close, demo_reference, numpy_ffn, numpy_weights
+from tests.slow_model import slow_model_config
 
 F32, F16 = DTYPES["float32"], DTYPES["float16"]
 D_MODEL = 512  # the demo model's
@@ -99,6 +102,94 @@ async def test_the_engines_errors_cross_as_it_raised_them(served: Path) -> None:
         assert_close(await client.infer("demo", None, rows(1), F32, deadline=None), demo_reference(rows(1)))
     finally:
         await client.close()
+
+
+def sample(metrics: Metrics, name: str, model: str) -> float:
+    return metrics.registry.get_sample_value(name, {"model": model}) or 0.0
+
+
+async def test_a_frames_requests_are_queued_together_each_answered_and_counted(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    metrics = Metrics()
+    settings = load_settings()
+    engine = Engine(settings, Registry(settings, metrics))
+    await engine.start()
+    await engine.until_warm()
+    offered: list[list[int] | None] = []
+    infer_soon = ServedModel.infer_soon
+
+    def recording(self: ServedModel, *args: Any, requests: Any = None, **kwargs: Any) -> Any:
+        offered.append(None if requests is None else list(requests))
+        return infer_soon(self, *args, requests=requests, **kwargs)
+
+    monkeypatch.setattr(ServedModel, "infer_soon", recording)
+    server = EngineServer(engine, tmp_path / "engine.sock")
+    await server.start()
+    client = EngineClient(tmp_path / "engine.sock")
+    try:
+        assert_close(await client.infer("demo", None, rows(1), F32, deadline=None), demo_reference(rows(1)))
+        offered.clear()  # that one opened the link; what follows is asked in one turn: one frame
+        sizes = [1 + i % 4 for i in range(30)]  # 75 rows in 30 requests
+        xs = [rows(n, seed) for seed, n in enumerate(sizes)]
+        answers = await asyncio.gather(
+            *(client.infer("demo", None, x, F32, deadline=None) for x in xs),
+            *(client.infer("demo", None, x, F16, deadline=None) for x in xs[:3]),
+        )
+        for x, answer in zip(xs, answers[:30], strict=True):
+            assert answer.dtype == np.float32
+            assert_close(answer, demo_reference(x.astype(np.float64)))
+        for x, answer in zip(xs[:3], answers[30:], strict=True):
+            assert answer.dtype == np.float16
+            assert_close(answer.astype(np.float32), demo_reference(x.astype(np.float64)), rtol=2e-3)
+        # One entry per (model, dtypes) of the frame: the float32 ones together, the float16 ones together.
+        assert offered == [sizes, sizes[:3]], offered
+        assert sample(metrics, "ffn_request_rows_count", "demo") == 1 + 33
+        assert sample(metrics, "ffn_request_rows_sum", "demo") == 1 + sum(sizes) + sum(sizes[:3])
+        assert sample(metrics, "ffn_request_seconds_count", "demo") == 1 + 33
+        assert sample(metrics, "ffn_failed_request_seconds_count", "demo") == 0
+        assert client.in_flight == 0
+    finally:
+        await client.close()
+        await server.close()
+        await engine.stop()
+
+
+async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    metrics = Metrics()
+    settings = load_settings(config=slow_model_config(tmp_path))
+    engine = Engine(settings, Registry(settings, metrics))
+    await engine.start()
+    await engine.until_warm()
+    server = EngineServer(engine, tmp_path / "engine.sock")
+    await server.start()
+    client = EngineClient(tmp_path / "engine.sock", slots=8)
+    weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
+    try:
+        blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
+        await asyncio.sleep(0.05)  # its pass holds the model thread; what follows queues behind it
+        xs = [rows(2, seed) for seed in range(4)]
+        members = [asyncio.create_task(client.infer("slow", None, x, F32, deadline=None)) for x in xs]
+        await asyncio.sleep(0.05)  # the four went in one frame, queued as one entry
+        assert client.in_flight == 5
+        members[1].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await members[1]
+        answers = await asyncio.wait_for(asyncio.gather(blocker, members[0], members[2], members[3]), 60)
+        assert_close(answers[0], numpy_ffn(rows(3000, 99), weights), rtol=1e-4)
+        for x, answer in zip([xs[0], xs[2], xs[3]], answers[1:], strict=True):
+            assert_close(answer, numpy_ffn(x, weights), rtol=1e-4)
+        assert client.in_flight == 0  # the cancelled one's slot was given back when the engine said so
+        assert sample(metrics, "ffn_request_seconds_count", "slow") == 5  # the group was computed for all
+        assert sample(metrics, "ffn_failed_request_seconds_count", "slow") == 0
+    finally:
+        await client.close()
+        await server.close()
+        await engine.stop()
 
 
 async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:

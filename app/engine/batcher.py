@@ -37,6 +37,7 @@ import torch
 from app.engine.errors import (
     InsufficientMemory,
     ModelError,
+    NotTogether,
     Overloaded,
     RequestTooLarge,
     Unavailable,
@@ -192,16 +193,55 @@ class Batcher:
 
     async def submit(self, rows: torch.Tensor, *, deadline: float | None = None) -> torch.Tensor:
         """The model's output for `rows` (n, d_model), n >= 1. `deadline` is in loop.time() seconds."""
+        return await self.submit_soon(rows, deadline=deadline)
+
+    def submit_soon(
+        self, rows: torch.Tensor, *, deadline: float | None = None, requests: Sequence[int] | None = None
+    ) -> asyncio.Future[torch.Tensor]:
+        """`submit` without a coroutine: admitted (or refused, raising) and queued now; the answer's future.
+
+        Cancelling the future withdraws the rows. `requests`: the row counts of several requests
+        whose rows `rows` holds back to back (one entry, one future, each counted as a request in
+        the metrics and statistics), so that a caller with a turn's worth of requests (the
+        hand-off's engine, a frame of a front's) pays neither a task nor an entry per request;
+        NotTogether if the queue could take some of them but not all (nothing queued or counted).
+        """
+        sizes = (rows.shape[0],) if requests is None else tuple(requests)
+        assert sum(sizes) == rows.shape[0] and min(sizes) >= 1, "requests must add up to the rows; this is a bug."
+        n = rows.shape[0]
+        if (
+            len(sizes) > 1
+            and self._accepting
+            and (n > self.max_queue_rows or self._queue.work + n > self.max_queue_rows)
+        ):
+            raise NotTogether(f"{len(sizes)} requests of {n} rows in all do not fit the queue together")
         arrived = time.perf_counter()
-        self._admit(rows.shape[0], 1, arrived)
+        self._admit(n, 1, arrived, len(sizes))
         loop = asyncio.get_running_loop()
         now = loop.time()
-        chunks = (rows,) if rows.shape[0] <= self._ceiling else rows.split(self._ceiling)
         tag = None if self.observer is None else self.observer.tag()
-        entries = [Entry(chunk, loop.create_future(), now, arrived, deadline, tag=tag) for chunk in chunks]
-        if len(entries) == 1:
-            return await self._answer(entries, deadline, arrived, entries[0].future)
-        return await self._answer(entries, deadline, arrived, self._joined(entries))
+        if n > self._ceiling:  # rare: more rows than a batch, answered in pieces
+            chunks = rows.split(self._ceiling)
+            entries = [Entry(chunk, loop.create_future(), now, arrived, deadline, tag=tag) for chunk in chunks]
+            return asyncio.ensure_future(self._answer(entries, deadline, arrived, self._joined(entries), sizes))
+        entry = Entry(rows, loop.create_future(), now, arrived, deadline, tag=tag, requests=len(sizes))
+        for size in sizes:
+            self._instruments.request_rows.observe(size)
+        self._queue.push([entry], deadline)
+        self._arrived.set()
+        entry.future.add_done_callback(lambda future: self._settled(entry, future))
+        return entry.future
+
+    def _settled(self, entry: Entry, future: asyncio.Future[torch.Tensor]) -> None:
+        """An entry's answer: its requests counted; on failure or cancellation its rows are not wanted any more."""
+        if not future.cancelled() and future.exception() is None:
+            seconds = time.perf_counter() - entry.arrived
+            for _ in range(entry.requests):
+                self._instruments.request_seconds.observe(seconds)
+            return
+        for _ in range(entry.requests):
+            count_failure(self._instruments, entry.arrived)
+        self._queue.release(entry)
 
     async def submit_monte_carlo(
         self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None = None
@@ -221,8 +261,10 @@ class Batcher:
         entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, monte_carlo=request, tag=tag)
         return await self._answer([entry], deadline, arrived, entry.future)
 
-    def _admit(self, n: int, passes: int, arrived: float) -> None:
-        """Refuse, before anything is queued, work that cannot be taken now (503), ever (413), or yet (429)."""
+    def _admit(self, n: int, passes: int, arrived: float, requests: int = 1) -> None:
+        """Refuse, before anything is queued, work that cannot be taken now (503), ever (413), or yet (429).
+
+        `requests`: how many requests the `n` rows are, each counted as failed when refused."""
         assert n >= 1, "empty requests must be refused before the batcher; this is a bug."
         error: Exception | None = None
         cost = n * passes
@@ -239,24 +281,38 @@ class Batcher:
                 retry_after_s=1,
             )
         if error is not None:
-            count_failure(self._instruments, arrived)
+            for _ in range(requests):
+                count_failure(self._instruments, arrived)
             try:
                 raise error
             finally:
                 del error  # else this frame, in the error's traceback, holds the error: a cycle holding the request
 
-    async def _answer(self, entries: list[Entry], deadline: float | None, arrived: float, answer: Awaitable[T]) -> T:
-        """Queue the entries and await `answer`; if it fails or the client goes, the rest is not wanted."""
+    async def _answer(
+        self,
+        entries: list[Entry],
+        deadline: float | None,
+        arrived: float,
+        answer: Awaitable[T],
+        sizes: Sequence[int] = (),
+    ) -> T:
+        """Queue the entries and await `answer`; if it fails or the client goes, the rest is not wanted.
+
+        `sizes`: the row counts of the requests the entries hold (default: one request)."""
         if entries[0].monte_carlo is None:
-            self._instruments.request_rows.observe(sum(entry.n for entry in entries))
+            for size in sizes or (sum(entry.n for entry in entries),):
+                self._instruments.request_rows.observe(size)
         self._queue.push(entries, deadline)
         self._arrived.set()
         try:
             result = await answer
-            self._instruments.request_seconds.observe(time.perf_counter() - arrived)
+            seconds = time.perf_counter() - arrived
+            for _ in range(len(sizes) or 1):
+                self._instruments.request_seconds.observe(seconds)
             return result
         except BaseException:
-            count_failure(self._instruments, arrived)
+            for _ in range(len(sizes) or 1):
+                count_failure(self._instruments, arrived)
             for entry in entries:
                 self._queue.release(entry)
                 if entry.future.done() and not entry.future.cancelled():
@@ -389,7 +445,8 @@ class Batcher:
     async def _run(self, batch: list[Entry]) -> None:
         started = time.perf_counter()
         for entry in batch:
-            self._instruments.queue_seconds.observe(started - entry.arrived)
+            for _ in range(entry.requests):
+                self._instruments.queue_seconds.observe(started - entry.arrived)
         rows = sum(entry.n for entry in batch)
         try:
             output = await self._compute([entry.rows for entry in batch])
@@ -402,7 +459,7 @@ class Batcher:
                 fail(entry, ModelError(f"the forward pass failed: {type(exc).__name__}"))
             return
         elapsed = time.perf_counter() - started
-        self._count_pass(elapsed, rows, len(batch))
+        self._count_pass(elapsed, rows, sum(entry.requests for entry in batch))
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
         self._split(batch, output)
         if self.observer is not None:  # before the waiters resume: they see their batch reported

@@ -62,3 +62,9 @@ class ModelControlOff(EngineError):
 
 class LoadFailed(EngineError):
     """A load that did not happen (or not in every worker): the message names the file and why."""
+
+
+class NotTogether(Exception):
+    """Several requests offered as one entry (`infer_soon(..., requests=...)`) whose rows the queue cannot
+    take together, though it might take some of them: nothing was queued or counted, and the caller
+    offers them one by one, so that each gets its own answer. Never reaches a client."""

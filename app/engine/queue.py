@@ -45,6 +45,7 @@ class Entry:
     compute_s: float = 0.0  # a Monte Carlo entry's forward time over its slices so far
     queued: bool = True  # still counted in the queue's work
     tag: object | None = None  # the batch observer's mark of its request (app/engine/observe.py)
+    requests: int = 1  # how many requests its rows are (the hand-off's engine queues a frame's as one entry)
     n: int = field(init=False)  # rows.shape[0], read several times per batch: kept, not asked of torch each time
 
     def __post_init__(self) -> None:

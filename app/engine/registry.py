@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,23 @@ class ServedModel:
         output = await self._batcher.submit(rows_as_tensor(rows), deadline=deadline)
         return answer_as_array(output, answer_dtype)
 
+    def infer_soon(
+        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None, requests: Sequence[int] | None = None
+    ) -> asyncio.Future[np.ndarray]:
+        """`infer` without a coroutine: refused (raising) or queued now; the answer's future.
+
+        Cancelling the future withdraws the rows. `requests`: the row counts of several requests
+        whose rows `rows` holds back to back, each counted as a request (Batcher.submit_soon). For
+        a caller with a turn's worth of requests (the hand-off's engine), so that it pays no task
+        per request.
+        """
+        self.check_serving()
+        computed = self._batcher.submit_soon(rows_as_tensor(rows), deadline=deadline, requests=requests)
+        answer: asyncio.Future[np.ndarray] = computed.get_loop().create_future()
+        computed.add_done_callback(lambda _: _pass_on(computed, answer, answer_dtype))
+        answer.add_done_callback(lambda _: computed.cancel() if answer.cancelled() else None)
+        return answer
+
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
     ) -> MonteCarloResult:
@@ -299,6 +317,21 @@ def rows_as_tensor(rows: np.ndarray) -> torch.Tensor:
     """The rows as a tensor in their own memory: a uint16 array holds bfloat16's patterns."""
     tensor = torch.from_numpy(rows)
     return tensor.view(torch.bfloat16) if rows.dtype == np.uint16 else tensor
+
+
+def _pass_on(computed: asyncio.Future[torch.Tensor], answer: asyncio.Future[np.ndarray], dtype: DType) -> None:
+    """The batch's rows for a request, converted, into the future its caller holds (unless it gave up)."""
+    if answer.done():
+        return
+    if computed.cancelled():
+        answer.cancel()
+    elif (error := computed.exception()) is not None:
+        answer.set_exception(error)
+    else:
+        try:
+            answer.set_result(answer_as_array(computed.result(), dtype))
+        except Exception as exc:  # a bug: the caller hears it, as an awaiting caller would
+            answer.set_exception(exc)
 
 
 def answer_as_array(output: torch.Tensor, dtype: DType) -> np.ndarray:

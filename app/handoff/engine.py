@@ -1,10 +1,12 @@
 """EngineServer: the engine process's side of the hand-off, on any EngineFacade.
 
 It listens on a Unix socket. Each front that connects says which arena is its own (HELLO); each
-SUBMIT is then a call of the named model's `infer` (or `infer_monte_carlo`) on the request's rows,
-copied out of the arena (or read from the message), and its answer is written into the same slot
-under the request's generation, or sent in the message where it does not fit. The models batch
-every front's requests together, as they batch one process's.
+SUBMIT is then queued with the named model (`infer_soon`; `infer_monte_carlo` in a task) on the
+request's rows, copied out of the arena (or read from the message), in the turn its frame arrived:
+no task and no coroutine per request, so that the engine's work per request stays small beside the
+model's. The answer is written into the same slot under the request's generation, or sent in the
+message where it does not fit. The models batch every front's requests together, as they batch one
+process's.
 
 A CANCEL cancels its request's call (the batcher drops the rows if they are still queued) and is
 answered FAILED, after which the front may take the slot again: the call has its own copy of the
@@ -17,23 +19,27 @@ unmapped.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from app.engine.errors import EngineError
+from app.engine.errors import EngineError, NotTogether
 from app.engine.facade import EngineFacade
-from app.engine.montecarlo import MonteCarloRequest
+from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
 from app.handoff.messages import CANCEL, DONE, FAILED, HELLO, SUBMIT, error_as_data
 from ffn_core.dtypes import DTYPES
 
 log = logging.getLogger("ffn_serve.handoff")
+
+# A frame's requests for one model are queued as one entry up to this many rows; past it, as several.
+GROUP_ROWS = 1024
 
 
 class EngineServer:
@@ -64,35 +70,110 @@ class EngineServer:
         self._connections.add(task)
         frames = FrameWriter(writer)
         arena: Arena | None = None
-        calls: dict[int, asyncio.Task[None]] = {}
+        calls: Calls = {}
         try:
             while True:
+                submits: list[Message] = []
+                cancels: list[int] = []
                 for message in await read_frame(reader):
                     if message[0] == SUBMIT and arena is not None:
-                        ask: int = message[1]
-                        calls[ask] = asyncio.create_task(self._serve(arena, frames, message))
-                        calls[ask].add_done_callback(functools.partial(_forget, calls, ask))
+                        submits.append(message)
                     elif message[0] == CANCEL:
-                        if (asked := calls.get(message[1])) is not None:
-                            asked.cancel()
+                        cancels.append(message[1])
                     elif message[0] == HELLO and arena is None:
                         arena = Arena.attach(message[1], message[2], message[3])
                     else:
                         raise ValueError(f"unexpected message {message[0]!r} from a front")
+                if arena is not None:
+                    self._submit_frame(arena, frames, calls, submits)
+                for ask in cancels:  # after the submits: a request may be asked and cancelled in one frame
+                    _cancel(frames, calls, ask)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the front went away (it exited, or closed this connection): what it asked is moot
         except (FrameTooLarge, ValueError) as exc:
             log.error("hand-off: a front's connection ended: %s", exc)
         finally:
-            for call in list(calls.values()):
-                call.cancel()
-            await asyncio.gather(*calls.values(), return_exceptions=True)
+            pending = {call.call if isinstance(call, Group) else call for call in calls.values()}
+            for future in pending:
+                future.cancel()
+            # Each call's own callback (registered before gather's) has run once this returns: none
+            # writes into the arena after it is unmapped.
+            await asyncio.gather(*pending, return_exceptions=True)
             writer.close()
             if arena is not None:
                 arena.close()
             self._connections.discard(task)
 
-    async def _serve(self, arena: Arena, frames: FrameWriter, message: Message) -> None:
+    def _submit_frame(self, arena: Arena, frames: FrameWriter, calls: Calls, submits: list[Message]) -> None:
+        """A frame's requests: those in slots, for one model and dtypes, without a deadline, queued as
+        one entry (up to GROUP_ROWS rows); the rest one by one."""
+        groups: dict[tuple[Any, ...], list[Message]] = {}
+        for message in submits:
+            _, _, slot, _, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, _ = message
+            if slot >= 0 and deadline is None and monte_carlo is None and len(shape) == 2:
+                groups.setdefault((name, version, shape[1], rows_dtype, answer_dtype), []).append(message)
+            else:
+                self._submit(arena, frames, calls, message)
+        for messages in groups.values():
+            group: list[Message] = []
+            rows = 0
+            for message in messages:
+                if group and rows + message[6][0] > GROUP_ROWS:
+                    self._submit_group(arena, frames, calls, group)
+                    group, rows = [], 0
+                group.append(message)
+                rows += message[6][0]
+            self._submit_group(arena, frames, calls, group)
+
+    def _submit_group(self, arena: Arena, frames: FrameWriter, calls: Calls, messages: list[Message]) -> None:
+        """Several requests' rows gathered from their slots into one array and queued as one entry."""
+        if len(messages) == 1:
+            self._submit(arena, frames, calls, messages[0])
+            return
+        name, version, rows_dtype, answer_dtype = messages[0][4], messages[0][5], messages[0][7], messages[0][8]
+        try:
+            model = self.engine.model(name, version)
+            dtype = np.dtype(DTYPES[rows_dtype].array)
+            rows, members = _gathered(arena, messages, dtype)
+            call = model.infer_soon(
+                rows, DTYPES[answer_dtype], deadline=None, requests=[m.stop - m.start for m in members]
+            )
+        except NotTogether:  # the queue may take some of them: each gets its own verdict
+            for message in messages:
+                self._submit(arena, frames, calls, message)
+            return
+        except Exception as exc:  # refused at once (an EngineError: the same for each), or a bug
+            for message in messages:
+                self._failed(frames, message[1], message[3], name, exc)
+            return
+        group = Group(call, {member.ask: member for member in members})
+        for member in members:
+            calls[member.ask] = group
+        call.add_done_callback(lambda _: self._group_answered(arena, frames, calls, group, name))
+
+    def _group_answered(self, arena: Arena, frames: FrameWriter, calls: Calls, group: Group, name: str) -> None:
+        """A group's call ended: each member still waiting gets its rows of the answer, or why not."""
+        members = list(group.members.values())
+        group.members.clear()
+        for member in members:
+            calls.pop(member.ask, None)
+        call = group.call
+        if call.cancelled():
+            for member in members:
+                frames.send((FAILED, member.ask, member.generation, "ModelError", "cancelled", {}))
+            return
+        if (error := call.exception()) is not None:
+            for member in members:
+                self._failed(frames, member.ask, member.generation, name, error)
+            return
+        answer = call.result()
+        for member in members:
+            _send_answer(
+                arena, frames, member.ask, member.slot, member.generation, [answer[member.start : member.stop]]
+            )
+
+    def _submit(self, arena: Arena, frames: FrameWriter, calls: Calls, message: Message) -> None:
+        """Queue one SUBMIT with its model, in the turn its frame arrived: no task, no await."""
         _, ask, slot, generation, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, inline = (
             message
         )
@@ -103,29 +184,47 @@ class EngineServer:
                 rows = _copied(arena, slot, shape, dtype)
             else:
                 rows = np.frombuffer(inline, dtype=dtype).reshape(shape)
-            loop = asyncio.get_running_loop()
             # time.monotonic() is one clock for every process of a host; the loop may keep its own epoch.
-            until = None if deadline is None else loop.time() + (deadline - time.monotonic())
+            until = None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
             answer = DTYPES[answer_dtype]
             if monte_carlo is None:
-                parts = [await model.infer(rows, answer, deadline=until)]
+                call: asyncio.Future[Any] = model.infer_soon(rows, answer, deadline=until)
             else:
-                result = await model.infer_monte_carlo(rows, MonteCarloRequest(*monte_carlo), answer, deadline=until)
-                parts = [result.mean, result.std]
-        except asyncio.CancelledError:
+                call = asyncio.ensure_future(
+                    model.infer_monte_carlo(rows, MonteCarloRequest(*monte_carlo), answer, deadline=until)
+                )
+        except Exception as exc:  # refused at once (an EngineError), or a bug
+            self._failed(frames, ask, generation, name, exc)
+            return
+        calls[ask] = call
+        call.add_done_callback(lambda _: self._answered(arena, frames, calls, message, call))
+
+    def _answered(
+        self,
+        arena: Arena,
+        frames: FrameWriter,
+        calls: Calls,
+        message: Message,
+        call: asyncio.Future[Any],
+    ) -> None:
+        """A call ended: its answer into the slot under the request's generation (or into the message), or why not."""
+        ask, slot, generation, name = message[1], message[2], message[3], message[4]
+        calls.pop(ask, None)
+        if call.cancelled():
             frames.send((FAILED, ask, generation, "ModelError", "cancelled", {}))
             return
-        except EngineError as exc:
-            frames.send((FAILED, ask, generation, *error_as_data(exc)))
+        if (error := call.exception()) is not None:
+            self._failed(frames, ask, generation, name, error)
             return
-        except Exception as exc:  # a bug: the front hears ModelError (500), the log says where
-            log.exception("hand-off: request %d of model %r failed", ask, name)
-            frames.send((FAILED, ask, generation, *error_as_data(exc)))
-            return
-        if slot >= 0 and arena.write_answer(slot, generation, parts):
-            frames.send((DONE, ask, generation, tuple(parts[0].shape), None))
-        else:
-            frames.send((DONE, ask, generation, tuple(parts[0].shape), b"".join(part.tobytes() for part in parts)))
+        result = call.result()
+        parts = [result.mean, result.std] if isinstance(result, MonteCarloResult) else [result]
+        _send_answer(arena, frames, ask, slot, generation, parts)
+
+    @staticmethod
+    def _failed(frames: FrameWriter, ask: int, generation: int, name: str, error: BaseException) -> None:
+        if not isinstance(error, EngineError):  # a bug: the front hears ModelError (500), the log says where
+            log.error("hand-off: request %d of model %r failed", ask, name, exc_info=error)
+        frames.send((FAILED, ask, generation, *error_as_data(error)))
 
 
 def _copied(arena: Arena, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -138,5 +237,65 @@ def _copied(arena: Arena, slot: int, shape: tuple[int, ...], dtype: np.dtype) ->
         view.release()
 
 
-def _forget(calls: dict[int, asyncio.Task[None]], ask: int, _: asyncio.Task[None]) -> None:
-    calls.pop(ask, None)
+@dataclass(frozen=True)
+class Member:
+    """One request of a group: its slot, and its rows' place in the group's."""
+
+    ask: int
+    slot: int
+    generation: int
+    start: int
+    stop: int
+
+
+@dataclass(eq=False)
+class Group:
+    """A frame's requests for one model, queued as one entry: one call; a member cancelled leaves it."""
+
+    call: asyncio.Future[Any]
+    members: dict[int, Member]
+
+
+Calls = dict[int, "asyncio.Future[Any] | Group"]  # a front's requests in flight, by its ask number
+
+
+def _gathered(arena: Arena, messages: list[Message], dtype: np.dtype) -> tuple[np.ndarray, list[Member]]:
+    """The requests' rows copied out of their slots into one array (rows × d_model), and where each lies."""
+    total = sum(message[6][0] for message in messages)
+    rows = np.empty((total, messages[0][6][1]), dtype=dtype)
+    members = []
+    at = 0
+    for message in messages:
+        ask, slot, generation, shape = message[1], message[2], message[3], message[6]
+        view = arena.payload(slot, math.prod(shape) * dtype.itemsize)
+        try:
+            rows[at : at + shape[0]] = np.frombuffer(view, dtype=dtype).reshape(shape)
+        finally:
+            view.release()
+        members.append(Member(ask, slot, generation, at, at + shape[0]))
+        at += shape[0]
+    return rows, members
+
+
+def _send_answer(
+    arena: Arena, frames: FrameWriter, ask: int, slot: int, generation: int, parts: list[np.ndarray]
+) -> None:
+    """DONE, with the answer in the request's slot under its generation, or in the message where it does not fit."""
+    if slot >= 0 and arena.write_answer(slot, generation, parts):
+        frames.send((DONE, ask, generation, tuple(parts[0].shape), None))
+    else:
+        frames.send((DONE, ask, generation, tuple(parts[0].shape), b"".join(part.tobytes() for part in parts)))
+
+
+def _cancel(frames: FrameWriter, calls: Calls, ask: int) -> None:
+    """CANCEL: a lone call is cancelled (its callback answers FAILED); a group's member is answered
+    FAILED now and its slot left alone, and the group's call is cancelled once no member waits."""
+    call = calls.get(ask)
+    if isinstance(call, Group):
+        member = call.members.pop(ask)
+        del calls[ask]
+        frames.send((FAILED, ask, member.generation, "ModelError", "cancelled", {}))
+        if not call.members:
+            call.call.cancel()
+    elif call is not None:
+        call.cancel()

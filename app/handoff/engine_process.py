@@ -19,6 +19,7 @@ from pathlib import Path
 from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.handoff.engine import EngineServer
+from app.handoff.loop import run_on_served_loop
 from app.logs import configure_logging
 from app.metrics import Metrics
 from app.settings import load_settings
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m app.handoff.engine_process SOCKET", file=sys.stderr)
         return 2
-    asyncio.run(serve(Path(args[0])))
+    run_on_served_loop(serve(Path(args[0])))
     return 0
 
 

@@ -77,6 +77,9 @@ class EngineClient:
             self._link = None
 
     async def _connected(self) -> _Link:
+        link = self._link
+        if link is not None and not link.closed:  # the common case: no lock, no turn of the loop
+            return link
         async with self._connecting:
             if self._link is None or self._link.closed:
                 self._link = await _Link.open(self.path, self.slots, self.slot_bytes)
