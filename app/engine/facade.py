@@ -14,7 +14,6 @@ Errors are app/engine/errors.py's kinds, statuses app/engine/status.py's.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -102,14 +101,6 @@ class ModelFacade(ListedModel, Protocol):
 
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
         """The FFN of `rows` as an array carrying `answer_dtype`; `deadline` in loop.time() seconds."""
-        ...
-
-    def infer_soon(
-        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None, requests: Sequence[int] | None = None
-    ) -> asyncio.Future[np.ndarray]:
-        """`infer`, refused (raising) or queued at once: the answer's future; cancelling it withdraws the rows.
-
-        `requests`: the row counts of several requests held back to back in `rows`, each counted as one."""
         ...
 
     async def infer_monte_carlo(

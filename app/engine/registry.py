@@ -20,13 +20,12 @@ import numpy as np
 import torch
 
 from app.engine.batcher import Batcher
-from app.engine.errors import Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile, weights_format, weights_path
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import DRAINING, READY, UNLOADED, WARMING, ModelState, ModelStatus
-from app.engine.unloaded import UnloadedModel, unloaded_error
+from app.engine.unloaded import UnloadedModel, not_ready_error
 from app.metrics import Metrics, ModelInstruments
 from app.settings import ModelSpec, Settings
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
@@ -268,9 +267,7 @@ class ServedModel:
         """Refuse new work unless READY: warming up, draining, or its batcher gone (503, with why); unloaded (404)."""
         status = self._status
         if not status.ready:
-            if status is UNLOADED:
-                raise unloaded_error(self.name)
-            raise Unavailable(f"model {self.name!r} is not ready: {status.reason}")
+            raise not_ready_error(self.name, status)
 
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
         """The FFN of `rows`, batched with other requests' rows, as an array carrying `answer_dtype`.

@@ -46,7 +46,7 @@ from app.engine.loop_watch import LoopWatch
 from app.engine.registry import Registry, ServedModel
 from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import DRAINING, READY, ModelState, ModelStatus
-from app.engine.unloaded import UnloadedModel, unloaded_error
+from app.engine.unloaded import UnloadedModel, not_served_error
 from app.errors import ServiceError
 from app.metrics import OTHER_MODELS
 from app.settings import ModelSpec, Settings, configured_models
@@ -96,15 +96,9 @@ class Engine:
         """The model served as `name` (and `version`, where a path names one); ModelNotFound (404) if none."""
         served = self._registry.models.get(name)
         if served is None:
-            if name in self._registry.unloaded:
-                raise unloaded_error(name)
-            raise ModelNotFound(f"model {name[:100]!r} is not served here", name=name)
+            raise not_served_error(name, version, None, unloaded=name in self._registry.unloaded)
         if version is not None and version != str(served.version):
-            raise ModelNotFound(
-                f"model {name[:100]!r} has no version {version[:32]!r}; the version served is {served.version}",
-                name=name,
-                version=version,
-            )
+            raise not_served_error(name, version, served.version, unloaded=False)
         return served
 
     def models(self) -> list[ServedModel]:

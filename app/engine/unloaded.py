@@ -4,11 +4,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from app.engine.errors import ModelNotFound
+from app.engine.errors import EngineError, ModelNotFound, Unavailable
 from app.engine.status import UNLOADED, ModelStatus
 
 if TYPE_CHECKING:
     from app.engine.registry import ServedModel
+
+
+def not_served_error(name: str, version: str | None, served_version: int | None, *, unloaded: bool) -> ModelNotFound:
+    """Why `name` (at `version`) cannot be looked up: not served (or unloaded), or served at another version."""
+    if served_version is None:
+        if unloaded:
+            return unloaded_error(name)
+        return ModelNotFound(f"model {name[:100]!r} is not served here", name=name)
+    return ModelNotFound(
+        f"model {name[:100]!r} has no version {str(version)[:32]!r}; the version served is {served_version}",
+        name=name,
+        version=version,
+    )
+
+
+def not_ready_error(name: str, status: ModelStatus) -> EngineError:
+    """Why a model that is not READY takes no work: unloaded (404), else 503 with the status's reason."""
+    if status == UNLOADED:
+        return unloaded_error(name)
+    return Unavailable(f"model {name!r} is not ready: {status.reason}")
 
 
 def unloaded_error(name: str) -> ModelNotFound:

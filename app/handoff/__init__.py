@@ -12,7 +12,9 @@ batches across every front. Between them:
   sender's event loop, however many requests or answers the turn produced (frames.py).
 
 The front's side is front.py (EngineClient: `infer` and `infer_monte_carlo`, as the engine
-facade's models take them), the engine's is engine.py (EngineServer, on any EngineFacade).
+facade's models take them; model control) and remote.py (RemoteEngine: the engine facade the
+doors are served in a front, from the engine's table); the engine's is engine.py (EngineServer,
+on the engine: the requests of a frame queued together, the table sent to every front).
 
 What may go wrong, and what each side does:
 - The engine process dies: the front reads the socket's end, answers every request it had in

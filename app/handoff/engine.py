@@ -1,4 +1,4 @@
-"""EngineServer: the engine process's side of the hand-off, on any EngineFacade.
+"""EngineServer: the engine process's side of the hand-off, on the engine (app/engine/service.py).
 
 It listens on a Unix socket. Each front that connects says which arena is its own (HELLO); each
 SUBMIT is then queued with the named model (`infer_soon`; `infer_monte_carlo` in a task) on the
@@ -14,6 +14,10 @@ rows, and only a call that finished writes into the slot, before it answers.
 
 A front that goes away takes its requests with it: their calls are cancelled and its arena is
 unmapped.
+
+Each front also gets the engine's table (its models as listed, their states, the engine's
+readiness: `engine_table`) after HELLO and whenever it changes, and model control (CONTROL: a
+load, an unload, a refused load to count) is applied here, once, for whichever front asked.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from app.engine.errors import EngineError, NotTogether
-from app.engine.facade import EngineFacade
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
-from app.handoff.messages import CANCEL, DONE, FAILED, HELLO, SUBMIT, error_as_data
+from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_as_data
 from ffn_core.dtypes import DTYPES
 
 log = logging.getLogger("ffn_serve.handoff")
@@ -42,20 +46,46 @@ log = logging.getLogger("ffn_serve.handoff")
 GROUP_ROWS = 1024
 
 
+# How often the engine looks for a change of its table (a model warm, draining, loaded, unloaded) to
+# send every front: the fronts' readiness and model list lag the engine's by at most this much,
+# and a front that asked for a load or unload has the new table before the answer.
+TABLE_EVERY_S = 0.1
+
+
+def engine_table(engine: Engine) -> dict[str, Any]:
+    """The engine's models and readiness as a front's facade shows them (app/handoff/remote.py)."""
+    readiness = engine.readiness()
+    return {
+        "readiness": (readiness.state.value, readiness.reason),
+        "cuda": engine.cuda_available,
+        "models": [served.describe() | {"weight_bytes": served.weight_bytes} for served in engine.models()],
+        "unloaded": [unloaded.describe() for unloaded in engine.unloaded()],
+    }
+
+
 class EngineServer:
     """The hand-off's engine side: serves `engine`'s models to every front that connects on `path`."""
 
-    def __init__(self, engine: EngineFacade, path: Path) -> None:
+    def __init__(self, engine: Engine, path: Path) -> None:
         self.engine = engine
         self.path = path
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._fronts: set[FrameWriter] = set()  # each connected front's, for the table
+        self._table: dict[str, Any] | None = None  # as last sent
+        self._watching: asyncio.Task[None] | None = None
+        self._controls: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._connected, path=str(self.path))
+        self._watching = asyncio.create_task(self._watch_table(), name="handoff-table")
 
     async def close(self) -> None:
         """Stop listening and end every front's connection, cancelling what they had in flight."""
+        if self._watching is not None:
+            self._watching.cancel()
+        for control in list(self._controls):
+            control.cancel()
         if self._server is not None:
             self._server.close()
         for task in list(self._connections):
@@ -80,8 +110,12 @@ class EngineServer:
                         submits.append(message)
                     elif message[0] == CANCEL:
                         cancels.append(message[1])
+                    elif message[0] == CONTROL:
+                        self._control(frames, message)
                     elif message[0] == HELLO and arena is None:
                         arena = Arena.attach(message[1], message[2], message[3])
+                        frames.send((TABLE, self._current_table()))
+                        self._fronts.add(frames)
                     else:
                         raise ValueError(f"unexpected message {message[0]!r} from a front")
                 if arena is not None:
@@ -93,6 +127,7 @@ class EngineServer:
         except (FrameTooLarge, ValueError) as exc:
             log.error("hand-off: a front's connection ended: %s", exc)
         finally:
+            self._fronts.discard(frames)
             pending = {call.call if isinstance(call, Group) else call for call in calls.values()}
             for future in pending:
                 future.cancel()
@@ -103,6 +138,51 @@ class EngineServer:
             if arena is not None:
                 arena.close()
             self._connections.discard(task)
+
+    def _current_table(self) -> dict[str, Any]:
+        self._table = engine_table(self.engine)
+        return self._table
+
+    async def _watch_table(self) -> None:
+        while True:
+            await asyncio.sleep(TABLE_EVERY_S)
+            if not self._fronts:
+                continue
+            before = self._table
+            try:
+                table = self._current_table()
+            except Exception:  # a bug: the fronts keep the last table; the log says where
+                log.exception("hand-off: the engine's table could not be read")
+                continue
+            if table != before:
+                for frames in self._fronts:
+                    frames.send((TABLE, table))
+
+    def _control(self, frames: FrameWriter, message: Message) -> None:
+        """Model control for a front, as the facade's: the answer after the table it changed."""
+        _, ask, what, arguments = message
+        if what == "refused_load":
+            self.engine.count_refused_load(arguments["name"])
+            return
+        task = asyncio.create_task(self._controlled(frames, ask, what, arguments))
+        self._controls.add(task)
+        task.add_done_callback(self._controls.discard)
+
+    async def _controlled(self, frames: FrameWriter, ask: int, what: str, arguments: dict[str, Any]) -> None:
+        try:
+            if what == "load":
+                result = await self.engine.load(arguments["name"], arguments.get("config"))
+            elif what == "unload":
+                result = await self.engine.unload(arguments["name"])
+            else:
+                raise ValueError(f"no model control {what!r}")
+        except Exception as exc:
+            self._failed(frames, ask, 0, str(arguments.get("name")), exc)
+            return
+        table = self._current_table()
+        for front in self._fronts:  # every front sees the change; the one that asked, before its answer
+            front.send((TABLE, table))
+        frames.send((REPLY, ask, result))
 
     def _submit_frame(self, arena: Arena, frames: FrameWriter, calls: Calls, submits: list[Message]) -> None:
         """A frame's requests: those in slots, for one model and dtypes, without a deadline, queued as

@@ -12,8 +12,10 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +23,7 @@ from app.engine.errors import Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, Slot
 from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
-from app.handoff.messages import CANCEL, DONE, FAILED, HELLO, SUBMIT, error_from_data
+from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_from_data
 from ffn_core.dtypes import DType
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
@@ -38,12 +40,38 @@ class Pending:
 class EngineClient:
     """One front's link to one engine, over the Unix socket at `path`."""
 
-    def __init__(self, path: Path, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES) -> None:
+    def __init__(
+        self,
+        path: Path,
+        slots: int = SLOTS,
+        slot_bytes: int = SLOT_BYTES,
+        *,
+        on_table: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`on_table`: called with each table the engine sends (its models and readiness)."""
         self.path = path
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self.on_table = on_table
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
+
+    async def linked(self) -> asyncio.Event:
+        """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
+        return (await self._connected()).ended
+
+    async def control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Model control in the engine ("load", "unload"): its result, or its error as the engine raised it."""
+        link = await self._connected()
+        return await link.control(what, arguments)
+
+    def tell(self, what: str, arguments: dict[str, Any]) -> bool:
+        """A model control that wants no answer ("refused_load"), sent if linked; whether it was."""
+        link = self._link
+        if link is None or link.closed:
+            return False
+        link.tell(what, arguments)
+        return True
 
     async def infer(
         self, model: str, version: str | None, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
@@ -82,17 +110,26 @@ class EngineClient:
             return link
         async with self._connecting:
             if self._link is None or self._link.closed:
-                self._link = await _Link.open(self.path, self.slots, self.slot_bytes)
+                self._link = await _Link.open(self.path, self.slots, self.slot_bytes, self.on_table)
             return self._link
 
 
 class _Link:
     """One connection: its arena, its requests in flight, and the task reading the engine's answers."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, arena: Arena) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        arena: Arena,
+        on_table: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
         self.arena = arena
         self.pending: dict[int, Pending] = {}
+        self.replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # model control's, by id
         self.closed = False
+        self.ended = asyncio.Event()
+        self._on_table = on_table
         self._writer = writer
         self._frames = FrameWriter(writer)
         self._ids = itertools.count(1)
@@ -100,12 +137,27 @@ class _Link:
         self._reading = asyncio.create_task(self._read(reader), name="handoff-answers")
 
     @classmethod
-    async def open(cls, path: Path, slots: int, slot_bytes: int) -> _Link:
+    async def open(
+        cls, path: Path, slots: int, slot_bytes: int, on_table: Callable[[dict[str, Any]], None] | None
+    ) -> _Link:
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
         except OSError as exc:
             raise Unavailable(f"the engine is not running (it may be restarting): {exc.strerror}") from None
-        return cls(reader, writer, Arena.create(slots, slot_bytes))
+        return cls(reader, writer, Arena.create(slots, slot_bytes), on_table)
+
+    async def control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        ask = next(self._ids)
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.replies[ask] = reply
+        self._frames.send((CONTROL, ask, what, arguments))
+        try:
+            return await reply
+        finally:
+            self.replies.pop(ask, None)
+
+    def tell(self, what: str, arguments: dict[str, Any]) -> None:
+        self._frames.send((CONTROL, 0, what, arguments))
 
     async def ask(
         self,
@@ -163,7 +215,14 @@ class _Link:
         try:
             while True:
                 for message in await read_frame(reader):
-                    self._answered(message)
+                    kind = message[0]
+                    if kind == TABLE:
+                        if self._on_table is not None:
+                            self._on_table(message[1])
+                    elif kind == REPLY or (kind == FAILED and message[1] in self.replies):
+                        self._replied(message)
+                    else:
+                        self._answered(message)
         except (asyncio.IncompleteReadError, ConnectionError, FrameTooLarge):
             pass  # the engine ended the connection: everything in flight fails below
         finally:
@@ -190,6 +249,15 @@ class _Link:
             if slot is not None:
                 self.arena.give_back(slot)
 
+    def _replied(self, message: tuple) -> None:
+        reply = self.replies.pop(message[1], None)
+        if reply is None or reply.done():
+            return
+        if message[0] == REPLY:
+            reply.set_result(message[2])
+        else:
+            reply.set_exception(error_from_data(message[3], message[4], message[5]))
+
     def _arrays(self, pending: Pending, shape: tuple[int, ...], inline: bytes | None) -> list[np.ndarray]:
         dtype = np.dtype(pending.dtype.array)
         count = math.prod(shape)
@@ -213,8 +281,13 @@ class _Link:
             if not pending.answer.done():
                 pending.answer.set_exception(error)
         self.pending.clear()
+        for reply in self.replies.values():
+            if not reply.done():
+                reply.set_exception(error)
+        self.replies.clear()
         self._writer.close()
         self.arena.close()
+        self.ended.set()
 
 
 def _dtype_name(rows: np.ndarray) -> str:

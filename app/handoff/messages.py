@@ -7,11 +7,17 @@ Front to engine:
   `deadline` is time.monotonic() seconds (one clock for every process of a host) or None;
   `monte carlo` is (passes, dropout, seed) or None. Dtypes are ffn_core/dtypes.py's names.
 - (CANCEL, id): its client left; the engine answers it anyway, FAILED or DONE.
+- (CONTROL, id, what, arguments): model control, as the engine facade's: "load" (name, config),
+  "unload" (name), answered REPLY or FAILED; "refused_load" (name), counted, not answered (id 0).
 
 Engine to front:
 - (DONE, id, generation, shape, inline answer): the answer is in the request's slot under its
   generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its std.
-- (FAILED, id, generation, kind, message, attributes): an app/engine/errors.py kind.
+- (FAILED, id, generation, kind, message, attributes): an app/engine/errors.py kind (generation 0
+  for a CONTROL's).
+- (TABLE, table): the engine's models and readiness as a front's facade shows them (engine.py's
+  `engine_table`): after HELLO, whenever it changes, and before each REPLY.
+- (REPLY, id, result): a CONTROL's result.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 from app.engine import errors
 
 HELLO, SUBMIT, CANCEL, DONE, FAILED = "hello", "submit", "cancel", "done", "failed"
+CONTROL, TABLE, REPLY = "control", "table", "reply"
 
 # The engine's errors that cross, by name; anything else crosses as a ModelError.
 KINDS: dict[str, type[errors.EngineError]] = {
@@ -33,6 +40,8 @@ KINDS: dict[str, type[errors.EngineError]] = {
         errors.DeadlineExceeded,
         errors.InsufficientMemory,
         errors.ModelError,
+        errors.ModelControlOff,
+        errors.LoadFailed,
     )
 }
 

@@ -1,0 +1,200 @@
+"""RemoteEngine: the engine facade (app/engine/facade.py) of an engine in another process, for a front.
+
+The doors and the protocol core know the engine only through its facade; a front process serves
+them this one instead of an in-process Engine. No torch: the models are the engine's table (sent
+after each connection and whenever it changes, engine.py's `engine_table`), their work goes
+through the hand-off (`EngineClient`), and model control is a message the engine answers.
+
+While no engine is linked (it is starting, or restarting after it died), the front is not ready:
+readiness says why, every model is unavailable (503), and a task links again every RETRY_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.engine.errors import Unavailable
+from app.engine.facade import EngineFacade, ModelFacade
+from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
+from app.engine.status import ModelState, ModelStatus
+from app.engine.unloaded import not_ready_error, not_served_error
+from app.handoff.front import EngineClient
+from ffn_core.dtypes import DTYPES, DType
+
+log = logging.getLogger("ffn_serve.handoff")
+
+RETRY_S = 0.2  # how often a front without an engine tries to link again
+NOT_LINKED = ModelStatus(ModelState.UNAVAILABLE, "the engine process is not running (it may be restarting)")
+
+
+@dataclass(frozen=True)
+class RemoteDevice:
+    """Where the engine computes a model ("cpu", or "cuda" and its index), read from its description."""
+
+    type: str
+    index: int | None
+
+    @classmethod
+    def parse(cls, device: str) -> RemoteDevice:
+        kind, _, index = device.partition(":")
+        return cls(kind, int(index) if index else None)
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+@dataclass(frozen=True)
+class RemoteShape:
+    """What the doors read of a model's configuration (the facade's FFNShape)."""
+
+    d_ff: int
+    activation: str
+    gated: bool
+    variant: str
+
+
+class RemoteModel:
+    """One model of the engine's table: its description, and its work sent to the engine."""
+
+    def __init__(self, client: EngineClient, description: dict[str, Any], *, linked: bool = True) -> None:
+        self._client = client
+        self._description = description
+        self.name: str = description["name"]
+        self.version: int = description["version"]
+        self.digest: str = description["digest"]
+        self.d_model: int = description["d_model"]
+        self.dtype: DType = DTYPES[description["dtype"]]
+        self.dropout: float = description["dropout"]
+        self.config = RemoteShape(
+            description["d_ff"], description["activation"], description["gated"], description["variant"]
+        )
+        self.device = RemoteDevice.parse(description["device"])
+        self.weight_bytes: int = description.get("weight_bytes", 0)
+        self.status = (
+            ModelStatus(ModelState(description["state"]), description["reason"] or "") if linked else NOT_LINKED
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The model as GET /v1/models lists it: the engine's description (and its state here)."""
+        return {key: value for key, value in self._description.items() if key != "weight_bytes"} | {
+            "ready": self.status.ready,
+            "state": self.status.state.value,
+            "reason": self.status.reason,
+        }
+
+    def check_serving(self) -> None:
+        if not self.status.ready:
+            raise not_ready_error(self.name, self.status)
+
+    async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
+        return await self._client.infer(self.name, None, rows, answer_dtype, deadline=deadline)
+
+    async def infer_monte_carlo(
+        self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
+    ) -> MonteCarloResult:
+        return await self._client.infer_monte_carlo(self.name, None, rows, request, answer_dtype, deadline=deadline)
+
+
+class RemoteEngine:
+    """The facade of the engine listening where `client` connects: start() links it, close() lets go."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client = client
+        client.on_table = self._take_table
+        self._table: dict[str, Any] | None = None
+        self._linked = False
+        self._models: dict[str, RemoteModel] = {}
+        self._unloaded: dict[str, RemoteModel] = {}
+        self._first_table = asyncio.Event()
+        self._keeping: asyncio.Task[None] | None = None
+
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Link, and keep linking whenever the link ends; return once the engine's first table is here."""
+        self._keeping = asyncio.create_task(self._keep_linked(), name="handoff-link")
+        async with asyncio.timeout(timeout_s):
+            await self._first_table.wait()
+
+    async def close(self) -> None:
+        if self._keeping is not None:
+            self._keeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeping
+        await self._client.close()
+
+    # ----- the facade ------------------------------------------------------------------------
+
+    def model(self, name: str, version: str | None = None) -> RemoteModel:
+        served = self._models.get(name)
+        if served is None:
+            raise not_served_error(name, version, None, unloaded=name in self._unloaded)
+        if version is not None and version != str(served.version):
+            raise not_served_error(name, version, served.version, unloaded=False)
+        return served
+
+    def models(self) -> list[RemoteModel]:
+        return list(self._models.values())
+
+    def listed(self) -> list[RemoteModel]:
+        return [*self._models.values(), *self._unloaded.values()]
+
+    def readiness(self) -> ModelStatus:
+        if not self._linked or self._table is None:
+            return NOT_LINKED
+        state, reason = self._table["readiness"]
+        return ModelStatus(ModelState(state), reason)
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness().ready
+
+    @property
+    def cuda_available(self) -> bool:
+        return bool(self._table and self._table["cuda"])
+
+    async def load(self, name: str, config: str | None = None) -> dict[str, Any]:
+        return await self._client.control("load", {"name": name, "config": config})
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        return await self._client.control("unload", {"name": name})
+
+    def count_refused_load(self, name: str) -> None:
+        """Counted by the engine, which keeps the model-load series; lost while no engine is linked."""
+        if not self._client.tell("refused_load", {"name": name}):
+            log.warning("a refused load of %r was not counted: no engine is linked", name[:100])
+
+    # ----- the link --------------------------------------------------------------------------
+
+    def _take_table(self, table: dict[str, Any]) -> None:
+        self._table = table
+        self._linked = True
+        self._rebuild()
+        self._first_table.set()
+
+    def _rebuild(self) -> None:
+        table = self._table or {"models": [], "unloaded": []}
+        self._models = {d["name"]: RemoteModel(self._client, d, linked=self._linked) for d in table["models"]}
+        self._unloaded = {d["name"]: RemoteModel(self._client, d, linked=self._linked) for d in table["unloaded"]}
+
+    async def _keep_linked(self) -> None:
+        while True:
+            try:
+                ended = await self._client.linked()
+            except Unavailable:
+                await asyncio.sleep(RETRY_S)
+                continue
+            await ended.wait()
+            self._linked = False  # until the next engine's table: every model unavailable, not ready
+            self._rebuild()
+            log.warning("the engine process's link ended; linking again")
+            await asyncio.sleep(RETRY_S)
+
+
+if TYPE_CHECKING:  # mypy holds the front's engine to the facade the doors know, as main.py holds Engine
+    _ENGINE: type[EngineFacade] = RemoteEngine
+    _MODEL: type[ModelFacade] = RemoteModel

@@ -1,0 +1,154 @@
+"""The engine facade a front process serves its doors (app/handoff/remote.py): the engine's models,
+readiness and lookups as the in-process engine shows them, model control that reaches the engine
+once and every front's table after it, and a front that is not ready while no engine is linked and
+serves again once one is."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
+from app.engine.registry import Registry
+from app.engine.service import Engine
+from app.handoff.engine import EngineServer
+from app.handoff.front import EngineClient
+from app.handoff.remote import RemoteEngine
+from app.metrics import Metrics
+from app.settings import load_settings
+from ffn_core.dtypes import DTYPES
+from tests.reference import assert_close, demo_reference
+
+F32 = DTYPES["float32"]
+
+
+@dataclass
+class Served:
+    engine: Engine
+    metrics: Metrics
+    server: EngineServer
+    socket: Path
+
+
+@pytest.fixture
+async def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterator[Served]:
+    """An engine serving the demo as `demo` and `other`, model control explicit, on a Unix socket."""
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    config = tmp_path / "ffn.toml"
+    config.write_text('[[models]]\nname = "demo"\n\n[[models]]\nname = "other"\n')
+    metrics = Metrics()
+    settings = load_settings(config=config, model_control="explicit")
+    engine = Engine(settings, Registry(settings, metrics))
+    await engine.start()
+    await engine.until_warm()
+    server = EngineServer(engine, tmp_path / "engine.sock")
+    await server.start()
+    yield Served(engine, metrics, server, tmp_path / "engine.sock")
+    await server.close()
+    await engine.stop()
+
+
+@pytest.fixture
+async def front(served: Served) -> AsyncIterator[RemoteEngine]:
+    remote = RemoteEngine(EngineClient(served.socket))
+    await remote.start(timeout_s=10)
+    yield remote
+    await remote.close()
+
+
+async def eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait until `check()` holds: a table reaches every front within the engine's TABLE_EVERY_S."""
+    async with asyncio.timeout(seconds):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 512)).astype(np.float32)
+
+
+async def test_the_front_sees_the_engines_models_as_the_engine_does(served: Served, front: RemoteEngine) -> None:
+    engine = served.engine
+    assert [m.describe() for m in front.listed()] == [m.describe() for m in engine.listed()]
+    assert front.readiness() == engine.readiness() and front.ready
+    assert front.cuda_available == engine.cuda_available
+    local, remote = engine.model("demo"), front.model("demo")
+    assert (remote.name, remote.version, remote.digest, remote.d_model) == ("demo", local.version, local.digest, 512)
+    assert remote.dtype == local.dtype and remote.dropout == local.dropout
+    assert remote.weight_bytes == local.weight_bytes > 0
+    assert str(remote.device) == str(local.device) == "cpu" and remote.device.type == "cpu"
+    shape = local.config
+    assert remote.config.d_ff == shape.d_ff and remote.config.activation == shape.activation
+    assert remote.config.gated == shape.gated and remote.config.variant == shape.variant
+    remote.check_serving()
+    x = rows(3)
+    assert_close(await remote.infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+    for name, version in (("nope", None), ("demo", "7")):  # the same refusals, word for word
+        with pytest.raises(ModelNotFound) as here:
+            engine.model(name, version)
+        with pytest.raises(ModelNotFound) as there:
+            front.model(name, version)
+        assert there.value.message == here.value.message and there.value.version == here.value.version
+
+
+async def test_model_control_reaches_the_engine_once_and_every_front_sees_it(
+    served: Served, front: RemoteEngine
+) -> None:
+    other_front = RemoteEngine(EngineClient(served.socket))
+    await other_front.start(timeout_s=10)
+    try:
+        version = served.engine.model("other").version
+        result = await front.unload("other")
+        assert result["name"] == "other"
+        assert "other" not in [m.name for m in served.engine.models()]  # in the engine, once
+        with pytest.raises(ModelNotFound) as gone:  # the asking front knows before its answer
+            front.model("other")
+        assert gone.value.unloaded
+        listed = {m.name: m.describe() for m in front.listed()}
+        assert listed["other"]["state"] == "UNAVAILABLE" and listed["other"]["reason"] == "unloaded"
+        await eventually(lambda: "other" not in [m.name for m in other_front.models()])
+
+        result = await front.load("other")
+        assert served.engine.model("other").version == version + 1 == result["version"]
+        assert front.model("other").version == version + 1
+        await eventually(lambda: "other" in [m.name for m in other_front.models()])
+        assert other_front.model("other").digest == served.engine.model("other").digest
+
+        with pytest.raises(LoadFailed) as refused:  # the engine's refusal, as it raised it
+            await front.load("never-configured")
+        assert "never-configured" in refused.value.message
+        loads = served.metrics.registry.get_sample_value
+        before = loads("ffn_model_loads_total", {"model": "(other)", "outcome": "failed"}) or 0.0
+        front.count_refused_load("made-up")  # a door's refusal, counted where the model series live
+        await eventually(
+            lambda: loads("ffn_model_loads_total", {"model": "(other)", "outcome": "failed"}) == before + 1
+        )
+    finally:
+        await other_front.close()
+
+
+async def test_without_an_engine_the_front_is_unready_and_serves_again_once_one_listens(
+    served: Served, front: RemoteEngine
+) -> None:
+    await served.server.close()  # the engine's process "dies": its socket ends
+    await eventually(lambda: not front.ready)
+    assert "engine process is not running" in front.readiness().reason
+    with pytest.raises(Unavailable):
+        front.model("demo").check_serving()
+    with pytest.raises(Unavailable):
+        await front.model("demo").infer(rows(1), F32, deadline=None)
+
+    served.socket.unlink(missing_ok=True)
+    restarted = EngineServer(served.engine, served.socket)
+    await restarted.start()
+    try:
+        await eventually(lambda: front.ready)
+        x = rows(2, 5)
+        assert_close(await front.model("demo").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+    finally:
+        await restarted.close()
