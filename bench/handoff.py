@@ -34,6 +34,7 @@ import torch
 
 from app.engine.registry import Registry
 from app.engine.service import Engine
+from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.handoff.loop import run_on_served_loop
 from app.metrics import Metrics
@@ -119,17 +120,7 @@ async def handed_off(socket: Path, engine_pid: int, rows: int, concurrency: int,
 
 
 def start_engine(config: Path, socket: Path) -> subprocess.Popen[bytes]:
-    prefix = ["taskset", "-c", str(ENGINE_CORE)] if shutil.which("taskset") else []
-    proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "app.handoff.engine_process", str(socket)],
-        env=engine_env(config),
-        stderr=subprocess.PIPE,
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if b"engine ready" in line:
-            return proc
-    raise RuntimeError(f"the engine process exited ({proc.wait()}) before it was ready")
+    return launch(socket, engine_env(config), ["taskset", "-c", str(ENGINE_CORE)] if shutil.which("taskset") else [])
 
 
 def main(argv: list[str] | None = None) -> int:

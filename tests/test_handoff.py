@@ -9,7 +9,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from app.engine.registry import Registry, ServedModel
 from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
+from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.metrics import Metrics
 from app.settings import load_settings
@@ -252,17 +252,9 @@ def start_engine(path: Path, started: list[subprocess.Popen[bytes]]) -> subproce
         "FFN_WARMUP": "0",
         "FFN_MAX_QUEUE_ROWS": "10000000",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.handoff.engine_process", str(path)], env=env, stderr=subprocess.PIPE
-    )
+    proc = launch(path, env)
     started.append(proc)
-    assert proc.stderr is not None
-    said = []
-    for line in proc.stderr:  # the models load first: its line says it listens
-        if b"engine ready" in line:
-            return proc
-        said.append(line.decode(errors="replace"))
-    raise AssertionError(f"the engine process exited ({proc.wait(30)}) before it was ready: {''.join(said)[-2000:]}")
+    return proc
 
 
 @pytest.mark.server

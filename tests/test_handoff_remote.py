@@ -6,20 +6,26 @@ serves again once one is."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.handoff.engine import EngineServer
+from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.handoff.remote import RemoteEngine
-from app.metrics import Metrics
+from app.metrics import MULTIPROCESS_VARIABLE, Metrics
+from app.protocol.v2.statistics import model_stats
 from app.settings import load_settings
 from ffn_core.dtypes import DTYPES
 from tests.reference import assert_close, demo_reference
@@ -152,3 +158,44 @@ async def test_without_an_engine_the_front_is_unready_and_serves_again_once_one_
         assert_close(await front.model("demo").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
     finally:
         await restarted.close()
+
+
+@pytest.mark.server
+async def test_an_engine_process_rereads_its_config_on_sighup_and_its_statistics_reach_the_front(
+    tmp_path: Path,
+) -> None:
+    config, folder = tmp_path / "ffn.toml", tmp_path / "metrics"
+    folder.mkdir()
+    config.write_text('[[models]]\nname = "demo"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {
+        "FFN_WARMUP": "0",
+        "FFN_CONFIG": str(config),
+        "FFN_MODEL_CONTROL": "explicit",  # SIGHUP applies the file only then, as in the service
+        MULTIPROCESS_VARIABLE: str(folder),  # as the supervisor gives every process it starts
+    }
+    engine = await asyncio.to_thread(launch, tmp_path / "engine.sock", env)
+    front = RemoteEngine(EngineClient(tmp_path / "engine.sock"))
+    try:
+        await front.start(timeout_s=30)
+        assert [m.name for m in front.models()] == ["demo"]
+        sizes = [1, 2, 3, 4, 5, 6, 7]
+        for n in sizes:
+            x = rows(n, n)
+            assert_close(await front.model("demo").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+        # The front's statistics, read from the folder the engine writes its model series in.
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(folder))
+        (stats,) = model_stats(registry, front.models())["model_stats"]
+        assert stats["name"] == "demo" and stats["inference_count"] == sum(sizes)
+        assert stats["inference_stats"]["success"]["count"] == len(sizes)
+
+        config.write_text('[[models]]\nname = "demo"\n\n[[models]]\nname = "second"\n')
+        engine.send_signal(signal.SIGHUP)
+        await eventually(lambda: "second" in [m.name for m in front.models()], seconds=30)
+        await eventually(lambda: front.model("second").status.ready, seconds=30)
+        x = rows(2, 11)
+        assert_close(await front.model("second").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+    finally:
+        await front.close()
+        engine.terminate()
+        assert await asyncio.to_thread(engine.wait, 30) == 0  # SIGTERM drains and exits 0

@@ -104,7 +104,13 @@ def test_the_doors_and_the_protocol_core_load_no_torch_at_run_time() -> None:
     # facade (app/engine/facade.py). In one interpreter, every module of app.protocol, app.http and
     # app.grpc in turn leaves torch unloaded; then the engine's service, which the same look must
     # find loading it.
-    imports = [*PROTOCOL, *DOORS, "app.handoff.front", "app.handoff.remote", "app.engine.service"]  # the front's side too
+    imports = [
+        *PROTOCOL,
+        *DOORS,
+        "app.handoff.front",
+        "app.handoff.remote",
+        "app.engine.service",
+    ]  # the front's side too
     code = "import importlib, sys\n" + "".join(
         f"importlib.import_module({name!r}); print('torch' in sys.modules)\n" for name in imports
     )
