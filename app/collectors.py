@@ -9,9 +9,12 @@ keeps the list of pids in a file beside the merged metrics (`write_processes`).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import platform
+import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,15 +32,29 @@ class BuildInfoCollector(Collector):
     """`ffn_build_info{version, torch, cuda, python} 1`: what is running, for dashboards and alerts."""
 
     def collect(self) -> Iterable[Metric]:
-        import torch  # loaded in every process that answers a scrape; imported here so that the supervisor need not
-
         info = GaugeMetricFamily(
             "ffn_build_info",
             "The running ffn-serve: its version and those of torch, CUDA and Python.",
             labels=["version", "torch", "cuda", "python"],
         )
-        info.add_metric([__version__, torch.__version__, torch.version.cuda or "none", platform.python_version()], 1)
+        info.add_metric([__version__, *torch_versions(), platform.python_version()], 1)
         return [info]
+
+
+def torch_versions() -> tuple[str, str]:
+    """torch's version and the CUDA it was built with ("none"): from torch where it is loaded, else
+    read from its torch/version.py, so that a front of an engine process (shared_engine), which
+    answers scrapes and computes nothing, never imports torch (seconds, some 200 MiB) for a label."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__, torch.version.cuda or "none"
+    spec = importlib.util.find_spec("torch")  # finds the package without running it
+    if spec is None or spec.origin is None:
+        return "none", "none"
+    text = (Path(spec.origin).parent / "version.py").read_text()
+    version = re.search(r"^__version__\s*=\s*'([^']*)'", text, re.MULTILINE)
+    cuda = re.search(r"^cuda(?:: [^=]*)?\s*=\s*'([^']*)'", text, re.MULTILINE)
+    return (version.group(1) if version else "unknown"), (cuda.group(1) if cuda else "none")
 
 
 def write_processes(folder: Path, supervisor: int, workers: Iterable[int]) -> None:
@@ -86,7 +103,11 @@ class ProcessesCollector(Collector):
 
 
 def devices_in_use() -> list[int]:
-    """The CUDA devices where this process already holds memory: reading them creates no CUDA context."""
+    """The CUDA devices where this process already holds memory: reading them creates no CUDA context.
+
+    None in a process that has not loaded torch (a front of an engine process): it holds no device memory."""
+    if "torch" not in sys.modules:
+        return []
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -103,11 +124,11 @@ class GpuMemoryCollector(Collector):
     """
 
     def collect(self) -> Iterable[Metric]:
-        import torch
-
         devices = devices_in_use()
         if not devices:
             return []
+        import torch
+
         used = GaugeMetricFamily(
             "ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.", labels=["device"]
         )
@@ -132,10 +153,13 @@ class GpuReading:
 
 def read_gpus() -> list[GpuReading]:
     """Triton's figures of each GPU this process computes on (`devices_in_use`), for the nv_gpu_* series."""
+    devices = devices_in_use()
+    if not devices:
+        return []
     import torch
 
     readings = []
-    for index in devices_in_use():
+    for index in devices:
         free, capacity = torch.cuda.mem_get_info(index)
         readings.append(
             GpuReading(

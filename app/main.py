@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from app import __version__
 from app.collectors import read_gpus
 from app.control import Control
-from app.engine.registry import Registry
-from app.engine.service import Engine
+from app.engine.facade import ServingEngine
 from app.http import ops
 from app.http.docs_assets import serve_docs_offline
 from app.http.edge import Edge, GuardMiddleware, JsonCORSMiddleware, route_templates
@@ -30,6 +30,9 @@ from app.tracing import TraceSettings, start_tracing
 from app.tracing.config import traces_export
 from app.triton_metrics import TritonNames
 
+if TYPE_CHECKING:
+    from app.engine.registry import Registry
+
 ENDPOINTS = [*ops.ENDPOINTS, *native.ENDPOINTS, *v2.ENDPOINTS, *kserve_v1.ENDPOINTS]
 
 
@@ -40,6 +43,7 @@ def create_app(
     fast_path: bool = True,
     warm_before_serving: bool = False,
     control: Control | None = None,
+    engine: tuple[ServingEngine, Metrics] | None = None,
 ) -> ServiceApp:
     """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
 
@@ -47,21 +51,29 @@ def create_app(
     `warm_before_serving`: the lifespan's start-up waits for the warm-up, so the server accepts
     connections only once warm (worker processes: a restarted one takes no traffic while cold).
     `control`: how commands reach every serving process (a worker's pipe); by default, this one only.
+    `engine`: the engine and this process's metrics, where the models are not this process's (a
+    front's RemoteEngine); by default an Engine of `registry`'s models, in this process.
     """
-    registry = registry or Registry(settings, Metrics())
     control = control or Control()
-    engine = Engine(settings, registry, control, beat=control.heartbeat)
+    if engine is None:
+        # torch and the models: imported here, so that a front (engine given) never imports them.
+        from app.engine.registry import Registry
+        from app.engine.service import Engine
+
+        registry = registry or Registry(settings, Metrics())
+        engine = Engine(settings, registry, control, beat=control.heartbeat), registry.metrics
+    served, metrics = engine
     export = traces_export(settings.otlp_endpoint, os.environ)
     trace_settings = TraceSettings(tracing=export is not None)
     tracing = start_tracing(export, trace_settings)
     regions = SharedMemoryRegions() if settings.shared_memory else None
     held = HeldBytes(settings.max_held_bytes)
     if settings.triton_metrics:  # the models served now, each at its version, whichever loads happened
-        registry.metrics.triton = TritonNames(
-            versions=lambda: {served.name: served.version for served in engine.models()}, gpus=read_gpus
+        metrics.triton = TritonNames(
+            versions=lambda: {model.name: model.version for model in served.models()}, gpus=read_gpus
         )
     state = ServiceState(
-        settings, engine, registry.metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
+        settings, served, metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
     )
     control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
     control.register(log_settings.COMMAND, log_settings.apply_command)
@@ -71,20 +83,20 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: ServiceApp) -> AsyncIterator[None]:
-        await engine.start()
+        await served.start()
 
         # The copies loaded now, and each that a load puts in service later: a name's series from zero,
-        # each copy's batches traced.
-        engine.on_serving(lambda served: state.outcomes.count_from_zero(served.name), once_per_name=True)
-        if tracing is not None:
-            engine.on_serving(tracing.observe)
+        # each copy's batches traced (where the batches are this process's).
+        served.on_serving(lambda model: state.outcomes.count_from_zero(model.name), once_per_name=True)
+        if tracing is not None and served.batches_here:
+            served.on_serving(tracing.observe)
         try:
             await control.open()  # commands that came meanwhile (a worker's replayed ones) apply first
             if warm_before_serving:
-                await engine.until_warm()
+                await served.until_warm()
             yield
         finally:
-            await engine.stop()
+            await served.stop()
             if tracing is not None:
                 await tracing.shutdown()  # what is still collected is sent now
             if regions is not None:

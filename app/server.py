@@ -18,14 +18,14 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Generator
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from app.control import Control
 from app.descriptors import fit_connection_cap
-from app.engine.registry import ModelLoadError, Registry
-from app.engine.service import Engine
+from app.engine.facade import ServingEngine
 from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.grpc.server import GrpcServer
 from app.http.transport.protocol import LimitedHttpToolsProtocol, uvicorn_options
@@ -55,7 +55,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(
         self,
         config: uvicorn.Config,
-        engine: Engine,
+        engine: ServingEngine,
         on_started: Callable[[], None] | None = None,
         grpc_server: GrpcServer | None = None,
     ) -> None:
@@ -181,8 +181,12 @@ def serve_here(
     on_ready: Callable[[], None] | None = None,
     control: Control | None = None,
     starting: Starting | None = None,
+    engine_socket: Path | None = None,
 ) -> int:
     """Load the models and serve on `listeners` until drained; the process's exit code.
+
+    `engine_socket`: serve as a front of the engine process listening there (`shared_engine`): no
+    models here, no torch; the doors reach the engine through the hand-off (app/handoff/remote.py).
 
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
     As a worker: accept nothing until warm (the port already serves through the other workers),
@@ -193,7 +197,7 @@ def serve_here(
     guard = starting or Starting()
     try:
         with guard:  # until uvicorn's handlers take over
-            prepared = _prepare(settings, listeners, metrics, on_ready, control)
+            prepared = _prepare(settings, listeners, metrics, on_ready, control, engine_socket)
     except StartStopped as stopped:
         log.info("%s: stopped before serving", stopped)
         return EXIT_OK
@@ -219,16 +223,22 @@ def _prepare(
     metrics: Metrics,
     on_ready: Callable[[], None] | None,
     control: Control | None,
+    engine_socket: Path | None,
 ) -> DrainingServer | int:
     """The models loaded and the server built around them, ready to run; or the exit code of a failed start."""
     # Until the server runs (and reads the config file again on SIGHUP), a SIGHUP must not end the start.
     signal.signal(signal.SIGHUP, _hang_up_unless_serving)
-    registry = Registry(settings, metrics)
-    try:
-        registry.load()
-    except ModelLoadError as exc:
-        log.error("%s", exc)
-        return EXIT_START_FAILED
+    registry = None
+    if engine_socket is None:
+        # torch and the models: only in a process that computes (a front of an engine process never imports them).
+        from app.engine.registry import ModelLoadError, Registry
+
+        registry = Registry(settings, metrics)
+        try:
+            registry.load()
+        except ModelLoadError as exc:
+            log.error("%s", exc)
+            return EXIT_START_FAILED
     if on_ready is None:
         try:
             for sock in listeners.all():
@@ -243,7 +253,14 @@ def _prepare(
             "max_connections": fit_connection_cap(settings.max_connections),
         }
     )
-    app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control)
+    remote = None
+    if engine_socket is not None:
+        from app.handoff.front import EngineClient
+        from app.handoff.remote import RemoteEngine
+
+        beat = control.heartbeat if control is not None else None
+        remote = (RemoteEngine(EngineClient(engine_socket), settings, beat), metrics)
+    app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control, engine=remote)
     config = uvicorn.Config(
         app,
         log_config=None,

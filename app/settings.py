@@ -180,6 +180,12 @@ class Settings(BaseSettings):
         le=64,
         description="Server processes sharing the port, each with its own models; 1 = one process, no supervisor.",
     )
+    shared_engine: bool = Field(
+        default=False,
+        description="Workers > 1: one engine process owns the models and forms every batch, and each worker "
+        "is a front (the doors and the protocol, no torch, no model copy) that hands its requests to it "
+        "through shared memory. Off: each worker serves its own copy of the models.",
+    )
     metrics_dir: Path | None = Field(
         default=None,
         description="Workers > 1: the folder where they keep their metrics, e.g. a tmpfs under a read-only root; "

@@ -37,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -63,6 +64,7 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backoff
 STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
 LOST_LOGGED_S = 1.0  # a stretch this long in which the supervisor did not run is logged
+ENGINE = 0  # the engine process's slot index (shared_engine); the workers' are 1 to N
 
 
 def threads_per_worker(settings: Settings) -> int:
@@ -80,6 +82,17 @@ class Supervisor:
         self._worker_settings = settings.model_copy(update={"torch_threads": self.threads})
         self._context = multiprocessing.get_context("spawn")
         self._slots = [Slot(i + 1) for i in range(settings.workers)]
+        # shared_engine: slot 0 is the engine process, started first and stopped last; the workers are fronts.
+        self._engine: Slot | None = None
+        self._engine_socket: Path | None = None
+        self._engine_stopped = False  # asked to drain, the fronts gone
+        if settings.shared_engine:
+            self._engine = Slot(ENGINE)
+            self._slots.insert(0, self._engine)
+            # torch threads: the engine computes for every front; the fronts compute nothing.
+            self._engine_settings = settings.model_copy(
+                update={"torch_threads": settings.intra_op_threads() or len(os.sched_getaffinity(0))}
+            )
         self._folder = Path()
         self._serving = False  # every worker has been ready once
         self._stop_deadline: float | None = None
@@ -90,8 +103,10 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until stopped; the exit code for the whole service."""
-        with metrics_folder(self.settings.metrics_dir) as folder:
+        with metrics_folder(self.settings.metrics_dir) as folder, tempfile.TemporaryDirectory(prefix="ffn-") as run:
             self._folder = folder
+            # The engine's socket, in a folder only this user can open (mkdtemp makes it 0700).
+            self._engine_socket = Path(run) / "engine.sock"
             return self._run()
 
     def _run(self) -> int:
@@ -193,18 +208,26 @@ class Supervisor:
     def _start(self, slot: Slot) -> None:
         ours, theirs = self._context.Pipe(duplex=True)
         replacement = slot.failures > 0 or slot.ready
-        process = self._context.Process(
-            target=worker_main,
-            name=f"ffn-worker-{slot.index}",
-            args=(self._worker_settings, self.listeners, theirs, slot.index, replacement),
-        )
+        if slot is self._engine:
+            process = self._context.Process(
+                target=engine_entry,
+                name="ffn-engine",
+                args=(self._engine_settings, theirs, self._engine_socket, replacement),
+            )
+        else:
+            process = self._context.Process(
+                target=worker_main,
+                name=f"ffn-worker-{slot.index}",
+                args=(self._worker_settings, self.listeners, theirs, slot.index, replacement, self._engine_socket),
+            )
         process.start()
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
         slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
         slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
-        log.info("worker %d started (pid %d)", slot.index, process.pid)
+        log.info("%s started (pid %d)", _named(slot), process.pid)
         self._record_processes()
-        self._relay.started(slot)
+        if slot is not self._engine:  # the engine applies no command the workers broadcast
+            self._relay.started(slot)
 
     def _receive(self, slot: Slot) -> None:
         """Read all that the worker's pipe holds (beats queued while this loop did not run count before
@@ -234,13 +257,16 @@ class Supervisor:
     def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
         slot.beat_at = slot.ready_at
-        log.info("worker %d (pid %s) ready", slot.index, slot.pid)
+        log.info("%s (pid %s) ready", _named(slot), slot.pid)
         # A worker that finishes warming up after the stop began announces nothing: the listening
         # sockets are closed by then, and the service is not starting but stopping.
         if not self._serving and self._stop_deadline is None and all(s.ready for s in self._slots):
             self._serving = True
             log_start(self.settings, self.listeners)
-            log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
+            if self._engine is not None:
+                log.info("ready: %d fronts and one engine process", len(self._slots) - 1)
+            else:
+                log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
     def _judge(self, now: float) -> None:
         """Ask to drain, or kill, every worker whose verdict is due (app/liveness.py), with a log line saying why."""
@@ -250,7 +276,7 @@ class Supervisor:
             judged = verdict(slot, self.settings)
             if judged is None or now < judged.at or slot.process is None:
                 continue
-            log.error("worker %d (pid %s) %s", slot.index, slot.pid, reason(slot, judged.what, now, self.settings))
+            log.error("%s (pid %s) %s", _named(slot), slot.pid, reason(slot, judged.what, now, self.settings))
             if judged.kill:
                 slot.killed = True
                 slot.process.kill()
@@ -273,13 +299,14 @@ class Supervisor:
         self._record_processes()
         how = _describe_exit(code)
         if self._stop_deadline is not None:
+            self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
             if not stopped_cleanly:
-                log.warning("worker %d (pid %d) %s while stopping", slot.index, process.pid, how)
+                log.warning("%s (pid %d) %s while stopping", _named(slot), process.pid, how)
                 self._exit_code = EXIT_START_FAILED
             return
         if not self._serving:
-            log.error("worker %d (pid %d) %s while starting: stopping the service", slot.index, process.pid, how)
+            log.error("%s (pid %d) %s while starting: stopping the service", _named(slot), process.pid, how)
             self._exit_code = code if code and code > 0 else EXIT_START_FAILED
             self._stop(None)
             return
@@ -288,11 +315,19 @@ class Supervisor:
         slot.failures += 1
         delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
-        log.error("worker %d (pid %d) %s; starting another in %.1f s", slot.index, process.pid, how, delay)
+        log.error("%s (pid %d) %s; starting another in %.1f s", _named(slot), process.pid, how, delay)
 
     def _hang_up(self) -> None:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
         if self._stop_deadline is not None:
+            return
+        if self._engine is not None:
+            engine = self._engine
+            if engine.ready and engine.process is not None and engine.pid is not None and engine.process.is_alive():
+                log.info("received SIGHUP: the engine process reads the config file again")
+                os.kill(engine.pid, signal.SIGHUP)
+            else:
+                log.warning("received SIGHUP with the engine process not ready: ignored")
             return
         slot = next((s for s in self._slots if s.ready and s.process is not None and s.process.is_alive()), None)
         if slot is None or slot.pid is None:
@@ -311,13 +346,24 @@ class Supervisor:
             for slot in self._slots:
                 slot.restart_at = None
         for slot in self._slots:
-            if slot.process is not None and slot.process.is_alive():
+            if slot is not self._engine and slot.process is not None and slot.process.is_alive():
                 slot.process.terminate()
+        self._stop_engine_after_fronts()
+
+    def _stop_engine_after_fronts(self) -> None:
+        """The engine drains last: once every front has finished what it accepted (and handed to the engine)."""
+        engine = self._engine
+        if engine is None or engine.process is None or not engine.process.is_alive() or self._engine_stopped:
+            return
+        if any(slot.process is not None for slot in self._slots if slot is not engine):
+            return
+        self._engine_stopped = True
+        engine.process.terminate()
 
     def _kill_the_rest(self) -> None:
         for slot in self._slots:
             if slot.process is not None and slot.process.is_alive():
-                log.error("worker %d (pid %s) still running after the drain timeout: killing it", slot.index, slot.pid)
+                log.error("%s (pid %s) still running after the drain timeout: killing it", _named(slot), slot.pid)
                 slot.process.kill()
                 self._exit_code = EXIT_START_FAILED
         self._stop_deadline = time.monotonic() + STOP_MARGIN_S
@@ -326,6 +372,10 @@ class Supervisor:
         write_processes(
             self._folder, os.getpid(), [pid for pid in (slot.pid for slot in self._slots) if pid is not None]
         )
+
+
+def _named(slot: Slot) -> str:
+    return "engine process" if slot.index == ENGINE else f"worker {slot.index}"
 
 
 def _describe_exit(code: int | None) -> str:
@@ -337,8 +387,24 @@ def _describe_exit(code: int | None) -> str:
 # ----- in the worker process -----------------------------------------------------------------
 
 
-def worker_main(settings: Settings, listeners: Listeners, conn: Connection, index: int, replacement: bool) -> None:
-    """A worker's whole life: load, warm up, say ready, serve until drained; exits with serve_here's code."""
+def engine_entry(settings: Settings, conn: Connection, path: Path, replacement: bool) -> None:
+    """The engine process's life (shared_engine): app/handoff/engine_process.py, imported here, in it alone."""
+    from app.handoff.engine_process import engine_main  # torch: in the engine, never the supervisor
+
+    engine_main(settings, conn, path, replacement)
+
+
+def worker_main(
+    settings: Settings,
+    listeners: Listeners,
+    conn: Connection,
+    index: int,
+    replacement: bool,
+    engine_socket: Path | None = None,
+) -> None:
+    """A worker's whole life: load, warm up, say ready, serve until drained; exits with serve_here's code.
+
+    With shared_engine it is a front of the engine process at `engine_socket`: no models, no torch."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
     configure_logging(settings.log_level, settings.log_format, worker=index)
     control = Control(worker=index, conn=conn)
@@ -347,7 +413,7 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
     if replacement:
         metrics.worker_restarts.inc()
     started = threading.Event()
-    threading.Thread(target=_beat_until, args=(control, started), name="starting-heartbeat", daemon=True).start()
+    threading.Thread(target=beat_until, args=(control, started), name="starting-heartbeat", daemon=True).start()
 
     def ready() -> None:
         started.set()  # from now on the event loop beats (app/engine/loop_watch.py)
@@ -360,11 +426,19 @@ def worker_main(settings: Settings, listeners: Listeners, conn: Connection, inde
         except StartStopped as stopped:
             log.info("%s: stopped before serving", stopped)
             sys.exit(EXIT_OK)
-        code = serve_here(settings, listeners, metrics, on_ready=ready, control=control, starting=starting)
+        code = serve_here(
+            settings,
+            listeners,
+            metrics,
+            on_ready=ready,
+            control=control,
+            starting=starting,
+            engine_socket=engine_socket if settings.shared_engine else None,
+        )
     sys.exit(code)
 
 
-def _beat_until(control: Control, started: threading.Event) -> None:
-    """A starting worker's heartbeats, every STARTING_BEAT_S until it is ready."""
+def beat_until(control: Control, started: threading.Event) -> None:
+    """A starting worker's (or engine's) heartbeats, every STARTING_BEAT_S until it is ready."""
     while not started.wait(STARTING_BEAT_S):
         control.heartbeat()

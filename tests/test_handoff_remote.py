@@ -61,8 +61,9 @@ async def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterat
 
 @pytest.fixture
 async def front(served: Served) -> AsyncIterator[RemoteEngine]:
-    remote = RemoteEngine(EngineClient(served.socket))
-    await remote.start(timeout_s=10)
+    remote = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    await remote.start()
+    await asyncio.wait_for(remote.until_warm(), 10)
     yield remote
     await remote.close()
 
@@ -105,8 +106,9 @@ async def test_the_front_sees_the_engines_models_as_the_engine_does(served: Serv
 async def test_model_control_reaches_the_engine_once_and_every_front_sees_it(
     served: Served, front: RemoteEngine
 ) -> None:
-    other_front = RemoteEngine(EngineClient(served.socket))
-    await other_front.start(timeout_s=10)
+    other_front = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    await other_front.start()
+    await asyncio.wait_for(other_front.until_warm(), 10)
     try:
         version = served.engine.model("other").version
         result = await front.unload("other")
@@ -174,9 +176,10 @@ async def test_an_engine_process_rereads_its_config_on_sighup_and_its_statistics
         MULTIPROCESS_VARIABLE: str(folder),  # as the supervisor gives every process it starts
     }
     engine = await asyncio.to_thread(launch, tmp_path / "engine.sock", env)
-    front = RemoteEngine(EngineClient(tmp_path / "engine.sock"))
+    front = RemoteEngine(EngineClient(tmp_path / "engine.sock"), load_settings())
     try:
-        await front.start(timeout_s=30)
+        await front.start()
+        await asyncio.wait_for(front.until_warm(), 30)
         assert [m.name for m in front.models()] == ["demo"]
         sizes = [1, 2, 3, 4, 5, 6, 7]
         for n in sizes:

@@ -14,13 +14,14 @@ Errors are app/engine/errors.py's kinds, statuses app/engine/status.py's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import ModelStatus
+from app.settings import Settings
 from ffn_core.dtypes import DType
 
 
@@ -139,4 +140,39 @@ class EngineFacade(Protocol):
 
     def count_refused_load(self, name: str) -> None:
         """Count a load of `name` refused before any worker heard of it."""
+        ...
+
+
+class ServingEngine(EngineFacade, Protocol):
+    """The engine as a serving process runs it (app/main.py's lifespan, app/server.py's signals): the
+    in-process Engine (app/engine/service.py), or a front's RemoteEngine (app/handoff/remote.py)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def batches_here(self) -> bool:
+        """Whether this process forms the models' batches (the tracing observes them where it does)."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def until_warm(self) -> None:
+        """Return once ready to serve (or the start was stopped)."""
+        ...
+
+    def stop_starting(self) -> None: ...
+
+    async def drain(self) -> bool:
+        """Take no new work, finish what was accepted; True if it all finished within the drain timeout."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    async def apply_config_file(self) -> None:
+        """SIGHUP: the config file's [[models]] again."""
+        ...
+
+    def on_serving(self, prepare: Callable[[Any], None], *, once_per_name: bool = False) -> None:
+        """Call `prepare(model)` for each model serving now and each one that starts serving later."""
         ...

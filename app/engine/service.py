@@ -92,6 +92,8 @@ class Engine:
 
     # ----- lookup ----------------------------------------------------------------------------
 
+    batches_here = True  # the models' batches are this process's (app/handoff/remote.py's are not)
+
     def model(self, name: str, version: str | None = None) -> ServedModel:
         """The model served as `name` (and `version`, where a path names one); ModelNotFound (404) if none."""
         served = self._registry.models.get(name)

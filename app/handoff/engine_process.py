@@ -15,21 +15,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO
 
-from app.engine.registry import Registry
+from app.control import Control
+from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
+from app.exits import EXIT_OK, EXIT_START_FAILED
 from app.handoff.engine import EngineServer
 from app.handoff.loop import run_on_served_loop
 from app.logs import configure_logging
 from app.metrics import Metrics
-from app.settings import load_settings
+from app.settings import Settings, load_settings
+from app.starting import Starting, StartStopped
+from app.supervisor import beat_until
+
+log = logging.getLogger("ffn_serve.engine")
 
 READY_LINE = b"engine ready"
 
@@ -59,10 +68,21 @@ def _pass_on(stream: IO[bytes]) -> None:
         sys.stderr.flush()
 
 
-async def serve(path: Path) -> None:
-    settings = load_settings()
-    configure_logging(settings.log_level, settings.log_format)
-    engine = Engine(settings, Registry(settings, Metrics()))
+async def serve(
+    path: Path,
+    settings: Settings | None = None,
+    beat: Callable[[], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Load and warm the models, listen on `path`, serve until SIGTERM or SIGINT, then drain.
+
+    `settings`: by default as the server reads them. `beat`: each tick of the engine's loop watch
+    (the supervisor's heartbeat). `on_ready`: called once it listens.
+    """
+    if settings is None:
+        settings = load_settings()
+        configure_logging(settings.log_level, settings.log_format)
+    engine = Engine(settings, Registry(settings, Metrics()), beat=beat)
     await engine.start()
     await engine.until_warm()
     with contextlib.suppress(FileNotFoundError):
@@ -82,10 +102,39 @@ async def serve(path: Path) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, reread)
     print(READY_LINE.decode(), file=sys.stderr, flush=True)
+    if on_ready is not None:
+        on_ready()
     await stop.wait()
     await engine.drain()
     await server.close()
     await engine.stop()
+
+
+def engine_main(settings: Settings, conn: Connection, path: Path, replacement: bool) -> None:
+    """The supervisor's engine process (`shared_engine`): load, warm up, listen on `path`, say ready, serve
+    until drained. Its heartbeats and readiness reach the supervisor as a worker's do."""
+    os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
+    configure_logging(settings.log_level, settings.log_format, worker=0)
+    control = Control(worker=0, conn=conn)
+    control.serve_pipe()  # also: when the supervisor is gone, this process drains and exits
+    started = threading.Event()
+
+    def ready() -> None:
+        started.set()  # from now on the event loop beats
+        control.send_ready()
+
+    threading.Thread(target=beat_until, args=(control, started), name="starting-heartbeat", daemon=True).start()
+    if replacement:
+        log.warning("engine process restarted: the fronts link to it again")
+    with Starting():
+        try:
+            run_on_served_loop(serve(path, settings, beat=control.heartbeat, on_ready=ready))
+        except StartStopped as stopped:
+            log.info("%s: stopped before serving", stopped)
+        except ModelLoadError as exc:
+            log.error("%s", exc)
+            sys.exit(EXIT_START_FAILED)
+    sys.exit(EXIT_OK)
 
 
 def main(argv: list[str] | None = None) -> int:

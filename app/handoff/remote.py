@@ -14,17 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app.engine.errors import Unavailable
-from app.engine.facade import EngineFacade, ModelFacade
+from app.engine.facade import ModelFacade, ServingEngine
+from app.engine.loop_watch import LoopWatch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
-from app.engine.status import ModelState, ModelStatus
+from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
 from app.handoff.front import EngineClient
+from app.settings import Settings
 from ffn_core.dtypes import DTYPES, DType
 
 log = logging.getLogger("ffn_serve.handoff")
@@ -62,7 +65,8 @@ class RemoteShape:
 class RemoteModel:
     """One model of the engine's table: its description, and its work sent to the engine."""
 
-    def __init__(self, client: EngineClient, description: dict[str, Any], *, linked: bool = True) -> None:
+    def __init__(self, client: EngineClient, description: dict[str, Any], unable: ModelStatus | None = None) -> None:
+        """`unable`: the status this front gives it whatever the engine says (no engine linked, draining)."""
         self._client = client
         self._description = description
         self.name: str = description["name"]
@@ -76,9 +80,7 @@ class RemoteModel:
         )
         self.device = RemoteDevice.parse(description["device"])
         self.weight_bytes: int = description.get("weight_bytes", 0)
-        self.status = (
-            ModelStatus(ModelState(description["state"]), description["reason"] or "") if linked else NOT_LINKED
-        )
+        self.status = unable or ModelStatus(ModelState(description["state"]), description["reason"] or "")
 
     def describe(self) -> dict[str, Any]:
         """The model as GET /v1/models lists it: the engine's description (and its state here)."""
@@ -102,23 +104,66 @@ class RemoteModel:
 
 
 class RemoteEngine:
-    """The facade of the engine listening where `client` connects: start() links it, close() lets go."""
+    """The facade of the engine listening where `client` connects, with the lifecycle a served process
+    runs its engine by (app/main.py, app/server.py): start, until_warm, drain, stop.
 
-    def __init__(self, client: EngineClient) -> None:
+    `beat`: called on every tick of this process's loop watch (a worker's heartbeat to the supervisor).
+    """
+
+    batches_here = False  # the engine process forms them
+
+    def __init__(self, client: EngineClient, settings: Settings, beat: Callable[[], None] | None = None) -> None:
+        self.settings = settings
         self._client = client
         client.on_table = self._take_table
         self._table: dict[str, Any] | None = None
         self._linked = False
+        self._draining = False
         self._models: dict[str, RemoteModel] = {}
         self._unloaded: dict[str, RemoteModel] = {}
-        self._first_table = asyncio.Event()
+        self._tables = asyncio.Event()  # set at each table: until_warm waits on it
+        self._start_stopped = asyncio.Event()
         self._keeping: asyncio.Task[None] | None = None
+        self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
+        self._hooks: list[tuple[Callable[[Any], None], bool]] = []
+        self._prepared: set[tuple[Any, ...]] = set()
 
-    async def start(self, timeout_s: float | None = None) -> None:
-        """Link, and keep linking whenever the link ends; return once the engine's first table is here."""
+    async def start(self) -> None:
+        """Link, and keep linking whenever the link ends; ready once the engine's table says so (until_warm)."""
+        self._loop_watch.start()
         self._keeping = asyncio.create_task(self._keep_linked(), name="handoff-link")
-        async with asyncio.timeout(timeout_s):
-            await self._first_table.wait()
+
+    async def until_warm(self) -> None:
+        """Wait until the engine is linked and ready (or the start is stopped: `stop_starting`)."""
+        while not self.ready and not self._start_stopped.is_set():
+            self._tables.clear()
+            stopped = asyncio.ensure_future(self._start_stopped.wait())
+            tabled = asyncio.ensure_future(self._tables.wait())
+            try:
+                await asyncio.wait([stopped, tabled], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+                tabled.cancel()
+
+    def stop_starting(self) -> None:
+        self._start_stopped.set()
+
+    async def drain(self) -> bool:
+        """Take no new work (readiness and new requests turn 503), then wait for what this front has in
+        the engine; True if it was all answered within the drain timeout. The engine drains on its own."""
+        self._draining = True
+        self._rebuild()
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                while self._client.in_flight:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        self._loop_watch.stop()
+        await self.close()
 
     async def close(self) -> None:
         if self._keeping is not None:
@@ -126,6 +171,15 @@ class RemoteEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keeping
         await self._client.close()
+
+    async def apply_config_file(self) -> None:
+        log.warning("SIGHUP ignored by a front: the engine process reads the config file (send it SIGHUP)")
+
+    def on_serving(self, prepare: Callable[[Any], None], *, once_per_name: bool = False) -> None:
+        """Call `prepare(model)` for every model served now and each one a later table adds (each version,
+        or once per name)."""
+        self._hooks.append((prepare, once_per_name))
+        self._run_hooks()
 
     # ----- the facade ------------------------------------------------------------------------
 
@@ -144,8 +198,13 @@ class RemoteEngine:
         return [*self._models.values(), *self._unloaded.values()]
 
     def readiness(self) -> ModelStatus:
+        if self._draining:
+            return DRAINING
         if not self._linked or self._table is None:
             return NOT_LINKED
+        lagging = self._loop_watch.lagging()
+        if lagging is not None:
+            return ModelStatus(ModelState.UNAVAILABLE, lagging)
         state, reason = self._table["readiness"]
         return ModelStatus(ModelState(state), reason)
 
@@ -174,12 +233,22 @@ class RemoteEngine:
         self._table = table
         self._linked = True
         self._rebuild()
-        self._first_table.set()
+        self._run_hooks()
+        self._tables.set()
 
     def _rebuild(self) -> None:
         table = self._table or {"models": [], "unloaded": []}
-        self._models = {d["name"]: RemoteModel(self._client, d, linked=self._linked) for d in table["models"]}
-        self._unloaded = {d["name"]: RemoteModel(self._client, d, linked=self._linked) for d in table["unloaded"]}
+        unable = DRAINING if self._draining else None if self._linked else NOT_LINKED
+        self._models = {d["name"]: RemoteModel(self._client, d, unable) for d in table["models"]}
+        self._unloaded = {d["name"]: RemoteModel(self._client, d, unable) for d in table["unloaded"]}
+
+    def _run_hooks(self) -> None:
+        for prepare, once_per_name in self._hooks:
+            for served in self._models.values():
+                key = (id(prepare), served.name) if once_per_name else (id(prepare), served.name, served.version)
+                if key not in self._prepared:
+                    self._prepared.add(key)
+                    prepare(served)
 
     async def _keep_linked(self) -> None:
         while True:
@@ -191,10 +260,11 @@ class RemoteEngine:
             await ended.wait()
             self._linked = False  # until the next engine's table: every model unavailable, not ready
             self._rebuild()
+            self._tables.set()
             log.warning("the engine process's link ended; linking again")
             await asyncio.sleep(RETRY_S)
 
 
 if TYPE_CHECKING:  # mypy holds the front's engine to the facade the doors know, as main.py holds Engine
-    _ENGINE: type[EngineFacade] = RemoteEngine
+    _ENGINE: type[ServingEngine] = RemoteEngine
     _MODEL: type[ModelFacade] = RemoteModel

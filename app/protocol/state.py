@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from app.control import Control
-from app.engine.facade import EngineFacade
+from app.engine.facade import ServingEngine
 from app.metrics import Metrics
 from app.protocol.admission import HeldBytes, Outcomes
 from app.protocol.shared_memory import SharedMemoryRegions
@@ -24,7 +24,9 @@ if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
 @dataclass
 class ServiceState:
     settings: Settings
-    engine: EngineFacade  # the engine as the doors see it: app/main.py wires app/engine/service.py's
+    # The engine: the doors use its facade (app/engine/facade.py's EngineFacade); the serving process, its
+    # lifecycle too. app/main.py wires app/engine/service.py's, or a front's app/handoff/remote.py's.
+    engine: ServingEngine
     metrics: Metrics
     control: Control  # commands every serving process applies (app/control.py)
     held: HeldBytes  # bytes held by the requests this process is answering (app/protocol/admission.py)

@@ -1,0 +1,206 @@
+"""Workers as fronts of one engine process (`shared_engine`, issue 30): real servers on 127.0.0.1.
+
+Answers equal to numpy through both doors with 3 fronts, statistics exact across them, and one
+process alone mapping libtorch; a killed engine fails what is in flight with 503 and the service
+serves again once it is restarted; a killed front is replaced; a drain under load answers
+everything accepted; a model load reaches the engine once and every front sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from ffn_client.testing import ServerProcess, metric_value, start_server
+from tests.grpc_helpers import infer_request, output_of, stub
+from tests.reference import demo_reference
+from tests.slow_model import slow_model_config
+from tests.wire import raw_headers
+
+D_MODEL = 512
+SHARED = {"FFN_SHARED_ENGINE": "true", "FFN_WARMUP": "false"}
+
+pytestmark = pytest.mark.server
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, D_MODEL)).astype(np.float32)
+
+
+def wait_for_log(server: ServerProcess, pattern: str, seconds: float = 120.0, after: int = 0) -> re.Match[str]:
+    """The first match of `pattern` in the server's log past character `after`."""
+    give_up = time.monotonic() + seconds
+    while True:
+        found = re.search(pattern, server.logs()[after:])
+        if found is not None:
+            return found
+        assert server.proc.poll() is None and time.monotonic() < give_up, f"no {pattern!r} in:\n{server.logs()}"
+        time.sleep(0.05)
+
+
+def engine_pid(server: ServerProcess) -> int:
+    (pid,) = re.findall(r"engine process started \(pid (\d+)\)", server.logs())[-1:]
+    return int(pid)
+
+
+def maps_libtorch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+async def test_three_fronts_answer_through_both_doors_and_one_process_maps_torch() -> None:
+    with start_server(env={"FFN_WORKERS": "3", **SHARED}) as server:
+        wait_for_log(server, r"ready: 3 fronts and one engine process")
+        processes = server.worker_pids()
+        assert len(processes) == 4  # the engine and three fronts
+        assert [pid for pid in processes if maps_libtorch(pid)] == [engine_pid(server)]
+        assert not maps_libtorch(server.pid)  # nor the supervisor
+
+        sent = 0
+        for i in range(12):  # a connection each: the kernel spreads them over the fronts
+            x = rows(1 + i % 4, i)
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+                assert r.status_code == 200, r.text
+                np.testing.assert_allclose(
+                    np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+                )
+                body = {
+                    "inputs": [
+                        {"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+                    ]
+                }
+                r = await client.post("/v2/models/demo/infer", json=body)
+                assert r.status_code == 200, r.text
+                y = np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(x.shape)
+                np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
+            async with stub(server.grpc_target, **{"grpc.use_local_subchannel_pool": 1, "grpc.x": i}) as s:
+                answer = await s.ModelInfer(infer_request(x))
+                np.testing.assert_allclose(output_of(answer), demo_reference(x), rtol=1e-5, atol=1e-5)
+            sent += 3
+        # The engine counts every front's requests once: statistics and /metrics agree, whichever front answers.
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            stats = (await client.get("/v2/models/demo/stats")).json()["model_stats"][0]
+            assert stats["inference_stats"]["success"]["count"] == sent
+            page = (await client.get("/metrics")).text
+            assert metric_value(page, "ffn_request_seconds_count", model="demo") == sent
+            assert "ffn_build_info{" in page  # a front answers the scrape, torch unloaded
+        assert not any(maps_libtorch(pid) for pid in server.worker_pids() if pid != engine_pid(server))
+
+
+async def test_a_killed_engine_fails_in_flight_requests_and_the_service_serves_after_its_restart(
+    tmp_path: Path,
+) -> None:
+    config = slow_model_config(tmp_path, "max_batch_rows = 4096", with_demo=True)
+    with start_server(env={"FFN_WORKERS": "2", **SHARED}, config=config) as server:
+        wait_for_log(server, r"ready: 2 fronts and one engine process")
+        first_engine = engine_pid(server)
+        slow = np.ones((4096, D_MODEL), dtype=np.float32)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            in_flight = asyncio.create_task(
+                client.post("/v1/models/slow/transform", content=slow.tobytes(), headers=raw_headers(slow.shape))
+            )
+            page = ""
+            while metric_value(page, "ffn_queue_seconds_count", model="slow") < 1:  # in its forward pass
+                await asyncio.sleep(0.02)
+                page = (await client.get("/metrics")).text
+            killed_at = time.monotonic()
+            os.kill(first_engine, signal.SIGKILL)
+            failed = await in_flight
+            print(f"the in-flight request failed {time.monotonic() - killed_at:.3f} s after the kill")
+            assert failed.status_code == 503 and failed.headers["retry-after"] == "1", failed.text
+            assert "engine process ended" in failed.json()["error"]
+
+            wait_for_log(server, r"engine process \(pid \d+\) was killed by SIGKILL; starting another")
+            mark = len(server.logs())
+            wait_for_log(server, r"engine process \(pid \d+\) ready", after=mark)
+            x = rows(3, 7)
+            give_up = time.monotonic() + 30
+            while True:  # the fronts link again within their retry interval
+                r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+                if r.status_code == 200 or time.monotonic() > give_up:
+                    break
+                assert r.status_code == 503, r.text
+                await asyncio.sleep(0.05)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(
+                np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+            )
+            assert engine_pid(server) != first_engine
+
+            # A front killed: replaced, and the service answers throughout.
+            front = next(pid for pid in server.worker_pids() if pid != engine_pid(server))
+            mark = len(server.logs())
+            os.kill(front, signal.SIGKILL)
+            wait_for_log(server, rf"worker (\d) \(pid {front}\) was killed by SIGKILL; starting another", after=mark)
+            wait_for_log(server, r"worker \d \(pid \d+\) ready", after=mark)
+            r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+            assert r.status_code == 200, r.text
+        assert server.stop() == 0
+
+
+async def test_a_drain_under_load_answers_everything_it_accepted() -> None:
+    with start_server(env={"FFN_WORKERS": "2", **SHARED}) as server:
+        wait_for_log(server, r"ready: 2 fronts and one engine process")
+        outcomes: list[str] = []
+        stop = asyncio.Event()
+
+        async def client_loop(seed: int) -> None:
+            x = rows(2, seed)
+            while not stop.is_set():
+                try:
+                    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                        r = await client.post(
+                            "/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape)
+                        )
+                except httpx.ConnectError:  # refused: the port is closed, nothing was accepted
+                    outcomes.append("refused")
+                    return
+                if r.status_code == 200:
+                    np.testing.assert_allclose(
+                        np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+                    )
+                else:
+                    assert r.status_code == 503 and r.json()["error_type"] == "unavailable", r.text
+                outcomes.append(str(r.status_code))
+
+        clients = [asyncio.create_task(client_loop(seed)) for seed in range(6)]
+        while outcomes.count("200") < 30:
+            await asyncio.sleep(0.02)
+        server.terminate()
+        code = await asyncio.to_thread(server.wait, 60)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*clients), 60)  # a lost request would raise here (a reset)
+        assert code == 0, server.logs()
+        assert set(outcomes) <= {"200", "503", "refused"}
+        assert "still running after the drain timeout" not in server.logs()
+
+
+async def test_a_model_load_reaches_the_engine_once_and_every_front_sees_it(tmp_path: Path) -> None:
+    config = tmp_path / "ffn.toml"
+    config.write_text('[[models]]\nname = "demo"\n')
+    with start_server(env={"FFN_WORKERS": "2", "FFN_MODEL_CONTROL": "explicit", **SHARED}, config=config) as server:
+        wait_for_log(server, r"ready: 2 fronts and one engine process")
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            r = await client.post("/v2/repository/models/demo/load")
+            assert r.status_code == 200, r.text
+        give_up = time.monotonic() + 30
+        versions: set[str] = set()
+        while versions != {"2"}:  # each a connection of its own: both fronts are asked
+            assert time.monotonic() < give_up, versions
+            versions = set()
+            for _ in range(8):
+                async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                    versions.add((await client.get("/v2/models/demo")).json()["versions"][0])
+        # Loaded in the engine alone (its lines are "[worker 0]"), once at start and once by the load.
+        loaded = [line for line in server.logs().splitlines() if "loaded model demo" in line]
+        reloaded = [line for line in server.logs().splitlines() if "version 1 retiring" in line]
+        assert len(loaded) == 1 and len(reloaded) == 1, server.logs()
+        assert "[worker 0]" in loaded[0] and "[worker 0]" in reloaded[0]
