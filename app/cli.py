@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_SETTINGS
     if command.check:
         return check(settings)
-    if settings.workers > 1:
+    if settings.workers > 1 or settings.shared_engine:
         try:
             check_metrics_dir(settings.metrics_dir)
         except MetricsFolderError as exc:
@@ -123,7 +123,7 @@ def _start(settings: Settings, starting: Starting) -> int:
         export = tracing_config.traces_export(settings.otlp_endpoint, os.environ)
         if export is not None:
             log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
-        if settings.workers > 1:
+        if settings.workers > 1 or settings.shared_engine:  # one front and its engine are two processes too
             from app.supervisor import Supervisor
 
             starting.end()  # the supervisor handles the signals from here, passing them to the workers
@@ -142,6 +142,9 @@ def _runtime(settings: Settings) -> str:
     With workers, from the supervisor, which does not import torch: torch's version as installed,
     and the threads each worker will set; each worker names its models' devices as it loads them.
     """
+    if settings.shared_engine:
+        fronts = f"{settings.workers} front{'' if settings.workers == 1 else 's'}"
+        return f"torch {metadata.version('torch')}, {fronts} and one engine process"
     if settings.workers > 1:
         from app.supervisor import threads_per_worker
 

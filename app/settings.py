@@ -182,9 +182,9 @@ class Settings(BaseSettings):
     )
     shared_engine: bool = Field(
         default=False,
-        description="Workers > 1: one engine process owns the models and forms every batch, and each worker "
-        "is a front (the doors and the protocol, no torch, no model copy) that hands its requests to it "
-        "through shared memory. Off: each worker serves its own copy of the models.",
+        description="One engine process owns the models and forms every batch, and each of the `workers` is a "
+        "front (the doors and the protocol, no torch, no model copy) that hands its requests to it through "
+        "shared memory; with 1 worker, one front and one engine. Off: each worker serves its own copy of the models.",
     )
     metrics_dir: Path | None = Field(
         default=None,

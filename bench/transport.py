@@ -4,6 +4,7 @@
     python -m bench.transport --quick                # every part in miniature, well under a minute
     python -m bench.transport --profile              # and where a request's CPU goes, stage by stage (py-spy)
     python -m bench.transport --against ../before    # another checkout's service in the same run
+    python -m bench.transport --shared-engine        # also one front and one engine process (issue 30)
 
 In front of a GPU the FFN costs microseconds, so what limits the service there is everything
 around the model. That is measured here on the CPU: ffn-serve with a near-free model (d_model
@@ -60,6 +61,7 @@ class Server:
     name: str  # the table's column: "echo", "echo+protocol", "near-free", "real", "near-free@other", ...
     model: str | None = None  # a MODELS key for ffn-serve
     checkout: Path = REPO_ROOT
+    shared_engine: bool = False  # one front and one engine process (FFN_SHARED_ENGINE) instead of one process
 
 
 @dataclass
@@ -99,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--client-cpus", default="1", help="cores of the load generator and py-spy")
     p.add_argument("--generator", choices=["auto", "wrk", "ffn-loadtest"], default="auto")
     p.add_argument("--against", type=Path, help="another checkout: its service is measured too, in turn")
+    p.add_argument(
+        "--shared-engine",
+        action="store_true",
+        help="each model also as one front and one engine process (MODEL+engine), in turn with the single process",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy: the near-free model's CPU by stage")
     p.add_argument(
         "--profile-cells",
@@ -133,6 +140,8 @@ def running(server: Server, configs: dict[str, Path], server_cores: list[int]) -
     else:
         assert server.model is not None, "an ffn-serve server without a model; this is a bug."
         env = server_env(max_wait_ms=0.0, max_batch_rows=1024) | {"FFN_LOG_LEVEL": "warning"}
+        if server.shared_engine:  # the supervisor, one front and the engine, all on the server cores
+            env |= {"FFN_SHARED_ENGINE": "true"}
         with start_server(
             env, configs[server.model], prefix=prefix, cwd=server.checkout, ready_timeout=300.0
         ) as process:
@@ -376,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         models[name] = build_ffn(FFNConfig(D_MODEL, MODELS[name], "gelu")).requires_grad_(False)
         servers.append(Server(name, name))
+        if args.shared_engine:
+            servers.append(Server(f"{name}+engine", name, shared_engine=True))
         if args.against:
             servers.append(Server(f"{name}@other", name, args.against.resolve()))
     with tempfile.TemporaryDirectory() as tmp:
