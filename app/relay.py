@@ -54,13 +54,17 @@ class Relay:
         self._broadcasts: dict[int, Broadcast] = {}
         self._ids = itertools.count(1)
         self._workers: dict[int, Worker] = {}
+        self._accepts: dict[int, frozenset[str] | None] = {}  # by worker number: the commands it applies; None: all
         self._numbering = Numbering()
 
-    def started(self, worker: Worker) -> None:
-        """A worker (re)started: replay the sticky commands to it, in order."""
+    def started(self, worker: Worker, accepts: frozenset[str] | None = None) -> None:
+        """A worker (re)started: replay the sticky commands to it, in order. `accepts`: the only commands it
+        applies (the engine process of shared_engine applies the log settings alone); None: every one."""
         self._workers[worker.index] = worker
+        self._accepts[worker.index] = accepts
         for key, (name, args, number) in self._sticky.items():
-            _send(worker, (APPLY, None, name, args, key, number))
+            if accepts is None or name in accepts:
+                _send(worker, (APPLY, None, name, args, key, number))
 
     def received(self, worker: Worker, message: tuple[Any, ...]) -> None:
         """A control message from `worker`'s pipe."""
@@ -77,6 +81,7 @@ class Relay:
     def exited(self, worker: Worker) -> None:
         """A worker is gone: it answers nothing more; its own broadcasts still reach the others."""
         self._workers.pop(worker.index, None)
+        self._accepts.pop(worker.index, None)
         for broadcast_id, broadcast in list(self._broadcasts.items()):
             if worker.index in broadcast.waiting:
                 self._give_up(broadcast_id, broadcast, [worker.index], f"worker {worker.index} exited")
@@ -107,12 +112,16 @@ class Relay:
             if not forget:
                 self._sticky[key] = (name, args, number)
         broadcast_id = next(self._ids)
-        targets = [worker for worker in self._workers.values() if worker.conn is not None]
+        targets = [worker for worker in self._workers.values() if worker.conn is not None and self._takes(worker, name)]
         broadcast = Broadcast(origin, request_id, {w.index for w in targets}, time.monotonic() + timeout_s)
         self._broadcasts[broadcast_id] = broadcast
         for worker in targets:
             _send(worker, (APPLY, broadcast_id, name, args, key, number))
         self._finish_if_answered(broadcast_id, broadcast)
+
+    def _takes(self, worker: Worker, name: str) -> bool:
+        accepts = self._accepts.get(worker.index)
+        return accepts is None or name in accepts
 
     def _drop(self, origin: Worker, request_id: int, late_s: float) -> None:
         why = (

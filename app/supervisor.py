@@ -65,6 +65,9 @@ STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backof
 STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
 LOST_LOGGED_S = 1.0  # a stretch this long in which the supervisor did not run is logged
 ENGINE = 0  # the engine process's slot index (shared_engine); the workers' are 1 to N
+# The broadcast commands the engine process applies too: the log settings (app/protocol/v2/log_settings.py's
+# COMMAND). The trace settings and shared-memory regions are the fronts' alone: the engine reads no request.
+ENGINE_COMMANDS = frozenset({"log_settings"})
 
 
 def threads_per_worker(settings: Settings) -> int:
@@ -226,8 +229,7 @@ class Supervisor:
         slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
         log.info("%s started (pid %d)", _named(slot), process.pid)
         self._record_processes()
-        if slot is not self._engine:  # the engine applies no command the workers broadcast
-            self._relay.started(slot)
+        self._relay.started(slot, ENGINE_COMMANDS if slot is self._engine else None)
 
     def _receive(self, slot: Slot) -> None:
         """Read all that the worker's pipe holds (beats queued while this loop did not run count before

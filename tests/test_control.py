@@ -92,7 +92,7 @@ class Cluster:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def start_worker(self, index: int) -> Control:
+    def start_worker(self, index: int, accepts: frozenset[str] | None = None) -> Control:
         ours, theirs = Pipe(duplex=True)
         control = Control(worker=index, conn=theirs)
         control.register("set", recorder(self.log, index))
@@ -100,7 +100,7 @@ class Cluster:
         with self.lock:
             slot = FakeSlot(index, ours)
             self.slots[index] = slot
-            self.relay.started(slot)
+            self.relay.started(slot, accepts)
         self.controls[index] = control
         return control
 
@@ -169,6 +169,22 @@ async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_i
     assert [value for worker, value in cluster.log if worker == 2] == ["b", "c"]
     replies = await late.broadcast("set", {"value": "d"}, sticky="first")
     assert [r.worker for r in replies if r.ok] == [1, 2]
+
+
+async def test_a_process_that_accepts_some_commands_gets_only_those_sent_and_replayed(cluster: Cluster) -> None:
+    # The engine process of shared_engine applies the log settings alone (app/supervisor.py's ENGINE_COMMANDS).
+    front = cluster.start_worker(1)
+    await front.open()
+    await front.broadcast("set", {"value": "before"}, sticky="level")
+    await front.broadcast("other", {"value": "x"}, sticky="region")  # no worker applies it: refused by each
+    engine = cluster.start_worker(0, accepts=frozenset({"set"}))
+    await engine.open()
+    await asyncio.sleep(0.1)  # the replay has arrived
+    assert [value for worker, value in cluster.log if worker == 0] == ["before"]  # "other" was not replayed
+    replies = await front.broadcast("set", {"value": "after"}, sticky="level")
+    assert sorted(r.worker for r in replies if r.ok) == [0, 1]
+    refused = await front.broadcast("other", {"value": "y"})
+    assert [r.worker for r in refused] == [1]  # not sent to the engine, so not waited for or refused there
 
 
 def numbered(log: list[tuple[int, str, int]], worker: int):

@@ -183,7 +183,9 @@ async def test_a_drain_under_load_answers_everything_it_accepted() -> None:
         assert "still running after the drain timeout" not in server.logs()
 
 
-async def test_a_model_load_reaches_the_engine_once_and_every_front_sees_it(tmp_path: Path) -> None:
+async def test_a_model_load_and_a_log_setting_reach_the_engine_once_and_every_front_sees_the_load(
+    tmp_path: Path,
+) -> None:
     config = tmp_path / "ffn.toml"
     config.write_text('[[models]]\nname = "demo"\n')
     with start_server(env={"FFN_WORKERS": "2", "FFN_MODEL_CONTROL": "explicit", **SHARED}, config=config) as server:
@@ -199,6 +201,11 @@ async def test_a_model_load_reaches_the_engine_once_and_every_front_sees_it(tmp_
             for _ in range(8):
                 async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                     versions.add((await client.get("/v2/models/demo")).json()["versions"][0])
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:  # a log setting: the engine too
+            r = await client.post("/v2/logging", json={"log_verbose_level": 1})
+            assert r.status_code == 200 and r.json()["log_verbose_level"] == 1, r.text
+        applied = [line for line in server.logs().splitlines() if "log settings now" in line]
+        assert sorted(re.findall(r"\[worker (\d)\]", "\n".join(applied))) == ["0", "1", "2"], applied
         # Loaded in the engine alone (its lines are "[worker 0]"), once at start and once by the load.
         loaded = [line for line in server.logs().splitlines() if "loaded model demo" in line]
         reloaded = [line for line in server.logs().splitlines() if "version 1 retiring" in line]

@@ -34,6 +34,7 @@ from app.handoff.engine import EngineServer
 from app.handoff.loop import run_on_served_loop
 from app.logs import configure_logging
 from app.metrics import Metrics
+from app.protocol.v2 import log_settings
 from app.settings import Settings, load_settings
 from app.starting import Starting, StartStopped
 from app.supervisor import beat_until
@@ -73,16 +74,21 @@ async def serve(
     settings: Settings | None = None,
     beat: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
+    control: Control | None = None,
 ) -> None:
     """Load and warm the models, listen on `path`, serve until SIGTERM or SIGINT, then drain.
 
     `settings`: by default as the server reads them. `beat`: each tick of the engine's loop watch
-    (the supervisor's heartbeat). `on_ready`: called once it listens.
+    (the supervisor's heartbeat). `on_ready`: called once it listens. `control`: the supervisor's
+    pipe, whose log-settings changes (POST /v2/logging in any front) it applies too.
     """
     if settings is None:
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_format)
     engine = Engine(settings, Registry(settings, Metrics()), beat=beat)
+    if control is not None:
+        control.register(log_settings.COMMAND, log_settings.apply_command)
+        await control.open()  # a change replayed to a restarted engine applies before it serves
     await engine.start()
     await engine.until_warm()
     with contextlib.suppress(FileNotFoundError):
@@ -128,7 +134,7 @@ def engine_main(settings: Settings, conn: Connection, path: Path, replacement: b
         log.warning("engine process restarted: the fronts link to it again")
     with Starting():
         try:
-            run_on_served_loop(serve(path, settings, beat=control.heartbeat, on_ready=ready))
+            run_on_served_loop(serve(path, settings, beat=control.heartbeat, on_ready=ready, control=control))
         except StartStopped as stopped:
             log.info("%s: stopped before serving", stopped)
         except ModelLoadError as exc:
