@@ -1,6 +1,6 @@
 """Workers as fronts of one engine process (`shared_engine`, issue 30): real servers on 127.0.0.1.
 
-Answers equal to numpy through both doors with 3 fronts, statistics exact across them, and one
+Answers equal to numpy through both doors with 2 and 3 fronts, statistics exact across them, and one
 process alone mapping libtorch; a killed engine fails what is in flight with 503 and the service
 serves again once it is restarted; a killed front is replaced; a drain under load answers
 everything accepted; a model load reaches the engine once and every front sees it.
@@ -55,11 +55,12 @@ def maps_libtorch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-async def test_three_fronts_answer_through_both_doors_and_one_process_maps_torch() -> None:
-    with start_server(env={"FFN_WORKERS": "3", **SHARED}) as server:
-        wait_for_log(server, r"ready: 3 fronts and one engine process")
+@pytest.mark.parametrize("fronts", [2, 3])
+async def test_fronts_answer_through_both_doors_and_one_process_maps_torch(fronts: int) -> None:
+    with start_server(env={"FFN_WORKERS": str(fronts), **SHARED}) as server:
+        wait_for_log(server, rf"ready: {fronts} fronts and one engine process")
         processes = server.worker_pids()
-        assert len(processes) == 4  # the engine and three fronts
+        assert len(processes) == fronts + 1  # the engine and the fronts
         assert [pid for pid in processes if maps_libtorch(pid)] == [engine_pid(server)]
         assert not maps_libtorch(server.pid)  # nor the supervisor
 

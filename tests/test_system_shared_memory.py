@@ -386,14 +386,17 @@ async def test_a_shrunk_object_answers_400_and_the_server_goes_on(start_app, obj
 # ----- every worker -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_workers() -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["copies", "shared engine"])
+def two_workers(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Two workers with their own models, or two fronts of one engine process (shared_engine): the
+    regions are the workers' (the fronts read the requests) either way."""
     env = {
         "FFN_WORKERS": "2",
         "FFN_SHARED_MEMORY": "true",
         "FFN_LOG_FORMAT": "json",
         "FFN_ACCESS_LOG": "true",
         "FFN_TORCH_THREADS": "1",
+        "FFN_SHARED_ENGINE": str(request.param == "shared engine").lower(),
     }
     with start_server(env=env, ready_timeout=180) as server:
         yield server
