@@ -6,6 +6,7 @@ serves again once one is."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -202,3 +203,32 @@ async def test_an_engine_process_rereads_its_config_on_sighup_and_its_statistics
         await front.close()
         engine.terminate()
         assert await asyncio.to_thread(engine.wait, 30) == 0  # SIGTERM drains and exits 0
+
+
+async def test_no_room_in_dev_shm_is_said_by_readiness_and_each_request_not_a_crash(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full /dev/shm (Docker's 64 MiB by default) would kill the first process to write past it
+    # (SIGBUS); the arena reserves its room when it is made, so the front says why it cannot link.
+    before = set(os.listdir("/dev/shm"))
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    front = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    await front.start()
+    try:
+        await eventually(lambda: "no room in /dev/shm" in front.readiness().reason)
+        assert not front.ready and "shm_size" in front.readiness().reason
+        assert set(os.listdir("/dev/shm")) == before  # each block that found no room was removed
+        client = EngineClient(served.socket)  # a request through the hand-off: 503 naming why
+        with pytest.raises(Unavailable, match="no room in /dev/shm"):
+            await client.infer("demo", None, rows(1), F32, deadline=None)
+        await client.close()
+        monkeypatch.undo()  # room again: the front links at its next try
+        await asyncio.wait_for(front.until_warm(), 10)
+        x = rows(2, 3)
+        assert_close(await front.model("demo").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+    finally:
+        await front.close()

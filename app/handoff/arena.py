@@ -11,6 +11,7 @@ The front creates the arena (and unlinks it when done); the engine attaches by n
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -19,6 +20,10 @@ import numpy as np
 
 HEADER = struct.Struct("<QQ")  # generation, answer bytes
 _CREATED_HERE: set[str] = set()  # blocks this process created (a front and an engine in one process: tests)
+
+
+class NoRoom(Exception):
+    """/dev/shm cannot hold a new arena."""
 
 
 @dataclass
@@ -46,7 +51,23 @@ class Arena:
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> Arena:
-        memory = shared_memory.SharedMemory(create=True, size=slots * (HEADER.size + slot_bytes))
+        """A new block, its room reserved now: NoRoom if /dev/shm cannot hold it.
+
+        A shared-memory file holds no pages until they are written, and a write past what its
+        tmpfs has left (Docker gives /dev/shm 64 MiB unless told otherwise) kills the writer with
+        SIGBUS, whichever process it is. Reserved at creation, a full /dev/shm is an error here,
+        once, instead of a crash under load."""
+        size = slots * (HEADER.size + slot_bytes)
+        memory = shared_memory.SharedMemory(create=True, size=size)
+        try:
+            os.posix_fallocate(memory._fd, 0, size)  # type: ignore[attr-defined]
+        except OSError as exc:
+            memory.close()
+            memory.unlink()
+            raise NoRoom(
+                f"no room in /dev/shm for the hand-off's {size / 2**20:.0f} MiB of shared memory "
+                f"({exc.strerror}): give the container more (docker run --shm-size, compose shm_size)"
+            ) from None
         _CREATED_HERE.add(memory.name)
         return cls(memory, slots, slot_bytes, owner=True)
 

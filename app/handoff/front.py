@@ -21,7 +21,7 @@ import numpy as np
 
 from app.engine.errors import Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
-from app.handoff.arena import Arena, Slot
+from app.handoff.arena import Arena, NoRoom, Slot
 from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_from_data
 from ffn_core.dtypes import DType
@@ -144,7 +144,12 @@ class _Link:
             reader, writer = await asyncio.open_unix_connection(str(path))
         except OSError as exc:
             raise Unavailable(f"the engine is not running (it may be restarting): {exc.strerror}") from None
-        return cls(reader, writer, Arena.create(slots, slot_bytes), on_table)
+        try:
+            arena = Arena.create(slots, slot_bytes)
+        except NoRoom as exc:
+            writer.close()
+            raise Unavailable(str(exc)) from None
+        return cls(reader, writer, arena, on_table)
 
     async def control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
         ask = next(self._ids)

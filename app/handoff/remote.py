@@ -126,6 +126,7 @@ class RemoteEngine:
         self._keeping: asyncio.Task[None] | None = None
         self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
         self._hooks: list[tuple[Callable[[Any], None], bool]] = []
+        self._why_unlinked: str | None = None  # the last failed link's reason
         self._prepared: set[tuple[Any, ...]] = set()
 
     async def start(self) -> None:
@@ -201,7 +202,7 @@ class RemoteEngine:
         if self._draining:
             return DRAINING
         if not self._linked or self._table is None:
-            return NOT_LINKED
+            return self._not_linked()
         lagging = self._loop_watch.lagging()
         if lagging is not None:
             return ModelStatus(ModelState.UNAVAILABLE, lagging)
@@ -238,9 +239,15 @@ class RemoteEngine:
 
     def _rebuild(self) -> None:
         table = self._table or {"models": [], "unloaded": []}
-        unable = DRAINING if self._draining else None if self._linked else NOT_LINKED
+        unable = DRAINING if self._draining else None if self._linked else self._not_linked()
         self._models = {d["name"]: RemoteModel(self._client, d, unable) for d in table["models"]}
         self._unloaded = {d["name"]: RemoteModel(self._client, d, unable) for d in table["unloaded"]}
+
+    def _not_linked(self) -> ModelStatus:
+        """Why there is no engine: not running (the common case), or what the last try to link said."""
+        if self._why_unlinked is None or self._why_unlinked.startswith("the engine is not running"):
+            return NOT_LINKED
+        return ModelStatus(ModelState.UNAVAILABLE, self._why_unlinked)
 
     def _run_hooks(self) -> None:
         for prepare, once_per_name in self._hooks:
@@ -254,9 +261,14 @@ class RemoteEngine:
         while True:
             try:
                 ended = await self._client.linked()
-            except Unavailable:
+            except Unavailable as exc:
+                if exc.message != self._why_unlinked:  # said once, not every RETRY_S
+                    log.warning("cannot link to the engine process: %s", exc.message)
+                    self._why_unlinked = exc.message
+                    self._rebuild()
                 await asyncio.sleep(RETRY_S)
                 continue
+            self._why_unlinked = None
             await ended.wait()
             self._linked = False  # until the next engine's table: every model unavailable, not ready
             self._rebuild()
