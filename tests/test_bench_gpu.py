@@ -19,7 +19,8 @@ from ffn_core import FFNConfig, build_ffn, save_ffn
 
 @pytest.mark.server
 def test_quick_run_measures_every_part_and_writes_the_report(tmp_path, capsys):
-    assert bench_gpu.main(["--quick", "--out", str(tmp_path), "--generator", "ffn-loadtest", "--device", "cpu"]) == 0
+    args = ["--quick", "--out", str(tmp_path), "--generator", "ffn-loadtest", "--device", "cpu", "--shared-engine"]
+    assert bench_gpu.main(args) == 0
     names = {p.name for p in tmp_path.iterdir()}
     assert {"inprocess.json", "invariance.json", "service.json", "targets.json", "report.md", "gpu.png"} <= names
 
@@ -36,18 +37,41 @@ def test_quick_run_measures_every_part_and_writes_the_report(tmp_path, capsys):
 
     served = json.loads((tmp_path / "service.json").read_text())
     kinds = {(c["server"], c["rows"], c["concurrency"]) for c in served}
-    assert kinds == {("ffn", 1, 1), ("ffn", 16, 4), ("echo", 1, 1), ("echo", 16, 4)}
+    assert kinds == {(server, r, c) for server in ("ffn", "ffn+engine", "echo") for r, c in ((1, 1), (16, 4))}
     for cell in served:
         assert cell["errors"] == 0 and cell["requests_per_s"] > 0, cell
         assert cell["bytes_per_s"] == pytest.approx(cell["requests_per_s"] * 2 * (cell["rows"] * 64 * 4 + 0), rel=0.1)
-    ffn = next(c for c in served if (c["server"], c["rows"]) == ("ffn", 16))
-    assert 1 <= ffn["mean_batch_rows"] <= 64  # 4 connections of 16 rows
+    for server in ("ffn", "ffn+engine"):  # one front and its engine batch as one process does
+        ffn = next(c for c in served if (c["server"], c["rows"]) == (server, 16))
+        assert 1 <= ffn["mean_batch_rows"] <= 64  # 4 connections of 16 rows
 
     targets = json.loads((tmp_path / "targets.json").read_text())
-    assert [t["goal"] for t in targets] == ["≥ 6×", "≥ 70 %", "≤ 1 ms", "≥ 40 % of dense bf16 peak"]
+    assert [t["goal"] for t in targets] == ["≥ 6×", "≥ 70 %", "≤ 1 ms", "≥ 6×", "≤ 0.5 ms", "≥ 40 % of dense bf16 peak"]
+    assert targets[3]["met"] is None  # one front only: 8 against 1 not measured
     text = capsys.readouterr().out
     for heading in ("### In-process rows/s", "### A row batched against", "### The service against", "### Targets"):
         assert heading in text and heading in (tmp_path / "report.md").read_text()
+
+
+def test_the_shared_engines_targets_are_issue_30s():
+    cells = [
+        _service("ffn+engine", 1, 1, 2000, concurrency=1, p50=0.45),
+        _service("ffn+engine", 1, 16, 200_000),
+        _service("ffn+engine", 8, 16, 1_300_000),
+        _service("ffn+engine", 8, 1, 60_000),
+        _service("ffn+engine", 8, 256, 1, nbytes=650),
+        _service("echo", 8, 256, 1, nbytes=1000),
+    ]
+    found = {t.name: t for t in report.shared_engine_targets(cells, 64)}
+    assert found["fronts: 8 vs 1, r=16"].met and "6.50×" in found["fronts: 8 vs 1, r=16"].measured
+    assert found["fronts: 8, r=16"].met  # 1.3 M rows/s
+    assert found["fronts: 8, r=1"].met  # 60,000 req/s
+    assert (
+        found["fronts: binary r=256 vs echo bytes/s"].met is False
+        and "8 f: 65%" in found["fronts: binary r=256 vs echo bytes/s"].measured
+    )
+    assert found["fronts: r=1, one client, p50"].met  # 0.45 ms
+    assert [t.met for t in report.targets([], cells, "cpu", None, 64)][:3] == [None, None, None]  # no copies' cells
 
 
 def _service(

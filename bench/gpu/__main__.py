@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, help="use only the first N cores: half serve, half load")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak, for a GPU the table does not know")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of a bf16 forward at 8192 rows")
+    p.add_argument(
+        "--shared-engine",
+        action="store_true",
+        help="also serve as N fronts and one engine process (server ffn+engine, issue 30) at each worker count",
+    )
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument("--skip-service", action="store_true")
     p.add_argument(
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.generator,
                 progress=lambda line: print(line, flush=True),
                 measured=lambda so_far: save_cells(so_far, args.out / "service.json"),
+                servers=("ffn", service.SHARED, "echo") if args.shared_engine else ("ffn", "echo"),
             )
         env["service_dtype"] = dtype
 

@@ -49,6 +49,43 @@ def _cell(
     return None
 
 
+def shared_engine_targets(service: list[ServiceCell], concurrency: int) -> list[Target]:
+    """Issue 30's targets for its layout (N fronts, one engine process: server "ffn+engine")."""
+    shared = "ffn+engine"
+    result = []
+    one, eight = _cell(service, shared, 1, 16, concurrency), _cell(service, shared, 8, 16, concurrency)
+    if one and eight:
+        ratio = eight.rows_per_s / one.rows_per_s
+        result.append(Target("fronts: 8 vs 1, r=16", "≥ 6×", f"{ratio:.2f}×", ratio >= 6))
+        result.append(
+            Target("fronts: 8, r=16", "≥ 1,000,000 rows/s", f"{eight.rows_per_s:,.0f} rows/s", eight.rows_per_s >= 1e6)
+        )
+    else:
+        result.append(Target("fronts: 8 vs 1, r=16", "≥ 6×", "not measured (no 1- and 8-front cells)", None))
+    single = _cell(service, shared, 8, 1, concurrency)
+    if single:
+        result.append(
+            Target(
+                "fronts: 8, r=1",
+                "≥ 50,000 req/s",
+                f"{single.requests_per_s:,.0f} req/s",
+                single.requests_per_s >= 50_000,
+            )
+        )
+    shares = []
+    for workers in sorted({c.workers for c in service if c.server == shared}):
+        ffn, echo = _cell(service, shared, workers, 256, concurrency), _cell(service, "echo", workers, 256, concurrency)
+        if ffn and echo and echo.bytes_per_s > 0:
+            shares.append((workers, ffn.bytes_per_s / echo.bytes_per_s))
+    if shares:
+        text = ", ".join(f"{w} f: {share:.0%}" for w, share in shares)
+        result.append(Target("fronts: binary r=256 vs echo bytes/s", "≥ 70 %", text, min(s for _, s in shares) >= 0.7))
+    lone = _cell(service, shared, min((c.workers for c in service), default=1), 1, 1)
+    if lone:
+        result.append(Target("fronts: r=1, one client, p50", "≤ 0.5 ms", f"{lone.p50_ms:.3f} ms", lone.p50_ms <= 0.5))
+    return result
+
+
 def targets(
     inprocess: list[Cell], service: list[ServiceCell], device_name: str, peak: float | None, concurrency: int
 ) -> list[Target]:
@@ -83,6 +120,8 @@ def targets(
         result.append(Target("r=1, one client, p50", "≤ 1 ms", f"{lone.p50_ms:.3f} ms", lone.p50_ms <= 1.0))
     else:
         result.append(Target("r=1, one client, p50", "≤ 1 ms", "not measured", None))
+    if any(c.server == "ffn+engine" for c in service):
+        result.extend(shared_engine_targets(service, concurrency))
     bf16 = [c for c in inprocess if (c.mode, c.path) == ("bfloat16", "graphs")]
     at = max((c for c in bf16 if c.rows <= 8192), key=lambda c: c.rows, default=None)
     if at is None:
@@ -175,7 +214,7 @@ def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
                 )
     left.set_xscale("log", base=2)
     left.set(yscale="log", xlabel="batch rows", ylabel="rows/s", title="In-process, by precision and path")
-    for server, marker in (("ffn", "o"), ("echo", "s")):
+    for server, marker in (("ffn", "o"), ("ffn+engine", "^"), ("echo", "s")):
         for rows in sorted({c.rows for c in service if c.concurrency > 1}):
             by_workers = sorted(
                 (c for c in service if (c.server, c.rows) == (server, rows) and c.concurrency > 1),
@@ -186,7 +225,7 @@ def plot(inprocess: list[Cell], service: list[ServiceCell], path: Path) -> None:
                     [c.workers for c in by_workers],
                     [c.bytes_per_s / 1e6 for c in by_workers],
                     marker=marker,
-                    linestyle="-" if server == "ffn" else "--",
+                    linestyle="--" if server == "echo" else "-",
                     label=f"{server} r={rows}",
                 )
     right.set_xscale("log", base=2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU benchmark on a GPU machine, one command, from the repository root:
-#   bash bench/gpu/run.sh [bench.gpu options]        # e.g. --seconds 3, --skip-service, --workers 1,8
+#   bash bench/gpu/run.sh [bench.gpu options]        # e.g. --seconds 3, --skip-service, --workers 1,8, --shared-engine
 # 1. installs the wheels bench/gpu/prepare_wheels.sh put in .whl/ (for this python3) into /tmp/site,
 #    and puts .tools/ (wrk) on the PATH, where they are there (a machine that reaches no registry);
 # 2. runs the CUDA tests and the GPU path's CPU tests (graphs, streams, the warm-up check, invariance);

@@ -30,6 +30,7 @@ from ffn_client.testing import ServerProcess, metric_value, start_server
 
 LUA = Path(__file__).resolve().parents[1] / "wrk" / "post.lua"
 MODEL = "ffn"
+SHARED = "ffn+engine"  # the server kind of issue 30's layout: fronts and one engine process
 
 
 @dataclass
@@ -105,8 +106,11 @@ def model_config(folder: Path, weights: str, dtype: str) -> Path:
 
 @contextlib.contextmanager
 def serving(server: str, workers: int, cores: list[int], config: Path, torch_threads: int) -> Iterator[ServerProcess]:
-    """A ready server of `server` kind with `workers` processes, pinned to `cores`."""
-    if server == "ffn":
+    """A ready server of `server` kind with `workers` processes, pinned to `cores`.
+
+    "ffn": `workers` copies of the service; "ffn+engine": `workers` fronts and one engine process
+    (FFN_SHARED_ENGINE), the engine with the torch threads of all the cores; "echo": the baseline."""
+    if server in ("ffn", SHARED):
         env = {
             "FFN_WORKERS": str(workers),
             "FFN_TORCH_THREADS": str(torch_threads),
@@ -114,7 +118,9 @@ def serving(server: str, workers: int, cores: list[int], config: Path, torch_thr
             "OMP_NUM_THREADS": str(torch_threads),
             "FFN_MAX_QUEUE_ROWS": str(1 << 20),
         }
-        if workers == 1:
+        if server == SHARED:
+            env |= {"FFN_SHARED_ENGINE": "true", "FFN_TORCH_THREADS": "0", "OMP_NUM_THREADS": str(len(cores))}
+        elif workers == 1:
             env.pop("FFN_WORKERS")  # also where the setting does not exist yet
         with start_server(env, config, prefix=pinned(cores), ready_timeout=300.0) as process:
             yield process
@@ -281,11 +287,11 @@ def measure_cell(
     body, headers, nbytes = prepared_body(rows, d_model, folder)
     send = functools.partial(load, generator, process.url, body, headers, rows, d_model, concurrency)
     send(warm_up_seconds(seconds), client_cores)  # not counted
-    before_rows, before_batches = batch_counts(process.url) if server == "ffn" else (math.nan, math.nan)
+    before_rows, before_batches = batch_counts(process.url) if server != "echo" else (math.nan, math.nan)
     cpu_before = tree_cpu_seconds(process.pid)
     result = send(seconds, client_cores)
     cpu = tree_cpu_seconds(process.pid) - cpu_before
-    after_rows, after_batches = batch_counts(process.url) if server == "ffn" else (math.nan, math.nan)
+    after_rows, after_batches = batch_counts(process.url) if server != "echo" else (math.nan, math.nan)
     ok = result.requests - result.errors
     batches = after_batches - before_batches
     per_s = ok / result.seconds
@@ -318,8 +324,9 @@ def measure(
     generator: str,
     progress: Callable[[str], None] = print,
     measured: Callable[[list[ServiceCell]], None] | None = None,
+    servers: tuple[str, ...] = ("ffn", "echo"),
 ) -> list[ServiceCell]:
-    """Every cell: each worker count, ffn then echo, each rows; plus r=1 with one client at one worker.
+    """Every cell: each worker count, each of `servers` in turn, each rows; plus r=1 with one client at one worker.
 
     `measured` is called with the cells so far after each one, so that a run stopped at a time
     limit (the GPU machine's are short) still leaves what it measured.
@@ -330,7 +337,7 @@ def measure(
         folder = Path(tmp)
         config = model_config(folder, str(weights.resolve()), dtype)
         for workers in workers_list:
-            for server in ("ffn", "echo"):
+            for server in servers:
                 threads = max(1, len(server_cores) // workers)
                 with serving(server, workers, server_cores, config, threads) as process:
                     plan = [(rows, concurrency) for rows in rows_list]
@@ -344,7 +351,7 @@ def measure(
                         if measured is not None:
                             measured(cells)
                         progress(
-                            f"service {server:>4} workers={workers} r={rows:<4} C={c:<4} "
+                            f"service {server:>10} workers={workers} r={rows:<4} C={c:<4} "
                             f"{cell.requests_per_s:>10,.0f} req/s {cell.rows_per_s:>12,.0f} rows/s "
                             f"{cell.bytes_per_s / 1e6:>9,.1f} MB/s p50 {cell.p50_ms:.3f} ms "
                             f"p99 {cell.p99_ms:.3f} ms errors {cell.errors} "
