@@ -55,45 +55,48 @@ def maps_libtorch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-@pytest.mark.parametrize("fronts", [2, 3])
-async def test_fronts_answer_through_both_doors_and_one_process_maps_torch(fronts: int) -> None:
-    with start_server(env={"FFN_WORKERS": str(fronts), **SHARED}) as server:
-        wait_for_log(server, rf"ready: {fronts} fronts and one engine process")
-        processes = server.worker_pids()
-        assert len(processes) == fronts + 1  # the engine and the fronts
-        assert [pid for pid in processes if maps_libtorch(pid)] == [engine_pid(server)]
-        assert not maps_libtorch(server.pid)  # nor the supervisor
+async def test_three_fronts_answer_through_both_doors_and_one_process_maps_torch() -> None:
+    with start_server(env={"FFN_WORKERS": "3", **SHARED}) as server:
+        await answers_through_both_doors(server, 3)
 
-        sent = 0
-        for i in range(12):  # a connection each: the kernel spreads them over the fronts
-            x = rows(1 + i % 4, i)
-            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-                r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
-                assert r.status_code == 200, r.text
-                np.testing.assert_allclose(
-                    np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
-                )
-                body = {
-                    "inputs": [
-                        {"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
-                    ]
-                }
-                r = await client.post("/v2/models/demo/infer", json=body)
-                assert r.status_code == 200, r.text
-                y = np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(x.shape)
-                np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
-            async with stub(server.grpc_target, **{"grpc.use_local_subchannel_pool": 1, "grpc.x": i}) as s:
-                answer = await s.ModelInfer(infer_request(x))
-                np.testing.assert_allclose(output_of(answer), demo_reference(x), rtol=1e-5, atol=1e-5)
-            sent += 3
-        # The engine counts every front's requests once: statistics and /metrics agree, whichever front answers.
+
+async def answers_through_both_doors(server: ServerProcess, fronts: int) -> None:
+    """Equal to numpy through the native, V2 JSON and gRPC endpoints on connections spread over the
+    fronts; each request counted once; libtorch in the engine alone. The first demo requests sent."""
+    wait_for_log(server, rf"ready: {fronts} fronts and one engine process")
+    processes = server.worker_pids()
+    assert len(processes) == fronts + 1  # the engine and the fronts
+    assert [pid for pid in processes if maps_libtorch(pid)] == [engine_pid(server)]
+    assert not maps_libtorch(server.pid)  # nor the supervisor
+
+    sent = 0
+    for i in range(12):  # a connection each: the kernel spreads them over the fronts
+        x = rows(1 + i % 4, i)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-            stats = (await client.get("/v2/models/demo/stats")).json()["model_stats"][0]
-            assert stats["inference_stats"]["success"]["count"] == sent
-            page = (await client.get("/metrics")).text
-            assert metric_value(page, "ffn_request_seconds_count", model="demo") == sent
-            assert "ffn_build_info{" in page  # a front answers the scrape, torch unloaded
-        assert not any(maps_libtorch(pid) for pid in server.worker_pids() if pid != engine_pid(server))
+            r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(
+                np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+            )
+            body = {
+                "inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]
+            }
+            r = await client.post("/v2/models/demo/infer", json=body)
+            assert r.status_code == 200, r.text
+            y = np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(x.shape)
+            np.testing.assert_allclose(y, demo_reference(x), rtol=1e-5, atol=1e-5)
+        async with stub(server.grpc_target, **{"grpc.use_local_subchannel_pool": 1, "grpc.x": i}) as s:
+            answer = await s.ModelInfer(infer_request(x))
+            np.testing.assert_allclose(output_of(answer), demo_reference(x), rtol=1e-5, atol=1e-5)
+        sent += 3
+    # The engine counts every front's requests once: statistics and /metrics agree, whichever front answers.
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        stats = (await client.get("/v2/models/demo/stats")).json()["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == sent
+        page = (await client.get("/metrics")).text
+        assert metric_value(page, "ffn_request_seconds_count", model="demo") == sent
+        assert "ffn_build_info{" in page  # a front answers the scrape, torch unloaded
+    assert not any(maps_libtorch(pid) for pid in server.worker_pids() if pid != engine_pid(server))
 
 
 async def test_a_killed_engine_fails_in_flight_requests_and_the_service_serves_after_its_restart(
@@ -101,7 +104,7 @@ async def test_a_killed_engine_fails_in_flight_requests_and_the_service_serves_a
 ) -> None:
     config = slow_model_config(tmp_path, "max_batch_rows = 4096", with_demo=True)
     with start_server(env={"FFN_WORKERS": "2", **SHARED}, config=config) as server:
-        wait_for_log(server, r"ready: 2 fronts and one engine process")
+        await answers_through_both_doors(server, 2)  # two fronts, as three above
         first_engine = engine_pid(server)
         slow = np.ones((4096, D_MODEL), dtype=np.float32)
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -147,44 +150,7 @@ async def test_a_killed_engine_fails_in_flight_requests_and_the_service_serves_a
         assert server.stop() == 0
 
 
-async def test_a_drain_under_load_answers_everything_it_accepted() -> None:
-    with start_server(env={"FFN_WORKERS": "2", **SHARED}) as server:
-        wait_for_log(server, r"ready: 2 fronts and one engine process")
-        outcomes: list[str] = []
-        stop = asyncio.Event()
-
-        async def client_loop(seed: int) -> None:
-            x = rows(2, seed)
-            while not stop.is_set():
-                try:
-                    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-                        r = await client.post(
-                            "/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape)
-                        )
-                except httpx.ConnectError:  # refused: the port is closed, nothing was accepted
-                    outcomes.append("refused")
-                    return
-                if r.status_code == 200:
-                    np.testing.assert_allclose(
-                        np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
-                    )
-                else:
-                    assert r.status_code == 503 and r.json()["error_type"] == "unavailable", r.text
-                outcomes.append(str(r.status_code))
-
-        clients = [asyncio.create_task(client_loop(seed)) for seed in range(6)]
-        while outcomes.count("200") < 30:
-            await asyncio.sleep(0.02)
-        server.terminate()
-        code = await asyncio.to_thread(server.wait, 60)
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*clients), 60)  # a lost request would raise here (a reset)
-        assert code == 0, server.logs()
-        assert set(outcomes) <= {"200", "503", "refused"}
-        assert "still running after the drain timeout" not in server.logs()
-
-
-async def test_a_model_load_and_a_log_setting_reach_the_engine_once_and_every_front_sees_the_load(
+async def test_a_load_and_a_log_setting_reach_the_engine_once_and_a_drain_under_load_loses_nothing(
     tmp_path: Path,
 ) -> None:
     config = tmp_path / "ffn.toml"
@@ -212,3 +178,40 @@ async def test_a_model_load_and_a_log_setting_reach_the_engine_once_and_every_fr
         reloaded = [line for line in server.logs().splitlines() if "version 1 retiring" in line]
         assert len(loaded) == 1 and len(reloaded) == 1, server.logs()
         assert "[worker 0]" in loaded[0] and "[worker 0]" in reloaded[0]
+        await drain_under_load(server)
+
+
+async def drain_under_load(server: ServerProcess) -> None:
+    """SIGTERM with six clients sending: everything accepted is answered (200, or 503), exit 0."""
+    outcomes: list[str] = []
+    stop = asyncio.Event()
+
+    async def client_loop(seed: int) -> None:
+        x = rows(2, seed)
+        while not stop.is_set():
+            try:
+                async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                    r = await client.post(
+                        "/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape)
+                    )
+            except httpx.ConnectError:  # refused: the port is closed, nothing was accepted
+                outcomes.append("refused")
+                return
+            if r.status_code == 200:
+                np.testing.assert_allclose(
+                    np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+                )
+            else:
+                assert r.status_code == 503 and r.json()["error_type"] == "unavailable", r.text
+            outcomes.append(str(r.status_code))
+
+    clients = [asyncio.create_task(client_loop(seed)) for seed in range(6)]
+    while outcomes.count("200") < 30:
+        await asyncio.sleep(0.02)
+    server.terminate()
+    code = await asyncio.to_thread(server.wait, 60)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*clients), 60)  # a lost request would raise here (a reset)
+    assert code == 0, server.logs()
+    assert set(outcomes) <= {"200", "503", "refused"}
+    assert "still running after the drain timeout" not in server.logs()
