@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -429,12 +430,17 @@ async def test_batches_within_inline_rows_run_on_the_loops_thread_and_larger_one
     await batcher.stop()
 
 
+def counter(metrics: Metrics) -> Callable[[str], float]:
+    """A reader of the batcher's model series by name (0 where none was recorded yet)."""
+    return lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0
+
+
 async def test_requests_offered_together_are_one_entry_and_counted_one_by_one(executor):
     forward = RecordingForward()
     metrics = Metrics()
     batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=64)
     await batcher.start()
-    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    count = counter(metrics)
     x = rows(6)
     out = await asyncio.wait_for(batcher.submit_soon(x, requests=[1, 3, 2]), 5)
     assert torch.equal(out, x * 2 + 1)
@@ -451,7 +457,7 @@ async def test_requests_that_do_not_fit_together_are_refused_uncounted_and_fit_o
     metrics = Metrics()
     batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=4, max_queue_rows=10)
     await batcher.start()
-    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    count = counter(metrics)
     with pytest.raises(NotTogether):
         batcher.submit_soon(rows(12), requests=[4, 4, 4])  # 12 rows: the queue holds 10, each request fits
     assert batcher.queued_work == 0
@@ -468,7 +474,7 @@ async def test_a_group_refused_for_all_counts_each_request_failed(executor):
     forward = RecordingForward()
     metrics = Metrics()
     batcher = Batcher(forward, executor=executor, metrics=metrics)
-    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    count = counter(metrics)
     with pytest.raises(Unavailable):  # not started: nothing is accepted, for any of them
         batcher.submit_soon(rows(3), requests=[1, 2])
     assert count("ffn_failed_request_seconds_count") == 2
@@ -479,7 +485,7 @@ async def test_cancelling_a_future_from_submit_soon_withdraws_its_rows(executor)
     metrics = Metrics()
     batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=4)
     await batcher.start()
-    count = lambda name: metrics.registry.get_sample_value(name, {"model": "model"}) or 0.0  # noqa: E731
+    count = counter(metrics)
     blocker = await hold(forward, batcher, rows(1))
     waiting = batcher.submit_soon(rows(3), requests=[1, 2])
     assert batcher.queued_work == 3
