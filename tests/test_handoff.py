@@ -171,10 +171,15 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
     weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
     try:
         blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
-        await asyncio.sleep(0.05)  # its pass holds the model thread; what follows queues behind it
+        # Its pass holds the model thread (seconds, longer on a busy machine); what follows queues behind it.
+        async with asyncio.timeout(60):
+            while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
+                await asyncio.sleep(0.01)
         xs = [rows(2, seed) for seed in range(4)]
         members = [asyncio.create_task(client.infer("slow", None, x, F32, deadline=None)) for x in xs]
-        await asyncio.sleep(0.05)  # the four went in one frame, queued as one entry
+        async with asyncio.timeout(60):  # the four go in one frame, queued as one entry
+            while client.in_flight < 5:
+                await asyncio.sleep(0)
         assert client.in_flight == 5
         members[1].cancel()
         with pytest.raises(asyncio.CancelledError):
