@@ -1,7 +1,7 @@
 """`ffn-serve --check`: the deployment's smoke test, in this process, serving nothing.
 
-Every configured model is loaded and warmed up as the server would (the same registry and engine),
-then asked one request through the engine's facade, `ServedModel.infer`, as the doors ask it; the
+Every configured model is loaded and warmed up as the server would (the same registry and engine;
+with `devices`, on each of them in turn), then asked one request through the engine's facade, `ServedModel.infer`, as the doors ask it; the
 answer must have the request's rows and the model's width, and be finite. For a user after an
 install, a CI job after a build, or an image (`docker run --rm IMAGE --check`): exit 0 with one
 line per model on stdout, or one line on stderr saying what failed and exit 2. No port is bound.
@@ -42,7 +42,15 @@ def check(settings: Settings) -> int:
 
 
 async def _check(settings: Settings) -> list[str]:
-    registry = Registry(settings, Metrics())
+    """Every model on each engine's device (`devices`, one after the other), or where its table says."""
+    lines = []
+    for device in dict.fromkeys(settings.devices) or [None]:  # a device named twice is checked once
+        lines += await _check_on(settings, device)
+    return lines
+
+
+async def _check_on(settings: Settings, device: str | None) -> list[str]:
+    registry = Registry(settings, Metrics(), device=device)
     try:
         await asyncio.to_thread(registry.load)
     except ModelLoadError as exc:

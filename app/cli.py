@@ -143,8 +143,10 @@ def _runtime(settings: Settings) -> str:
     and the threads each worker will set; each worker names its models' devices as it loads them.
     """
     if settings.shared_engine:
+        from app.supervisor import engines_named
+
         fronts = f"{settings.workers} front{'' if settings.workers == 1 else 's'}"
-        return f"torch {metadata.version('torch')}, {fronts} and one engine process"
+        return f"torch {metadata.version('torch')}, {fronts} and {engines_named(settings)}"
     if settings.workers > 1:
         from app.supervisor import threads_per_worker
 

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -181,12 +181,12 @@ def serve_here(
     on_ready: Callable[[], None] | None = None,
     control: Control | None = None,
     starting: Starting | None = None,
-    engine_socket: Path | None = None,
+    engine_sockets: Sequence[Path] = (),
 ) -> int:
     """Load the models and serve on `listeners` until drained; the process's exit code.
 
-    `engine_socket`: serve as a front of the engine process listening there (`shared_engine`): no
-    models here, no torch; the doors reach the engine through the hand-off (app/handoff/remote.py).
+    `engine_sockets`: serve as a front of the engine processes listening there (`shared_engine`): no
+    models here, no torch; the doors reach the engines through the hand-off (app/handoff/remote.py).
 
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
     As a worker: accept nothing until warm (the port already serves through the other workers),
@@ -197,7 +197,7 @@ def serve_here(
     guard = starting or Starting()
     try:
         with guard:  # until uvicorn's handlers take over
-            prepared = _prepare(settings, listeners, metrics, on_ready, control, engine_socket)
+            prepared = _prepare(settings, listeners, metrics, on_ready, control, engine_sockets)
     except StartStopped as stopped:
         log.info("%s: stopped before serving", stopped)
         return EXIT_OK
@@ -223,13 +223,13 @@ def _prepare(
     metrics: Metrics,
     on_ready: Callable[[], None] | None,
     control: Control | None,
-    engine_socket: Path | None,
+    engine_sockets: Sequence[Path],
 ) -> DrainingServer | int:
     """The models loaded and the server built around them, ready to run; or the exit code of a failed start."""
     # Until the server runs (and reads the config file again on SIGHUP), a SIGHUP must not end the start.
     signal.signal(signal.SIGHUP, _hang_up_unless_serving)
     registry = None
-    if engine_socket is None:
+    if not engine_sockets:
         # torch and the models: only in a process that computes (a front of an engine process never imports them).
         from app.engine.registry import ModelLoadError, Registry
 
@@ -254,12 +254,12 @@ def _prepare(
         }
     )
     remote = None
-    if engine_socket is not None:
+    if engine_sockets:
         from app.handoff.front import EngineClient
         from app.handoff.remote import RemoteEngine
 
         beat = control.heartbeat if control is not None else None
-        remote = (RemoteEngine(EngineClient(engine_socket), settings, beat), metrics)
+        remote = (RemoteEngine([EngineClient(path) for path in engine_sockets], settings, beat), metrics)
     app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control, engine=remote)
     config = uvicorn.Config(
         app,

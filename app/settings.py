@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import stat
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,7 @@ MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 ROUTE_WORDS = frozenset({"stats"})
 # A Hub repository id: a name, or org/name (letters, digits, '-', '_', '.'); a revision: a branch,
 # tag or commit hash, refs/pr/N included.
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda|cuda:\d+")  # a model's device, and each of `devices`
 HF_REPO_PATTERN = r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]*/)?[A-Za-z0-9][A-Za-z0-9_.-]*$"
 HF_REVISION_PATTERN = r"^[A-Za-z0-9_.-][A-Za-z0-9_./-]*$"
 HUB_EXTRA = "pip install 'ffn-serve[hub]'"
@@ -115,7 +117,7 @@ class ModelSpec(BaseModel):
     gated: bool | None = Field(default=None, description="Gated (GLU) FFN, where the file does not say.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(default="float32", description="Compute dtype.")
     device: str = Field(
-        default="auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$", description="auto = cuda when available."
+        default="auto", pattern=rf"^({DEVICE_PATTERN.pattern})$", description="auto = cuda when available."
     )
     dropout: float | None = Field(
         default=None,
@@ -185,6 +187,13 @@ class Settings(BaseSettings):
         description="One engine process owns the models and forms every batch, and each of the `workers` is a "
         "front (the doors and the protocol, no torch, no model copy) that hands its requests to it through "
         "shared memory; with 1 worker, one front and one engine. Off: each worker serves its own copy of the models.",
+    )
+    devices: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="With shared_engine: one engine process per entry, each with every model on that device "
+        "(cpu, cuda, cuda:N; a device may be named twice), and the fronts send each request to the engine "
+        "with the fewest rows in flight. Empty: one engine, each model on its own device.",
     )
     metrics_dir: Path | None = Field(
         default=None,
@@ -446,6 +455,20 @@ class Settings(BaseSettings):
                 raise ValueError(f"{origin[:80]!r} {problem}")
         return origins
 
+    @field_validator("devices")
+    @classmethod
+    def _known_devices(cls, devices: list[str]) -> list[str]:
+        for device in devices:
+            if DEVICE_PATTERN.fullmatch(device) is None:
+                raise ValueError(f"{device[:80]!r} is not a device: auto, cpu, cuda or cuda:N")
+        return devices
+
+    @model_validator(mode="after")
+    def _devices_need_the_shared_engine(self) -> Settings:
+        if self.devices and not self.shared_engine:
+            raise ValueError("devices names the engine processes of shared_engine: set shared_engine = true too")
+        return self
+
     @field_validator("otlp_endpoint")
     @classmethod
     def _otlp_url(cls, url: str | None) -> str | None:
@@ -652,14 +675,17 @@ def _flag(name: str) -> str:
 
 
 # Readable metavars in --help, in place of pydantic-settings' type names (SecretStr, list[JSON]).
-_METAVARS = {"Path": "FILE", "SecretStr": "KEY", "list[JSON]": "JSON", "list[str]": "ORIGIN"}
+_METAVARS = {"Path": "FILE", "SecretStr": "KEY", "list[JSON]": "JSON"}
+_LIST_METAVARS = {"cors_origins": "ORIGIN", "devices": "DEVICE"}  # list[str] settings, by name
 # A plain number or text is named by the last word of its setting: --port PORT, --max-wait-ms MS.
 _UNITS = {"s": "SECONDS"}
 
 
 def _add_argument(parser: argparse.ArgumentParser, *names: str, **options: Any) -> argparse.Action:
     metavar = options.get("metavar")
-    if metavar in _METAVARS:
+    if metavar == "list[str]":
+        options["metavar"] = _LIST_METAVARS[str(options["dest"])]
+    elif metavar in _METAVARS:
         options["metavar"] = _METAVARS[metavar]
     elif metavar in ("int", "float", "str"):
         last = str(options["dest"]).rsplit("_", 1)[-1]

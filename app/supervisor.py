@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from types import FrameType
@@ -64,10 +65,31 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0
 STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backoff
 STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
 LOST_LOGGED_S = 1.0  # a stretch this long in which the supervisor did not run is logged
-ENGINE = 0  # the engine process's slot index (shared_engine); the workers' are 1 to N
+ENGINE = 0  # the (first) engine process's slot index (shared_engine); the workers' are 1 to N, more engines' N+1...
 # The broadcast commands the engine process applies too: the log settings (app/protocol/v2/log_settings.py's
 # COMMAND). The trace settings and shared-memory regions are the fronts' alone: the engine reads no request.
 ENGINE_COMMANDS = frozenset({"log_settings"})
+
+
+def engine_count(settings: Settings) -> int:
+    """shared_engine: how many engine processes, one per entry of `devices` (or one)."""
+    return max(1, len(settings.devices))
+
+
+def engines_named(settings: Settings) -> str:
+    """shared_engine's engine processes, for a log line: "one engine process", "2 engine processes (cpu, cpu)"."""
+    if len(settings.devices) < 2:
+        return "one engine process" + (f" ({settings.devices[0]})" if settings.devices else "")
+    return f"{len(settings.devices)} engine processes ({', '.join(settings.devices)})"
+
+
+def engine_settings(settings: Settings) -> Settings:
+    """The engine processes' settings: the torch threads of each one's share of this process's cores
+    (the engines compute for every front; the fronts compute nothing)."""
+    cores = len(os.sched_getaffinity(0))
+    return settings.model_copy(
+        update={"torch_threads": settings.intra_op_threads() or max(1, cores // engine_count(settings))}
+    )
 
 
 def threads_per_worker(settings: Settings) -> int:
@@ -85,17 +107,15 @@ class Supervisor:
         self._worker_settings = settings.model_copy(update={"torch_threads": self.threads})
         self._context = multiprocessing.get_context("spawn")
         self._slots = [Slot(i + 1) for i in range(settings.workers)]
-        # shared_engine: slot 0 is the engine process, started first and stopped last; the workers are fronts.
-        self._engine: Slot | None = None
-        self._engine_socket: Path | None = None
-        self._engine_stopped = False  # asked to drain, the fronts gone
+        # shared_engine: the engine processes (one, or one per entry of `devices`) are started first and
+        # stopped last; the workers are fronts. Slot 0 is the first engine, N+1... the others.
+        self._engines: list[Slot] = []
+        self._engine_sockets: list[Path] = []
+        self._engines_stopped = False  # asked to drain, the fronts gone
         if settings.shared_engine:
-            self._engine = Slot(ENGINE)
-            self._slots.insert(0, self._engine)
-            # torch threads: the engine computes for every front; the fronts compute nothing.
-            self._engine_settings = settings.model_copy(
-                update={"torch_threads": settings.intra_op_threads() or len(os.sched_getaffinity(0))}
-            )
+            self._engines = [Slot(ENGINE if k == 0 else settings.workers + k) for k in range(engine_count(settings))]
+            self._slots[:0] = self._engines
+            self._engine_settings = engine_settings(settings)
         self._folder = Path()
         self._serving = False  # every worker has been ready once
         self._stop_deadline: float | None = None
@@ -108,8 +128,8 @@ class Supervisor:
         """Supervise until stopped; the exit code for the whole service."""
         with metrics_folder(self.settings.metrics_dir) as folder, tempfile.TemporaryDirectory(prefix="ffn-") as run:
             self._folder = folder
-            # The engine's socket, in a folder only this user can open (mkdtemp makes it 0700).
-            self._engine_socket = Path(run) / "engine.sock"
+            # The engines' sockets, in a folder only this user can open (mkdtemp makes it 0700).
+            self._engine_sockets = [Path(run) / f"engine-{k}.sock" for k in range(len(self._engines))]
             return self._run()
 
     def _run(self) -> int:
@@ -211,25 +231,26 @@ class Supervisor:
     def _start(self, slot: Slot) -> None:
         ours, theirs = self._context.Pipe(duplex=True)
         replacement = slot.failures > 0 or slot.ready
-        if slot is self._engine:
+        if slot in self._engines:
+            k = self._engines.index(slot)
             process = self._context.Process(
                 target=engine_entry,
-                name="ffn-engine",
-                args=(self._engine_settings, theirs, self._engine_socket, replacement),
+                name=f"ffn-engine-{k}",
+                args=(self._engine_settings, theirs, self._engine_sockets[k], replacement, slot.index, self._device(k)),
             )
         else:
             process = self._context.Process(
                 target=worker_main,
                 name=f"ffn-worker-{slot.index}",
-                args=(self._worker_settings, self.listeners, theirs, slot.index, replacement, self._engine_socket),
+                args=(self._worker_settings, self.listeners, theirs, slot.index, replacement, self._engine_sockets),
             )
         process.start()
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
         slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
         slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
-        log.info("%s started (pid %d)", _named(slot), process.pid)
+        log.info("%s started (pid %d)", self._named(slot), process.pid)
         self._record_processes()
-        self._relay.started(slot, ENGINE_COMMANDS if slot is self._engine else None)
+        self._relay.started(slot, ENGINE_COMMANDS if slot in self._engines else None)
 
     def _receive(self, slot: Slot) -> None:
         """Read all that the worker's pipe holds (beats queued while this loop did not run count before
@@ -259,14 +280,14 @@ class Supervisor:
     def _ready(self, slot: Slot) -> None:
         slot.ready, slot.ready_at = True, time.monotonic()
         slot.beat_at = slot.ready_at
-        log.info("%s (pid %s) ready", _named(slot), slot.pid)
+        log.info("%s (pid %s) ready", self._named(slot), slot.pid)
         # A worker that finishes warming up after the stop began announces nothing: the listening
         # sockets are closed by then, and the service is not starting but stopping.
         if not self._serving and self._stop_deadline is None and all(s.ready for s in self._slots):
             self._serving = True
             log_start(self.settings, self.listeners)
-            if self._engine is not None:
-                log.info("ready: %d fronts and one engine process", len(self._slots) - 1)
+            if self._engines:
+                log.info("ready: %d fronts and %s", self.settings.workers, engines_named(self.settings))
             else:
                 log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
@@ -278,7 +299,7 @@ class Supervisor:
             judged = verdict(slot, self.settings)
             if judged is None or now < judged.at or slot.process is None:
                 continue
-            log.error("%s (pid %s) %s", _named(slot), slot.pid, reason(slot, judged.what, now, self.settings))
+            log.error("%s (pid %s) %s", self._named(slot), slot.pid, reason(slot, judged.what, now, self.settings))
             if judged.kill:
                 slot.killed = True
                 slot.process.kill()
@@ -304,11 +325,11 @@ class Supervisor:
             self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
             if not stopped_cleanly:
-                log.warning("%s (pid %d) %s while stopping", _named(slot), process.pid, how)
+                log.warning("%s (pid %d) %s while stopping", self._named(slot), process.pid, how)
                 self._exit_code = EXIT_START_FAILED
             return
         if not self._serving:
-            log.error("%s (pid %d) %s while starting: stopping the service", _named(slot), process.pid, how)
+            log.error("%s (pid %d) %s while starting: stopping the service", self._named(slot), process.pid, how)
             self._exit_code = code if code and code > 0 else EXIT_START_FAILED
             self._stop(None)
             return
@@ -317,19 +338,19 @@ class Supervisor:
         slot.failures += 1
         delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
-        log.error("%s (pid %d) %s; starting another in %.1f s", _named(slot), process.pid, how, delay)
+        log.error("%s (pid %d) %s; starting another in %.1f s", self._named(slot), process.pid, how, delay)
 
     def _hang_up(self) -> None:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
         if self._stop_deadline is not None:
             return
-        if self._engine is not None:
-            engine = self._engine
-            if engine.ready and engine.process is not None and engine.pid is not None and engine.process.is_alive():
-                log.info("received SIGHUP: the engine process reads the config file again")
-                os.kill(engine.pid, signal.SIGHUP)
-            else:
-                log.warning("received SIGHUP with the engine process not ready: ignored")
+        if self._engines:
+            for engine in self._engines:
+                if engine.ready and engine.process is not None and engine.pid is not None and engine.process.is_alive():
+                    log.info("received SIGHUP: %s reads the config file again", self._named(engine))
+                    os.kill(engine.pid, signal.SIGHUP)
+                else:
+                    log.warning("received SIGHUP with %s not ready: ignored there", self._named(engine))
             return
         slot = next((s for s in self._slots if s.ready and s.process is not None and s.process.is_alive()), None)
         if slot is None or slot.pid is None:
@@ -348,36 +369,46 @@ class Supervisor:
             for slot in self._slots:
                 slot.restart_at = None
         for slot in self._slots:
-            if slot is not self._engine and slot.process is not None and slot.process.is_alive():
+            if slot not in self._engines and slot.process is not None and slot.process.is_alive():
                 slot.process.terminate()
         self._stop_engine_after_fronts()
 
     def _stop_engine_after_fronts(self) -> None:
-        """The engine drains last: once every front has finished what it accepted (and handed to the engine)."""
-        engine = self._engine
-        if engine is None or engine.process is None or not engine.process.is_alive() or self._engine_stopped:
+        """The engines drain last: once every front has finished what it accepted (and handed to them)."""
+        if not self._engines or self._engines_stopped:
             return
-        if any(slot.process is not None for slot in self._slots if slot is not engine):
+        if any(slot.process is not None for slot in self._slots if slot not in self._engines):
             return
-        self._engine_stopped = True
-        engine.process.terminate()
+        self._engines_stopped = True
+        for engine in self._engines:
+            if engine.process is not None and engine.process.is_alive():
+                engine.process.terminate()
 
     def _kill_the_rest(self) -> None:
         for slot in self._slots:
             if slot.process is not None and slot.process.is_alive():
-                log.error("%s (pid %s) still running after the drain timeout: killing it", _named(slot), slot.pid)
+                log.error("%s (pid %s) still running after the drain timeout: killing it", self._named(slot), slot.pid)
                 slot.process.kill()
                 self._exit_code = EXIT_START_FAILED
         self._stop_deadline = time.monotonic() + STOP_MARGIN_S
+
+    def _device(self, k: int) -> str | None:
+        """Where engine `k` computes every model (`devices`); None: each model where its table says."""
+        return self.settings.devices[k] if self.settings.devices else None
+
+    def _named(self, slot: Slot) -> str:
+        """How the log names the process in `slot`: "worker 2", "engine process", or "engine process 1 (cuda:1)"."""
+        if slot not in self._engines:
+            return f"worker {slot.index}"
+        if len(self._engines) == 1:
+            return "engine process"
+        k = self._engines.index(slot)
+        return f"engine process {k} ({self.settings.devices[k]})"
 
     def _record_processes(self) -> None:
         write_processes(
             self._folder, os.getpid(), [pid for pid in (slot.pid for slot in self._slots) if pid is not None]
         )
-
-
-def _named(slot: Slot) -> str:
-    return "engine process" if slot.index == ENGINE else f"worker {slot.index}"
 
 
 def _describe_exit(code: int | None) -> str:
@@ -389,11 +420,15 @@ def _describe_exit(code: int | None) -> str:
 # ----- in the worker process -----------------------------------------------------------------
 
 
-def engine_entry(settings: Settings, conn: Connection, path: Path, replacement: bool) -> None:
-    """The engine process's life (shared_engine): app/handoff/engine_process.py, imported here, in it alone."""
+def engine_entry(
+    settings: Settings, conn: Connection, path: Path, replacement: bool, index: int, device: str | None
+) -> None:
+    """An engine process's life (shared_engine): app/handoff/engine_process.py, imported here, in it alone.
+    `index`: its slot's, the number its log lines carry; `device`: where it computes every model (None:
+    where each model's table says)."""
     from app.handoff.engine_process import engine_main  # torch: in the engine, never the supervisor
 
-    engine_main(settings, conn, path, replacement)
+    engine_main(settings, conn, path, replacement, index, device)
 
 
 def worker_main(
@@ -402,11 +437,11 @@ def worker_main(
     conn: Connection,
     index: int,
     replacement: bool,
-    engine_socket: Path | None = None,
+    engine_sockets: Sequence[Path] = (),
 ) -> None:
     """A worker's whole life: load, warm up, say ready, serve until drained; exits with serve_here's code.
 
-    With shared_engine it is a front of the engine process at `engine_socket`: no models, no torch."""
+    With shared_engine it is a front of the engine processes listening at `engine_sockets`: no models, no torch."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
     configure_logging(settings.log_level, settings.log_format, worker=index)
     control = Control(worker=index, conn=conn)
@@ -435,7 +470,7 @@ def worker_main(
             on_ready=ready,
             control=control,
             starting=starting,
-            engine_socket=engine_socket if settings.shared_engine else None,
+            engine_sockets=engine_sockets if settings.shared_engine else (),
         )
     sys.exit(code)
 

@@ -101,3 +101,15 @@ def test_help_lists_check() -> None:
     result = subprocess.run([sys.executable, "-m", "app.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
     assert "--check" in result.stdout and "Smoke test" in result.stdout
+
+
+def test_check_with_devices_places_every_model_on_each_engines_device(tmp_path: Path) -> None:
+    # The table says cpu; the engines of `devices` compute on theirs, so the check loads it there: a GPU
+    # that is not there (no CUDA here; on a GPU machine, no 8th GPU) fails it, naming the device.
+    (tmp_path / "ffn.toml").write_text('[[models]]\nname = "demo"\ndevice = "cpu"\n')
+    result = run_check(
+        "--config", str(tmp_path / "ffn.toml"), "--shared-engine", "--devices", "cpu", "--devices", "cuda:7"
+    )
+    assert result.returncode == 2, result.stdout
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("ffn-serve --check: model 'demo': ") and "device 'cuda:7' requested but" in line, line

@@ -62,7 +62,7 @@ async def served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterat
 
 @pytest.fixture
 async def front(served: Served) -> AsyncIterator[RemoteEngine]:
-    remote = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    remote = RemoteEngine([EngineClient(served.socket)], served.engine.settings)
     await remote.start()
     await asyncio.wait_for(remote.until_warm(), 10)
     yield remote
@@ -107,7 +107,7 @@ async def test_the_front_sees_the_engines_models_as_the_engine_does(served: Serv
 async def test_model_control_reaches_the_engine_once_and_every_front_sees_it(
     served: Served, front: RemoteEngine
 ) -> None:
-    other_front = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    other_front = RemoteEngine([EngineClient(served.socket)], served.engine.settings)
     await other_front.start()
     await asyncio.wait_for(other_front.until_warm(), 10)
     try:
@@ -177,7 +177,7 @@ async def test_an_engine_process_rereads_its_config_on_sighup_and_its_statistics
         MULTIPROCESS_VARIABLE: str(folder),  # as the supervisor gives every process it starts
     }
     engine = await asyncio.to_thread(launch, tmp_path / "engine.sock", env)
-    front = RemoteEngine(EngineClient(tmp_path / "engine.sock"), load_settings())
+    front = RemoteEngine([EngineClient(tmp_path / "engine.sock")], load_settings())
     try:
         await front.start()
         await asyncio.wait_for(front.until_warm(), 30)
@@ -216,7 +216,7 @@ async def test_no_room_in_dev_shm_is_said_by_readiness_and_each_request_not_a_cr
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    front = RemoteEngine(EngineClient(served.socket), served.engine.settings)
+    front = RemoteEngine([EngineClient(served.socket)], served.engine.settings)
     await front.start()
     try:
         await eventually(lambda: "no room in /dev/shm" in front.readiness().reason)

@@ -224,3 +224,69 @@ async def drain_under_load(server: ServerProcess) -> None:
     after = [outcome for at, outcome in outcomes if at >= sigterm_at]
     assert set(after) <= {"200", "503", "ConnectError", "RemoteProtocolError", "ReadError"}, Counter(after)
     assert "still running after the drain timeout" not in server.logs()
+
+
+async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_engine_reach_both() -> None:
+    """`devices` = cpu twice: two engine processes (libtorch in them alone); requests spread over both,
+    answers equal to numpy; a model load and a log setting applied by each; one engine killed, the
+    fronts serve through the other while it restarts."""
+    env = {"FFN_WORKERS": "2", "FFN_DEVICES": '["cpu", "cpu"]', "FFN_MODEL_CONTROL": "explicit", **SHARED}
+    with start_server(env=env) as server:
+        wait_for_log(server, r"ready: 2 fronts and 2 engine processes \(cpu, cpu\)")
+        engines = {
+            int(k): int(pid)
+            for k, pid in re.findall(r"engine process (\d) \(cpu\) started \(pid (\d+)\)", server.logs())
+        }
+        assert sorted(engines) == [0, 1]
+        assert sorted(pid for pid in server.worker_pids() if maps_libtorch(pid)) == sorted(engines.values())
+
+        before = {k: cpu_seconds(pid) for k, pid in engines.items()}
+        inputs = [rows(256, seed) for seed in range(24)]
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+                    for x in inputs
+                )
+            )
+            for x, r in zip(inputs, answers, strict=True):
+                assert r.status_code == 200, r.text
+                np.testing.assert_allclose(
+                    np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+                )
+            # Each engine computed a share: 24 passes' worth of 256 rows (0.27 GFLOP each) is seconds of
+            # CPU; an idle engine spends milliseconds on its heartbeats in that time.
+            spent = {k: cpu_seconds(pid) - before[k] for k, pid in engines.items()}
+            assert min(spent.values()) > 0.1, spent
+
+            r = await client.post("/v2/repository/models/demo/load")
+            assert r.status_code == 200, r.text
+            assert (await client.get("/v2/models/demo")).json()["versions"] == ["2"]
+            r = await client.post("/v2/logging", json={"log_verbose_level": 1})
+            assert r.status_code == 200, r.text
+        for pattern in (r"\[worker (\d)\] .*version 1 retiring", r"\[worker (\d)\] .*log settings now"):
+            said_by = sorted(re.findall(pattern, server.logs()))
+            expected = ["0", "3"] if "retiring" in pattern else ["0", "1", "2", "3"]  # engines 0 and 1 are slots 0, 3
+            assert said_by == expected, (pattern, server.logs())
+
+        mark = len(server.logs())
+        os.kill(engines[0], signal.SIGKILL)
+        for _ in range(2):  # both fronts see its link end, and send to engine 1 alone until it is back
+            mark = wait_for_log(server, r"the link to engine process 0 ended", after=mark).end() + mark
+        x = rows(5, 11)
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            assert (await client.get("/v2/health/ready")).status_code == 200
+            for _ in range(10):
+                r = await client.post("/v1/models/demo/transform", content=x.tobytes(), headers=raw_headers(x.shape))
+                assert r.status_code == 200, r.text
+                np.testing.assert_allclose(
+                    np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
+                )
+        wait_for_log(server, r"engine process 0 \(cpu\) \(pid \d+\) ready")
+        assert server.stop() == 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

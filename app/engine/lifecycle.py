@@ -39,7 +39,6 @@ from app.engine.batcher import OUT_OF_MEMORY
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry, ServedModel, model_digest, place, read_weights
 from app.engine.repository import WeightsFile
-from app.engine.runner import resolve_device
 from app.metrics import OTHER_MODELS
 from app.settings import ModelSpec
 from ffn_core import FeedForward, WeightsError
@@ -197,7 +196,7 @@ class Lifecycle:
     ) -> ServedModel:
         what = source.path if source is not None else "the built-in demo weights"
         try:
-            device = resolve_device(spec.device)
+            device = self._registry.device_of(spec)
         except ValueError as exc:
             raise LoadFailed(str(exc)) from None
         with _loader_thread() as loader:

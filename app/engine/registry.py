@@ -410,9 +410,11 @@ def build_runner(model: FeedForward, settings: Settings) -> ModelRunner:
 class Registry:
     """Name -> ServedModel (and the names unloaded), plus one executor thread per device shared by its models."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, device: str | None = None) -> None:
+        """`device`: where every model is computed, whatever its table says (an engine process of `devices`)."""
         self.settings = settings
         self.metrics = metrics
+        self.device = device
         self._instruments: dict[str, ModelInstruments] = {}
         self.models: dict[str, ServedModel] = {}
         self.unloaded: dict[str, UnloadedModel] = {}
@@ -425,7 +427,7 @@ class Registry:
         for spec in s.served_models():
             what = described_source(spec)
             try:
-                device = resolve_device(spec.device)
+                device = self.device_of(spec)
                 path = weights_path(spec)
                 source = None if path is None else WeightsFile.of(path)
                 model, digest = load_weights(spec, device, fuse=s.fuse_gate, path=path)
@@ -436,6 +438,11 @@ class Registry:
             served = self.build(spec, model, version=1, source=source, digest=digest)
             self.serve(served)
             log.info("loaded model %s", served.summary())
+
+    def device_of(self, spec: ModelSpec) -> torch.device:
+        """Where `spec`'s model is computed: this registry's device if it has one, else the table's.
+        ValueError if it names a GPU that is not there."""
+        return resolve_device(self.device or spec.device)
 
     def build(
         self, spec: ModelSpec, model: FeedForward, *, version: int, source: WeightsFile | None, digest: str

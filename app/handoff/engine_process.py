@@ -75,17 +75,19 @@ async def serve(
     beat: Callable[[], None] | None = None,
     on_ready: Callable[[], None] | None = None,
     control: Control | None = None,
+    device: str | None = None,
 ) -> None:
     """Load and warm the models, listen on `path`, serve until SIGTERM or SIGINT, then drain.
 
     `settings`: by default as the server reads them. `beat`: each tick of the engine's loop watch
     (the supervisor's heartbeat). `on_ready`: called once it listens. `control`: the supervisor's
-    pipe, whose log-settings changes (POST /v2/logging in any front) it applies too.
+    pipe, whose log-settings changes (POST /v2/logging in any front) it applies too. `device`: where
+    every model is computed, whatever its table says (one engine per entry of `devices`).
     """
     if settings is None:
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_format)
-    engine = Engine(settings, Registry(settings, Metrics()), beat=beat)
+    engine = Engine(settings, Registry(settings, Metrics(), device=device), beat=beat)
     if control is not None:
         control.register(log_settings.COMMAND, log_settings.apply_command)
         await control.open()  # a change replayed to a restarted engine applies before it serves
@@ -116,12 +118,15 @@ async def serve(
     await engine.stop()
 
 
-def engine_main(settings: Settings, conn: Connection, path: Path, replacement: bool) -> None:
-    """The supervisor's engine process (`shared_engine`): load, warm up, listen on `path`, say ready, serve
-    until drained. Its heartbeats and readiness reach the supervisor as a worker's do."""
+def engine_main(
+    settings: Settings, conn: Connection, path: Path, replacement: bool, index: int = 0, device: str | None = None
+) -> None:
+    """One of the supervisor's engine processes (`shared_engine`): load, warm up, listen on `path`, say
+    ready, serve until drained. Its heartbeats and readiness reach the supervisor as a worker's do.
+    `index`: its slot's number, which its log lines carry; `device`: serve's."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor alone, which passes one SIGTERM on
-    configure_logging(settings.log_level, settings.log_format, worker=0)
-    control = Control(worker=0, conn=conn)
+    configure_logging(settings.log_level, settings.log_format, worker=index)
+    control = Control(worker=index, conn=conn)
     control.serve_pipe()  # also: when the supervisor is gone, this process drains and exits
     started = threading.Event()
 
@@ -134,7 +139,9 @@ def engine_main(settings: Settings, conn: Connection, path: Path, replacement: b
         log.warning("engine process restarted: the fronts link to it again")
     with Starting():
         try:
-            run_on_served_loop(serve(path, settings, beat=control.heartbeat, on_ready=ready, control=control))
+            run_on_served_loop(
+                serve(path, settings, beat=control.heartbeat, on_ready=ready, control=control, device=device)
+            )
         except StartStopped as stopped:
             log.info("%s: stopped before serving", stopped)
         except ModelLoadError as exc:

@@ -29,6 +29,10 @@ from ffn_core.dtypes import DType
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
 
 
+class EngineNotRunning(Unavailable):
+    """Nothing listens on the engine's socket: it is starting, or restarting after it died."""
+
+
 @dataclass
 class Pending:
     answer: asyncio.Future[list[np.ndarray]]
@@ -55,6 +59,9 @@ class EngineClient:
         self.on_table = on_table
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
+        # Rows (times passes, for Monte Carlo) sent and not yet answered: how busy this front keeps
+        # the engine, by which a front of several engines picks the least loaded (app/handoff/remote.py).
+        self.rows_in_flight = 0
 
     async def linked(self) -> asyncio.Event:
         """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
@@ -78,7 +85,12 @@ class EngineClient:
     ) -> np.ndarray:
         """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`."""
         link = await self._connected()
-        (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None)
+        load = len(rows)
+        self.rows_in_flight += load
+        try:
+            (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None)
+        finally:
+            self.rows_in_flight -= load
         return answer
 
     async def infer_monte_carlo(
@@ -92,7 +104,12 @@ class EngineClient:
         deadline: float | None,
     ) -> MonteCarloResult:
         link = await self._connected()
-        mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request)
+        load = len(rows) * request.passes
+        self.rows_in_flight += load
+        try:
+            mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request)
+        finally:
+            self.rows_in_flight -= load
         return MonteCarloResult(mean, std)
 
     @property
@@ -143,7 +160,7 @@ class _Link:
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
         except OSError as exc:
-            raise Unavailable(f"the engine is not running (it may be restarting): {exc.strerror}") from None
+            raise EngineNotRunning(f"the engine is not running (it may be restarting): {exc.strerror}") from None
         try:
             arena = Arena.create(slots, slot_bytes)
         except NoRoom as exc:

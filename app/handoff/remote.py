@@ -1,20 +1,25 @@
-"""RemoteEngine: the engine facade (app/engine/facade.py) of an engine in another process, for a front.
+"""RemoteEngine: the engine facade (app/engine/facade.py) of engines in other processes, for a front.
 
 The doors and the protocol core know the engine only through its facade; a front process serves
-them this one instead of an in-process Engine. No torch: the models are the engine's table (sent
-after each connection and whenever it changes, engine.py's `engine_table`), their work goes
-through the hand-off (`EngineClient`), and model control is a message the engine answers.
+them this one instead of an in-process Engine. No torch: the models are the engines' tables (sent
+after each connection and whenever one changes, engine.py's `engine_table`), their work goes
+through the hand-off (`EngineClient`), and model control is a message each engine answers.
 
-While no engine is linked (it is starting, or restarting after it died), the front is not ready:
-readiness says why, every model is unavailable (503), and a task links again every RETRY_S.
+Several engines (one per entry of `devices`) serve the same models: a request goes to the one,
+among those whose copy is ready, with the fewest rows in flight from this front (ties taken in
+turn), and a model load or unload goes to every one. While no engine is linked (starting, or
+restarting after it died), the front is not ready: readiness says why, every model is unavailable
+(503), and a task per engine links again every RETRY_S; while one of several is linked, the front
+serves through it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +31,7 @@ from app.engine.loop_watch import LoopWatch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
-from app.handoff.front import EngineClient
+from app.handoff.front import EngineClient, EngineNotRunning
 from app.settings import Settings
 from ffn_core.dtypes import DTYPES, DType
 
@@ -63,12 +68,16 @@ class RemoteShape:
 
 
 class RemoteModel:
-    """One model of the engine's table: its description, and its work sent to the engine."""
+    """One model of the engines' tables: its description, and its work sent to one of the engines serving it."""
 
-    def __init__(self, client: EngineClient, description: dict[str, Any], unable: ModelStatus | None = None) -> None:
-        """`unable`: the status this front gives it whatever the engine says (no engine linked, draining)."""
-        self._client = client
+    def __init__(self, copies: Sequence[tuple[EngineClient, dict[str, Any], ModelStatus]]) -> None:
+        """`copies`: the model in each engine whose table lists it, with the status this front gives that copy."""
+        self._clients = [client for client, _, status in copies if status.ready]
+        self._turn = itertools.count()
+        # The doors describe the model by a copy that serves (the engines load one config alike).
+        _, description, self.status = next((copy for copy in copies if copy[2].ready), copies[0])
         self._description = description
+        self._client = self._clients[0] if self._clients else copies[0][0]
         self.name: str = description["name"]
         self.version: int = description["version"]
         self.digest: str = description["digest"]
@@ -80,7 +89,6 @@ class RemoteModel:
         )
         self.device = RemoteDevice.parse(description["device"])
         self.weight_bytes: int = description.get("weight_bytes", 0)
-        self.status = unable or ModelStatus(ModelState(description["state"]), description["reason"] or "")
 
     def describe(self) -> dict[str, Any]:
         """The model as GET /v1/models lists it: the engine's description (and its state here)."""
@@ -94,48 +102,85 @@ class RemoteModel:
         if not self.status.ready:
             raise not_ready_error(self.name, self.status)
 
+    def _least_loaded(self) -> EngineClient:
+        """The engine with the fewest of this front's rows in flight, among those whose copy serves;
+        ties in turn, so that light traffic reaches (and keeps warm) every engine."""
+        clients = self._clients
+        if len(clients) < 2:
+            return self._client
+        first = next(self._turn) % len(clients)
+        return min(clients[first:] + clients[:first], key=lambda client: client.rows_in_flight)
+
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
-        return await self._client.infer(self.name, None, rows, answer_dtype, deadline=deadline)
+        return await self._least_loaded().infer(self.name, None, rows, answer_dtype, deadline=deadline)
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
     ) -> MonteCarloResult:
-        return await self._client.infer_monte_carlo(self.name, None, rows, request, answer_dtype, deadline=deadline)
+        client = self._least_loaded()
+        return await client.infer_monte_carlo(self.name, None, rows, request, answer_dtype, deadline=deadline)
+
+
+class _Linked:
+    """What a front knows of one engine process: its client, the last table it sent, whether it is linked."""
+
+    def __init__(self, client: EngineClient, name: str) -> None:
+        self.client = client
+        self.name = name  # "the engine process", or "engine process 1" of several
+        self.table: dict[str, Any] | None = None
+        self.linked = False
+        self.failure: Unavailable | None = None  # why the last try to link failed; None: it did not
+
+    def not_linked(self) -> ModelStatus:
+        """Why this engine serves nothing: not running (the common case), or what the last try to link said."""
+        if self.failure is None or isinstance(self.failure, EngineNotRunning):
+            return NOT_LINKED
+        return ModelStatus(ModelState.UNAVAILABLE, self.failure.message)
 
 
 class RemoteEngine:
-    """The facade of the engine listening where `client` connects, with the lifecycle a served process
-    runs its engine by (app/main.py, app/server.py): start, until_warm, drain, stop.
+    """The facade of the engines listening where `clients` connect (one, or one per device), with the
+    lifecycle a served process runs its engine by (app/main.py, app/server.py): start, until_warm,
+    drain, stop.
 
     `beat`: called on every tick of this process's loop watch (a worker's heartbeat to the supervisor).
     """
 
-    batches_here = False  # the engine process forms them
+    batches_here = False  # the engine processes form them
 
-    def __init__(self, client: EngineClient, settings: Settings, beat: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, clients: Sequence[EngineClient], settings: Settings, beat: Callable[[], None] | None = None
+    ) -> None:
+        if not clients:
+            raise ValueError("a front needs at least one engine")
         self.settings = settings
-        self._client = client
-        client.on_table = self._take_table
-        self._table: dict[str, Any] | None = None
-        self._linked = False
+        several = len(clients) > 1
+        self._engines = [
+            _Linked(client, f"engine process {k}" if several else "the engine process")
+            for k, client in enumerate(clients)
+        ]
+        for engine in self._engines:
+            engine.client.on_table = functools.partial(self._take_table, engine)
         self._draining = False
         self._models: dict[str, RemoteModel] = {}
         self._unloaded: dict[str, RemoteModel] = {}
         self._tables = asyncio.Event()  # set at each table: until_warm waits on it
         self._start_stopped = asyncio.Event()
-        self._keeping: asyncio.Task[None] | None = None
+        self._keeping: list[asyncio.Task[None]] = []
         self._loop_watch = LoopWatch(settings.max_loop_lag_s, beat)
         self._hooks: list[tuple[Callable[[Any], None], bool]] = []
-        self._why_unlinked: str | None = None  # the last failed link's reason
         self._prepared: set[tuple[Any, ...]] = set()
 
     async def start(self) -> None:
-        """Link, and keep linking whenever the link ends; ready once the engine's table says so (until_warm)."""
+        """Link, and keep linking whenever a link ends; ready once an engine's table says so (until_warm)."""
         self._loop_watch.start()
-        self._keeping = asyncio.create_task(self._keep_linked(), name="handoff-link")
+        self._keeping = [
+            asyncio.create_task(self._keep_linked(engine), name=f"handoff-link-{k}")
+            for k, engine in enumerate(self._engines)
+        ]
 
     async def until_warm(self) -> None:
-        """Wait until the engine is linked and ready (or the start is stopped: `stop_starting`)."""
+        """Wait until an engine is linked and ready (or the start is stopped: `stop_starting`)."""
         while not self.ready and not self._start_stopped.is_set():
             self._tables.clear()
             stopped = asyncio.ensure_future(self._start_stopped.wait())
@@ -151,12 +196,12 @@ class RemoteEngine:
 
     async def drain(self) -> bool:
         """Take no new work (readiness and new requests turn 503), then wait for what this front has in
-        the engine; True if it was all answered within the drain timeout. The engine drains on its own."""
+        the engines; True if it was all answered within the drain timeout. The engines drain on their own."""
         self._draining = True
         self._rebuild()
         try:
             async with asyncio.timeout(self.settings.drain_timeout_s):
-                while self._client.in_flight:
+                while any(engine.client.in_flight for engine in self._engines):
                     await asyncio.sleep(0.01)
         except TimeoutError:
             return False
@@ -167,14 +212,14 @@ class RemoteEngine:
         await self.close()
 
     async def close(self) -> None:
-        if self._keeping is not None:
-            self._keeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeping
-        await self._client.close()
+        for task in self._keeping:
+            task.cancel()
+        await asyncio.gather(*self._keeping, return_exceptions=True)
+        for engine in self._engines:
+            await engine.client.close()
 
     async def apply_config_file(self) -> None:
-        log.warning("SIGHUP ignored by a front: the engine process reads the config file (send it SIGHUP)")
+        log.warning("SIGHUP ignored by a front: the engine processes read the config file (send them SIGHUP)")
 
     def on_serving(self, prepare: Callable[[Any], None], *, once_per_name: bool = False) -> None:
         """Call `prepare(model)` for every model served now and each one a later table adds (each version,
@@ -199,15 +244,17 @@ class RemoteEngine:
         return [*self._models.values(), *self._unloaded.values()]
 
     def readiness(self) -> ModelStatus:
+        """Ready while one engine is linked and ready: a front of several serves through those that are."""
         if self._draining:
             return DRAINING
-        if not self._linked or self._table is None:
-            return self._not_linked()
+        tabled = [engine.table for engine in self._engines if engine.linked and engine.table is not None]
+        if not tabled:
+            return self._engines[0].not_linked()
         lagging = self._loop_watch.lagging()
         if lagging is not None:
             return ModelStatus(ModelState.UNAVAILABLE, lagging)
-        state, reason = self._table["readiness"]
-        return ModelStatus(ModelState(state), reason)
+        statuses = [ModelStatus(ModelState(state), reason) for state, reason in (t["readiness"] for t in tabled)]
+        return next((status for status in statuses if status.ready), statuses[0])
 
     @property
     def ready(self) -> bool:
@@ -215,39 +262,55 @@ class RemoteEngine:
 
     @property
     def cuda_available(self) -> bool:
-        return bool(self._table and self._table["cuda"])
+        return any(engine.table and engine.table["cuda"] for engine in self._engines)
 
     async def load(self, name: str, config: str | None = None) -> dict[str, Any]:
-        return await self._client.control("load", {"name": name, "config": config})
+        return await self._control("load", {"name": name, "config": config})
 
     async def unload(self, name: str) -> dict[str, Any]:
-        return await self._client.control("unload", {"name": name})
+        return await self._control("unload", {"name": name})
 
     def count_refused_load(self, name: str) -> None:
-        """Counted by the engine, which keeps the model-load series; lost while no engine is linked."""
-        if not self._client.tell("refused_load", {"name": name}):
+        """Counted by an engine, which keeps the model-load series; lost while none is linked."""
+        if not any(engine.client.tell("refused_load", {"name": name}) for engine in self._engines):
             log.warning("a refused load of %r was not counted: no engine is linked", name[:100])
 
-    # ----- the link --------------------------------------------------------------------------
+    async def _control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A model control applied by every engine: the first's result, or the first error any raised
+        (an engine not running refuses it: it loads its configured models again when it starts)."""
+        results = await asyncio.gather(
+            *(engine.client.control(what, arguments) for engine in self._engines), return_exceptions=True
+        )
+        answers = []
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+            answers.append(result)
+        return answers[0]
 
-    def _take_table(self, table: dict[str, Any]) -> None:
-        self._table = table
-        self._linked = True
+    # ----- the links -------------------------------------------------------------------------
+
+    def _take_table(self, engine: _Linked, table: dict[str, Any]) -> None:
+        engine.table = table
+        engine.linked = True
         self._rebuild()
         self._run_hooks()
         self._tables.set()
 
     def _rebuild(self) -> None:
-        table = self._table or {"models": [], "unloaded": []}
-        unable = DRAINING if self._draining else None if self._linked else self._not_linked()
-        self._models = {d["name"]: RemoteModel(self._client, d, unable) for d in table["models"]}
-        self._unloaded = {d["name"]: RemoteModel(self._client, d, unable) for d in table["unloaded"]}
-
-    def _not_linked(self) -> ModelStatus:
-        """Why there is no engine: not running (the common case), or what the last try to link said."""
-        if self._why_unlinked is None or self._why_unlinked.startswith("the engine is not running"):
-            return NOT_LINKED
-        return ModelStatus(ModelState.UNAVAILABLE, self._why_unlinked)
+        """The models from every engine's last table, each copy with the status this front gives it."""
+        served: dict[str, list[tuple[EngineClient, dict[str, Any], ModelStatus]]] = {}
+        unloaded: dict[str, list[tuple[EngineClient, dict[str, Any], ModelStatus]]] = {}
+        for engine in self._engines:
+            if engine.table is None:
+                continue
+            unable = DRAINING if self._draining else None if engine.linked else engine.not_linked()
+            for listing, key in ((served, "models"), (unloaded, "unloaded")):
+                for description in engine.table[key]:
+                    status = unable or ModelStatus(ModelState(description["state"]), description["reason"] or "")
+                    listing.setdefault(description["name"], []).append((engine.client, description, status))
+        self._models = {name: RemoteModel(copies) for name, copies in served.items()}
+        self._unloaded = {name: RemoteModel(copies) for name, copies in unloaded.items() if name not in served}
 
     def _run_hooks(self) -> None:
         for prepare, once_per_name in self._hooks:
@@ -257,23 +320,23 @@ class RemoteEngine:
                     self._prepared.add(key)
                     prepare(served)
 
-    async def _keep_linked(self) -> None:
+    async def _keep_linked(self, engine: _Linked) -> None:
         while True:
             try:
-                ended = await self._client.linked()
+                ended = await engine.client.linked()
             except Unavailable as exc:
-                if exc.message != self._why_unlinked:  # said once, not every RETRY_S
-                    log.warning("cannot link to the engine process: %s", exc.message)
-                    self._why_unlinked = exc.message
+                if engine.failure is None or exc.message != engine.failure.message:  # said once, not every RETRY_S
+                    log.warning("cannot link to %s: %s", engine.name, exc.message)
+                    engine.failure = exc
                     self._rebuild()
                 await asyncio.sleep(RETRY_S)
                 continue
-            self._why_unlinked = None
+            engine.failure = None
             await ended.wait()
-            self._linked = False  # until the next engine's table: every model unavailable, not ready
+            engine.linked = False  # until its next table: its copies unavailable
             self._rebuild()
             self._tables.set()
-            log.warning("the engine process's link ended; linking again")
+            log.warning("the link to %s ended; linking again", engine.name)
             await asyncio.sleep(RETRY_S)
 
 
