@@ -146,6 +146,11 @@ class OtlpReceiver:
                 self.spans.extend(spans)
             self._changed.notify_all()
 
+    def forget(self) -> None:
+        """Drop the spans kept so far (a test that reuses this receiver for another server)."""
+        with self._changed:
+            self.spans.clear()
+
     def wait_for(self, done: Callable[[list[ReceivedSpan]], bool], timeout: float = 60.0) -> list[ReceivedSpan]:
         """The spans once `done(spans)` holds; AssertionError with what came if it does not within `timeout` s."""
         with self._changed:

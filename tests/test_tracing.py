@@ -35,14 +35,21 @@ def receiver() -> Iterator[OtlpReceiver]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def server(receiver: OtlpReceiver) -> Iterator[ServerProcess]:
+# Every test of the `server` fixture runs against each layout: one process, and a front with its
+# engine process (shared_engine), where the request spans are the front's and the batch spans the engine's.
+LAYOUTS = {"one process": {}, "shared engine": {"FFN_SHARED_ENGINE": "true"}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(receiver: OtlpReceiver, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     env = {
         "FFN_OTLP_ENDPOINT": receiver.url,
         "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms: spans leave soon after they end
         "OTEL_SERVICE_NAME": "ffn-under-test",
         "FFN_LOG_LEVEL": "warning",
+        **LAYOUTS[request.param],
     }
+    receiver.forget()  # the other layout's spans, whose request ids the tests use again
     with start_server(env=env) as running:
         yield running
 
@@ -227,25 +234,30 @@ def test_a_failed_request_is_traced_with_its_error(server: ServerProcess, receiv
     assert [s.name for s in spans_of(spans, request.trace_id) if s.span_id != request.span_id] == []
 
 
-def test_a_monte_carlo_request_has_one_compute_span_with_an_event_per_slice(receiver: OtlpReceiver) -> None:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_monte_carlo_request_has_one_compute_span_with_an_event_per_slice(
+    receiver: OtlpReceiver, layout: str
+) -> None:
     """max_batch_rows 8 and 4 rows: 2 passes a slice, so 6 passes run in 3 slices."""
     env = {
         "FFN_OTLP_ENDPOINT": receiver.url,
         "OTEL_BSP_SCHEDULE_DELAY": "50",
         "FFN_MAX_BATCH_ROWS": "8",
         "FFN_LOG_LEVEL": "warning",
+        **LAYOUTS[layout],
     }
+    request_id = "mc-" + layout.replace(" ", "-")
     with start_server(env=env) as server:
         x = np.ones((4, D), np.float32)
         response = httpx.post(
             f"{server.url}/v1/models/demo/transform?mc_passes=6&mc_seed=3&mc_dropout=0.1",
             content=x.tobytes(),
-            headers={"Content-Type": "application/octet-stream", "X-Shape": f"4,{D}", "X-Request-Id": "mc-1"},
+            headers={"Content-Type": "application/octet-stream", "X-Shape": f"4,{D}", "X-Request-Id": request_id},
             timeout=60,
         )
         assert response.status_code == 200, response.text
-        spans = receiver.wait_for(lambda spans: by_request_id(spans, "mc-1") is not None)
-        request = by_request_id(spans, "mc-1")
+        spans = receiver.wait_for(lambda spans: by_request_id(spans, request_id) is not None)
+        request = by_request_id(spans, request_id)
         assert request is not None and request.links == []  # Monte Carlo requests ride in no batch
         stages = {s.name: s for s in spans_of(spans, request.trace_id) if s.parent_span_id == request.span_id}
         assert set(stages) == set(STAGES)
@@ -393,3 +405,78 @@ async def test_each_message_of_a_grpc_stream_is_a_traced_request_named_after_the
     for request_id in ids:
         request = by_request_id(spans, request_id)
         assert request is not None and request.attributes["rpc.method"] == "ModelStreamInfer"
+
+
+async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared_with_untraced_ones(
+    receiver: OtlpReceiver, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-off on its own (app/handoff): a front's traced request and three untraced ones, one row
+    each, in the engine's one batch of 4 rows (cut only when full, or after a second). The engine's batch
+    span names the traced request and counts all four; the front's request span links to it, and its
+    queue and compute stages are the engine's times."""
+    from app.engine.registry import Registry
+    from app.engine.service import Engine
+    from app.handoff.engine import EngineServer
+    from app.handoff.front import EngineClient
+    from app.metrics import Metrics
+    from app.protocol.identity import CURRENT, RequestContext
+    from app.settings import Settings
+    from app.tracing import TraceSettings
+    from app.tracing.config import traces_export
+    from app.tracing.spans import Tracing
+    from ffn_core.dtypes import DTYPES
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    export = traces_export(receiver.url, {})
+    assert export is not None
+    settings = Settings(max_batch_rows=4, max_wait_ms=1000, warmup=False)
+    engine = Engine(settings, Registry(settings, Metrics()))
+    engine_tracing, front_tracing = (
+        Tracing(export, TraceSettings(tracing=True)),
+        Tracing(export, TraceSettings(tracing=True)),
+    )
+    await engine.start()
+    engine.on_serving(engine_tracing.observe)
+    await engine.until_warm()
+    server = EngineServer(engine, tmp_path / "engine.sock", engine_tracing)
+    await server.start()
+    client = EngineClient(tmp_path / "engine.sock")
+    try:
+        trace_id, parent_id = new_ids()
+        traced = RequestContext("handed-off-1")
+        token = CURRENT.set(traced)
+        try:
+            trace = front_tracing.begin(
+                "POST traced", [(b"traceparent", f"00-{trace_id}-{parent_id}-01".encode())], {}, "demo"
+            )
+        finally:
+            CURRENT.reset(token)
+        assert trace is not None
+        inputs = [np.random.default_rng(i).standard_normal((1, D)).astype(np.float32) for i in range(4)]
+        f32 = DTYPES["float32"]
+        answers = await asyncio.gather(
+            client.infer("demo", None, inputs[0], f32, deadline=None, context=traced),
+            *(client.infer("demo", None, x, f32, deadline=None) for x in inputs[1:]),
+        )
+        for x, y in zip(inputs, answers, strict=True):
+            np.testing.assert_allclose(y, demo_reference(x), rtol=1e-4, atol=1e-4)
+        trace.end()
+        await front_tracing.shutdown()
+        spans = await asyncio.to_thread(receiver.wait_for, lambda spans: len(spans_of(spans, trace_id)) >= 3)
+        request = next(s for s in spans_of(spans, trace_id) if s.kind == SERVER_KIND)
+        stages = {s.name: s for s in spans_of(spans, trace_id) if s.parent_span_id == request.span_id}
+        assert set(stages) == {"queue", "compute"}  # this front decoded and encoded nothing
+        ((batch_trace, batch_id),) = request.links
+        batch = await asyncio.to_thread(receiver.wait_for, lambda spans: any(s.span_id == batch_id for s in spans))
+        (batch_span,) = [s for s in batch if s.span_id == batch_id]
+        assert batch_span.trace_id == batch_trace != trace_id
+        assert batch_span.links == [(trace_id, request.span_id)]
+        assert batch_span.attributes["ffn.batch.rows"] == 4 and batch_span.attributes["ffn.batch.requests"] == 4
+        assert batch_span.attributes["ffn.request_ids"] == ["handed-off-1"]
+        assert (batch_span.start_ns, batch_span.end_ns) == (stages["compute"].start_ns, stages["compute"].end_ns)
+        assert stages["queue"].end_ns == stages["compute"].start_ns
+    finally:
+        await client.close()
+        await server.close()
+        await engine.stop()
+        await engine_tracing.shutdown()

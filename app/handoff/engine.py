@@ -15,6 +15,10 @@ rows, and only a call that finished writes into the slot, before it answers.
 A front that goes away takes its requests with it: their calls are cancelled and its arena is
 unmapped.
 
+A traced request (its SUBMIT names its span's context) is queued alone, with its context current
+as the batcher tags its entries, so that the engine's batch spans link to it (app/tracing/spans.py);
+its DONE carries back what it rode in. Tracing is the engine process's when an OTLP endpoint is set.
+
 Each front also gets the engine's table (its models as listed, their states, the engine's
 readiness: `engine_table`) after HELLO and whenever it changes, and model control (CONTROL: a
 load, an unload, a refused load to count) is applied here, once, for whichever front asked.
@@ -28,7 +32,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,7 +42,11 @@ from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_as_data
+from app.protocol.identity import CURRENT
 from ffn_core.dtypes import DTYPES
+
+if TYPE_CHECKING:
+    from app.tracing.spans import HandedOffRequest, Tracing
 
 log = logging.getLogger("ffn_serve.handoff")
 
@@ -66,9 +74,11 @@ def engine_table(engine: Engine) -> dict[str, Any]:
 class EngineServer:
     """The hand-off's engine side: serves `engine`'s models to every front that connects on `path`."""
 
-    def __init__(self, engine: Engine, path: Path) -> None:
+    def __init__(self, engine: Engine, path: Path, tracing: Tracing | None = None) -> None:
+        """`tracing`: the engine process's, where spans are exported (traced requests' batches get spans)."""
         self.engine = engine
         self.path = path
+        self._tracing = tracing
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._fronts: set[FrameWriter] = set()  # each connected front's, for the table
@@ -185,12 +195,12 @@ class EngineServer:
         frames.send((REPLY, ask, result))
 
     def _submit_frame(self, arena: Arena, frames: FrameWriter, calls: Calls, submits: list[Message]) -> None:
-        """A frame's requests: those in slots, for one model and dtypes, without a deadline, queued as
-        one entry (up to GROUP_ROWS rows); the rest one by one."""
+        """A frame's requests: those in slots, for one model and dtypes, without a deadline or a trace,
+        queued as one entry (up to GROUP_ROWS rows); the rest one by one."""
         groups: dict[tuple[Any, ...], list[Message]] = {}
         for message in submits:
-            _, _, slot, _, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, _ = message
-            if slot >= 0 and deadline is None and monte_carlo is None and len(shape) == 2:
+            _, _, slot, _, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, _, trace = message
+            if slot >= 0 and deadline is None and monte_carlo is None and trace is None and len(shape) == 2:
                 groups.setdefault((name, version, shape[1], rows_dtype, answer_dtype), []).append(message)
             else:
                 self._submit(arena, frames, calls, message)
@@ -249,14 +259,28 @@ class EngineServer:
         answer = call.result()
         for member in members:
             _send_answer(
-                arena, frames, member.ask, member.slot, member.generation, [answer[member.start : member.stop]]
+                arena, frames, member.ask, member.slot, member.generation, [answer[member.start : member.stop]], None
             )
 
     def _submit(self, arena: Arena, frames: FrameWriter, calls: Calls, message: Message) -> None:
         """Queue one SUBMIT with its model, in the turn its frame arrived: no task, no await."""
-        _, ask, slot, generation, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, inline = (
-            message
-        )
+        (
+            _,
+            ask,
+            slot,
+            generation,
+            name,
+            version,
+            shape,
+            rows_dtype,
+            answer_dtype,
+            deadline,
+            monte_carlo,
+            inline,
+            trace,
+        ) = message
+        context = None if trace is None or self._tracing is None else self._tracing.handed_off(*trace)
+        token = None if context is None else CURRENT.set(context)  # read as the batcher tags the entries
         try:
             model = self.engine.model(name, version)
             dtype = np.dtype(DTYPES[rows_dtype].array)
@@ -276,8 +300,11 @@ class EngineServer:
         except Exception as exc:  # refused at once (an EngineError), or a bug
             self._failed(frames, ask, generation, name, exc)
             return
+        finally:
+            if token is not None:
+                CURRENT.reset(token)
         calls[ask] = call
-        call.add_done_callback(lambda _: self._answered(arena, frames, calls, message, call))
+        call.add_done_callback(lambda _: self._answered(arena, frames, calls, message, call, context))
 
     def _answered(
         self,
@@ -286,8 +313,10 @@ class EngineServer:
         calls: Calls,
         message: Message,
         call: asyncio.Future[Any],
+        context: HandedOffRequest | None,
     ) -> None:
-        """A call ended: its answer into the slot under the request's generation (or into the message), or why not."""
+        """A call ended: its answer into the slot under the request's generation (or into the message), or why not;
+        with a traced request's `context`, what it rode in."""
         ask, slot, generation, name = message[1], message[2], message[3], message[4]
         calls.pop(ask, None)
         if call.cancelled():
@@ -298,7 +327,7 @@ class EngineServer:
             return
         result = call.result()
         parts = [result.mean, result.std] if isinstance(result, MonteCarloResult) else [result]
-        _send_answer(arena, frames, ask, slot, generation, parts)
+        _send_answer(arena, frames, ask, slot, generation, parts, None if context is None else context.handed_off.rides)
 
     @staticmethod
     def _failed(frames: FrameWriter, ask: int, generation: int, name: str, error: BaseException) -> None:
@@ -358,13 +387,21 @@ def _gathered(arena: Arena, messages: list[Message], dtype: np.dtype) -> tuple[n
 
 
 def _send_answer(
-    arena: Arena, frames: FrameWriter, ask: int, slot: int, generation: int, parts: list[np.ndarray]
+    arena: Arena,
+    frames: FrameWriter,
+    ask: int,
+    slot: int,
+    generation: int,
+    parts: list[np.ndarray],
+    rides: list[tuple[Any, ...]] | None,
 ) -> None:
-    """DONE, with the answer in the request's slot under its generation, or in the message where it does not fit."""
+    """DONE, with the answer in the request's slot under its generation, or in the message where it does not
+    fit; and a traced request's `rides`."""
+    shape = tuple(parts[0].shape)
     if slot >= 0 and arena.write_answer(slot, generation, parts):
-        frames.send((DONE, ask, generation, tuple(parts[0].shape), None))
+        frames.send((DONE, ask, generation, shape, None, rides))
     else:
-        frames.send((DONE, ask, generation, tuple(parts[0].shape), b"".join(part.tobytes() for part in parts)))
+        frames.send((DONE, ask, generation, shape, b"".join(part.tobytes() for part in parts), rides))
 
 
 def _cancel(frames: FrameWriter, calls: Calls, ask: int) -> None:

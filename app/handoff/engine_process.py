@@ -38,6 +38,8 @@ from app.protocol.v2 import log_settings
 from app.settings import Settings, load_settings
 from app.starting import Starting, StartStopped
 from app.supervisor import beat_until
+from app.tracing import TraceSettings, start_tracing
+from app.tracing.config import traces_export
 
 log = logging.getLogger("ffn_serve.engine")
 
@@ -88,14 +90,19 @@ async def serve(
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_format)
     engine = Engine(settings, Registry(settings, Metrics(), device=device), beat=beat)
+    # The batches' spans are the engine's: the fronts trace the requests, and send each traced
+    # one's span context along (app/handoff/engine.py).
+    tracing = start_tracing(traces_export(settings.otlp_endpoint, os.environ), TraceSettings(tracing=True))
     if control is not None:
         control.register(log_settings.COMMAND, log_settings.apply_command)
         await control.open()  # a change replayed to a restarted engine applies before it serves
     await engine.start()
+    if tracing is not None:
+        engine.on_serving(tracing.observe)
     await engine.until_warm()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a dead engine's socket: nobody listens on it any more
-    server = EngineServer(engine, path)
+    server = EngineServer(engine, path, tracing)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,6 +123,8 @@ async def serve(
     await engine.drain()
     await server.close()
     await engine.stop()
+    if tracing is not None:
+        await tracing.shutdown()  # what is still collected is sent now
 
 
 def engine_main(

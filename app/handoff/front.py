@@ -24,6 +24,7 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
 from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_from_data
+from app.protocol.identity import RequestContext, StageMarks
 from ffn_core.dtypes import DType
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
@@ -39,6 +40,7 @@ class Pending:
     slot: Slot | None
     dtype: DType
     parts: int  # 1, or 2 for a Monte Carlo request's mean and std
+    trace: StageMarks | None  # a traced request's: told what it rode in
 
 
 class EngineClient:
@@ -81,14 +83,22 @@ class EngineClient:
         return True
 
     async def infer(
-        self, model: str, version: str | None, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+        context: RequestContext | None = None,
     ) -> np.ndarray:
-        """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`."""
+        """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`.
+        `context`: the request's (app/protocol/identity.py); a traced one crosses with its trace."""
         link = await self._connected()
         load = len(rows)
         self.rows_in_flight += load
         try:
-            (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None)
+            (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
         finally:
             self.rows_in_flight -= load
         return answer
@@ -102,12 +112,13 @@ class EngineClient:
         answer_dtype: DType,
         *,
         deadline: float | None,
+        context: RequestContext | None = None,
     ) -> MonteCarloResult:
         link = await self._connected()
         load = len(rows) * request.passes
         self.rows_in_flight += load
         try:
-            mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request)
+            mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request, context)
         finally:
             self.rows_in_flight -= load
         return MonteCarloResult(mean, std)
@@ -189,6 +200,7 @@ class _Link:
         answer_dtype: DType,
         deadline: float | None,
         monte_carlo: MonteCarloRequest | None,
+        context: RequestContext | None,
     ) -> list[np.ndarray]:
         slot = None
         if self.arena.fits(rows.nbytes):
@@ -202,7 +214,8 @@ class _Link:
             target.release()
         ask = next(self._ids)
         loop = asyncio.get_running_loop()
-        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2)
+        trace = None if context is None else context.trace
+        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, trace)
         self.pending[ask] = pending
         self._frames.send(
             (
@@ -218,6 +231,7 @@ class _Link:
                 None if deadline is None else time.monotonic() + (deadline - loop.time()),
                 None if monte_carlo is None else (monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
                 None if slot is not None else rows.tobytes(),
+                None if trace is None or context is None else (context.request_id, *trace.handed_off()),
             )
         )
         try:
@@ -267,6 +281,8 @@ class _Link:
                 pending.answer.set_exception(error_from_data(message[3], message[4], message[5]))
             elif kind == DONE:
                 pending.answer.set_result(self._arrays(pending, message[3], message[4]))
+                if message[5] is not None and pending.trace is not None:
+                    pending.trace.rode_in_engine(message[5])
         finally:
             if slot is not None:
                 self.arena.give_back(slot)

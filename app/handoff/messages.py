@@ -3,16 +3,19 @@
 Front to engine:
 - (HELLO, arena name, slots, slot bytes): the first message of a connection.
 - (SUBMIT, id, slot, generation, model, version, shape, rows dtype, answer dtype, deadline,
-  monte carlo, inline rows): one request. `slot` is -1 when the rows travel inline (bytes);
+  monte carlo, inline rows, trace): one request. `slot` is -1 when the rows travel inline (bytes);
   `deadline` is time.monotonic() seconds (one clock for every process of a host) or None;
   `monte carlo` is (passes, dropout, seed) or None. Dtypes are ffn_core/dtypes.py's names.
+  `trace` is None, or for a traced request (request id, trace id, span id, trace flags): its
+  span's context, which the engine's batch spans link to (app/tracing/spans.py).
 - (CANCEL, id): its client left; the engine answers it anyway, FAILED or DONE.
 - (CONTROL, id, what, arguments): model control, as the engine facade's: "load" (name, config),
   "unload" (name), answered REPLY or FAILED; "refused_load" (name), counted, not answered (id 0).
 
 Engine to front:
-- (DONE, id, generation, shape, inline answer): the answer is in the request's slot under its
-  generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its std.
+- (DONE, id, generation, shape, inline answer, rides): the answer is in the request's slot under
+  its generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its std.
+  `rides`: None, or for a traced request the batches and slices it ran in (HandedOffTrace's).
 - (FAILED, id, generation, kind, message, attributes): an app/engine/errors.py kind (generation 0
   for a CONTROL's).
 - (TABLE, table): the engine's models and readiness as a front's facade shows them (engine.py's

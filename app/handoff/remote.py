@@ -32,6 +32,7 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
 from app.handoff.front import EngineClient, EngineNotRunning
+from app.protocol.identity import current
 from app.settings import Settings
 from ffn_core.dtypes import DTYPES, DType
 
@@ -112,13 +113,16 @@ class RemoteModel:
         return min(clients[first:] + clients[:first], key=lambda client: client.rows_in_flight)
 
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
-        return await self._least_loaded().infer(self.name, None, rows, answer_dtype, deadline=deadline)
+        client = self._least_loaded()
+        return await client.infer(self.name, None, rows, answer_dtype, deadline=deadline, context=current())
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
     ) -> MonteCarloResult:
         client = self._least_loaded()
-        return await client.infer_monte_carlo(self.name, None, rows, request, answer_dtype, deadline=deadline)
+        return await client.infer_monte_carlo(
+            self.name, None, rows, request, answer_dtype, deadline=deadline, context=current()
+        )
 
 
 class _Linked:

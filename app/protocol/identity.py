@@ -23,8 +23,9 @@ import itertools
 import logging
 import re
 import secrets
+from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Any, Protocol
 
 from app.protocol.limits import MAX_REQUEST_ID_LENGTH
 from app.protocol.throttle import Throttle
@@ -33,11 +34,20 @@ log = logging.getLogger("ffn_serve")
 
 
 class StageMarks(Protocol):
-    """What a traced request records at the handler's stage boundaries (app/tracing/spans.py: RequestTrace)."""
+    """What a traced request records at the handler's stage boundaries (app/tracing/spans.py: RequestTrace),
+    and what crosses to an engine process and back with it (app/handoff)."""
 
     def decoded(self, shape: tuple[int, ...], dtype: str) -> None: ...
 
     def resumed(self) -> None: ...
+
+    def handed_off(self) -> tuple[int, int, int]:
+        """Its span's trace id, span id and trace flags: what an engine process links its batches to."""
+        ...
+
+    def rode_in_engine(self, rides: Sequence[tuple[Any, ...]]) -> None:
+        """What an engine process reported of the batches (or Monte Carlo slices) its rows ran in."""
+        ...
 
 
 class RequestContext:

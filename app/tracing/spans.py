@@ -12,6 +12,13 @@ SDK and exporter it needs. What one traced request leaves:
     links ──▶ batch                   one span per batch a traced request rode in, its own trace
                                       (rows, bucket, device, every request id in it), linking back
 
+With a shared engine (app/handoff) the request span and its stages are the front's, the batch
+spans the engine process's: a traced request crosses with its id and its span's context
+(`RequestTrace.handed_off`), the engine links its batches to that context (`HandedOffTrace`), and
+the answer brings back each batch's span context and times, which the front's span links to and
+times its queue and compute stages by (`RequestTrace.rode_in_engine`). Only traced requests
+cross with an id: a batch span there names the traced requests in it.
+
 Every request span and stage span carries the request id (X-Request-Id) and the V2 `id` when
 the request has one. The trace's parent is the request's `traceparent` when it names a valid
 one (W3C trace context, read by OpenTelemetry's propagator; an invalid one starts a new trace,
@@ -39,7 +46,16 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, get_current_span
+from opentelemetry.trace import (
+    Link,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    get_current_span,
+)
 from opentelemetry.trace import set_span_in_context as in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -53,6 +69,7 @@ from app.tracing.trace_settings import Policy, TraceSettings
 SCOPE_NAME = "ffn_serve"
 MAX_ID_LENGTH = 256  # a V2 `id` is any string the client sent: a span holds this much of it
 MAX_SLICE_EVENTS = 128  # OpenTelemetry's default event limit per span: more would be dropped anyway
+BATCH_RIDE, SLICE_RIDE = "batch", "slice"  # what HandedOffTrace records, by kind
 _EMPTY = Context()  # the parent of a request with no traced parent: never whatever is current
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -116,6 +133,12 @@ class Tracing:
 
     def observer(self, served: ServedModel) -> ModelObserver:
         return ModelObserver(self, served)
+
+    @staticmethod
+    def handed_off(request_id: str, trace_id: int, span_id: int, flags: int) -> HandedOffRequest:
+        """In an engine process: the context of a front's traced request, for the batcher to tag its entries with."""
+        span = SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+        return HandedOffRequest(request_id, HandedOffTrace(span))
 
     def observe(self, served: ServedModel) -> None:
         """Trace the batches of `served` (each copy of a model its own observer)."""
@@ -201,6 +224,23 @@ class RequestTrace:
 
     def resumed(self) -> None:
         self._resumed = time.time_ns()
+
+    def span_context(self) -> SpanContext:
+        return self.span.get_span_context()
+
+    def handed_off(self) -> tuple[int, int, int]:
+        context = self.span.get_span_context()
+        return context.trace_id, context.span_id, int(context.trace_flags)
+
+    def rode_in_engine(self, rides: Sequence[tuple[Any, ...]]) -> None:
+        """What `HandedOffTrace` recorded in the engine process, as if its batches had run here."""
+        for ride in rides:
+            if ride[0] == BATCH_RIDE:
+                _, trace_id, span_id, arrived, started, ended = ride
+                self.rode(SpanContext(trace_id, span_id, is_remote=True), arrived, started, ended)
+            else:
+                _, arrived, started, ended, passes_done = ride
+                self.sliced(arrived, started, ended, passes_done)
 
     def rode(self, batch: SpanContext, arrived: int, started: int, ended: int) -> None:
         """Its rows (or a chunk of them) ran in `batch` from `started` to `ended` (epoch ns)."""
@@ -302,18 +342,20 @@ class ModelObserver:
         request_ids = list(
             dict.fromkeys(entry.tag.request_id for entry in entries if isinstance(entry.tag, RequestContext))
         )
+        # In an engine process only the traced requests cross with an id: the others count by their entries.
+        untagged = sum(entry.requests for entry in entries if not isinstance(entry.tag, RequestContext))
         span = self._tracing.batch_tracer.start_span(
             "batch",
             context=_EMPTY,
             kind=SpanKind.INTERNAL,
-            links=[Link(trace.span.get_span_context()) for trace in traced.values()],
+            links=[Link(trace.span_context()) for trace in traced.values()],
             start_time=start,
             attributes={
                 "ffn.model_name": self._model,
                 "ffn.batch.rows": rows,
                 "ffn.batch.bucket": self._computed_rows(rows),
                 "ffn.batch.device": self._device,
-                "ffn.batch.requests": len(request_ids),
+                "ffn.batch.requests": len(request_ids) + untagged,
                 "ffn.request_ids": request_ids,
             },
         )
@@ -331,9 +373,41 @@ class ModelObserver:
         trace.sliced(_ns(entry.arrived, to_epoch), _ns(started, to_epoch), _ns(ended, to_epoch), entry.passes.done)
 
 
-def _trace_of(entry: Entry) -> RequestTrace | None:
+class HandedOffTrace:
+    """In an engine process, a front's traced request: its span's context, which the batches it rides in
+    link to, and what it rode in, for the answer to carry back (the front's `RequestTrace.rode_in_engine`)."""
+
+    __slots__ = ("_context", "rides")
+
+    def __init__(self, context: SpanContext) -> None:
+        self._context = context
+        self.rides: list[tuple[Any, ...]] = []
+
+    def span_context(self) -> SpanContext:
+        return self._context
+
+    def rode(self, batch: SpanContext, arrived: int, started: int, ended: int) -> None:
+        self.rides.append((BATCH_RIDE, batch.trace_id, batch.span_id, arrived, started, ended))
+
+    def sliced(self, arrived: int, started: int, ended: int, passes_done: int) -> None:
+        self.rides.append((SLICE_RIDE, arrived, started, ended, passes_done))
+
+
+class HandedOffRequest(RequestContext):
+    """An engine process's context of a front's traced request: its id, and its HandedOffTrace."""
+
+    __slots__ = ("handed_off",)
+
+    def __init__(self, request_id: str, handed_off: HandedOffTrace) -> None:
+        super().__init__(request_id)
+        self.handed_off = handed_off
+
+
+def _trace_of(entry: Entry) -> RequestTrace | HandedOffTrace | None:
     """The trace of the request an entry belongs to, if that request is traced."""
     tag = entry.tag
+    if isinstance(tag, HandedOffRequest):
+        return tag.handed_off
     if isinstance(tag, RequestContext) and isinstance(tag.trace, RequestTrace):
         return tag.trace
     return None
