@@ -225,8 +225,7 @@ class Batcher:
             entries = [Entry(chunk, loop.create_future(), now, arrived, deadline, tag=tag) for chunk in chunks]
             return asyncio.ensure_future(self._answer(entries, deadline, arrived, self._joined(entries), sizes))
         entry = Entry(rows, loop.create_future(), now, arrived, deadline, tag=tag, requests=len(sizes))
-        for size in sizes:
-            self._instruments.request_rows.observe(size)
+        self._count_rows(sizes)
         self._queue.push([entry], deadline)
         self._arrived.set()
         entry.future.add_done_callback(lambda future: self._settled(entry, future))
@@ -234,14 +233,25 @@ class Batcher:
 
     def _settled(self, entry: Entry, future: asyncio.Future[torch.Tensor]) -> None:
         """An entry's answer: its requests counted; on failure or cancellation its rows are not wanted any more."""
-        if not future.cancelled() and future.exception() is None:
-            seconds = time.perf_counter() - entry.arrived
-            for _ in range(entry.requests):
+        answered = not future.cancelled() and future.exception() is None
+        self._count_ended(entry.requests, entry.arrived, answered=answered)
+        if not answered:
+            self._queue.release(entry)
+
+    def _count_rows(self, sizes: Sequence[int]) -> None:
+        """Requests of `sizes` rows queued: the request-rows histogram."""
+        for size in sizes:
+            self._instruments.request_rows.observe(size)
+
+    def _count_ended(self, requests: int, arrived: float, *, answered: bool) -> None:
+        """`requests` that arrived at `arrived` (perf_counter) ended now: their latency, or a failure each."""
+        if answered:
+            seconds = time.perf_counter() - arrived
+            for _ in range(requests):
                 self._instruments.request_seconds.observe(seconds)
-            return
-        for _ in range(entry.requests):
-            count_failure(self._instruments, entry.arrived)
-        self._queue.release(entry)
+        else:
+            for _ in range(requests):
+                count_failure(self._instruments, arrived)
 
     async def submit_monte_carlo(
         self, rows: torch.Tensor, request: MonteCarloRequest, *, deadline: float | None = None
@@ -300,19 +310,15 @@ class Batcher:
 
         `sizes`: the row counts of the requests the entries hold (default: one request)."""
         if entries[0].monte_carlo is None:
-            for size in sizes or (sum(entry.n for entry in entries),):
-                self._instruments.request_rows.observe(size)
+            self._count_rows(sizes or (sum(entry.n for entry in entries),))
         self._queue.push(entries, deadline)
         self._arrived.set()
         try:
             result = await answer
-            seconds = time.perf_counter() - arrived
-            for _ in range(len(sizes) or 1):
-                self._instruments.request_seconds.observe(seconds)
+            self._count_ended(len(sizes) or 1, arrived, answered=True)
             return result
         except BaseException:
-            for _ in range(len(sizes) or 1):
-                count_failure(self._instruments, arrived)
+            self._count_ended(len(sizes) or 1, arrived, answered=False)
             for entry in entries:
                 self._queue.release(entry)
                 if entry.future.done() and not entry.future.cancelled():
