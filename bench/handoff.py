@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,14 +49,21 @@ ENGINE_CORE, FRONT_CORE = 0, 1
 F32 = DTYPES["float32"]
 
 
+# The engine's settings, in-process and in its own process alike: one torch thread, a queue no load here fills.
+ENGINE_SETTINGS: dict[str, Any] = {"torch_threads": 1, "log_level": "warning", "max_queue_rows": 1_000_000}
+
+
 def engine_env(config: Path) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {
-        "FFN_CONFIG": str(config),
-        "FFN_TORCH_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "FFN_LOG_LEVEL": "warning",
-        "FFN_MAX_QUEUE_ROWS": "1000000",
-    }
+    """The engine process's environment: ENGINE_SETTINGS as FFN_* variables, none of this process's."""
+    settings = {f"FFN_{name.upper()}": str(value) for name, value in ENGINE_SETTINGS.items()}
+    return (
+        {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+        | settings
+        | {
+            "FFN_CONFIG": str(config),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
 
 
 async def closed_loop(call: Callable[[], Awaitable[np.ndarray]], concurrency: int, seconds: float) -> int:
@@ -81,7 +89,7 @@ def pin(core: int) -> None:
 async def in_process(config: Path, rows: int, concurrency: int, seconds: float) -> dict[str, float]:
     pin(ENGINE_CORE)
     # As flags: the engine process's settings, without touching this process's environment.
-    settings = load_settings(config=config, torch_threads=1, log_level="warning", max_queue_rows=1_000_000)
+    settings = load_settings(config=config, **ENGINE_SETTINGS)
     engine = Engine(settings, Registry(settings, Metrics()))
     await engine.start()
     await engine.until_warm()
