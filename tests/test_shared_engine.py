@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from ffn_client.testing import ServerProcess, metric_value, start_server
 from tests.grpc_helpers import infer_request, output_of, stub
@@ -169,16 +170,20 @@ async def test_a_load_and_a_log_setting_reach_the_engine_once_and_a_drain_under_
             for _ in range(8):
                 async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                     versions.add((await client.get("/v2/models/demo")).json()["versions"][0])
+        async with stub(server.grpc_target) as grpc_client:  # the gRPC door's load: the same one engine
+            await grpc_client.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="demo"), timeout=60)
+            metadata = await grpc_client.ModelMetadata(pb.ModelMetadataRequest(name="demo"), timeout=60)
+            assert list(metadata.versions) == ["3"]
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:  # a log setting: the engine too
             r = await client.post("/v2/logging", json={"log_verbose_level": 1})
             assert r.status_code == 200 and r.json()["log_verbose_level"] == 1, r.text
         applied = [line for line in server.logs().splitlines() if "log settings now" in line]
         assert sorted(re.findall(r"\[worker (\d)\]", "\n".join(applied))) == ["0", "1", "2"], applied
-        # Loaded in the engine alone (its lines are "[worker 0]"), once at start and once by the load.
+        # Loaded in the engine alone (its lines are "[worker 0]"), once at start and once by each load.
         loaded = [line for line in server.logs().splitlines() if "loaded model demo" in line]
-        reloaded = [line for line in server.logs().splitlines() if "version 1 retiring" in line]
-        assert len(loaded) == 1 and len(reloaded) == 1, server.logs()
-        assert "[worker 0]" in loaded[0] and "[worker 0]" in reloaded[0]
+        retired = [line for line in server.logs().splitlines() if re.search(r"version [12] retiring", line)]
+        assert len(loaded) == 1 and len(retired) == 2, server.logs()
+        assert all("[worker 0]" in line for line in loaded + retired)
         await drain_under_load(server)
 
 
