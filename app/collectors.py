@@ -116,27 +116,28 @@ def devices_in_use() -> list[int]:
 
 
 class GpuMemoryCollector(Collector):
-    """`ffn_gpu_memory_used_bytes` and `_total_bytes` per device this process computes on.
+    """`ffn_gpu_memory_used_bytes` and `_total_bytes` per device the service computes on, from `gpus()`
+    (read_gpus in a process with models; a front's engines' last report).
 
     Device-wide figures (cudaMemGetInfo), so they include every worker's CUDA context and any
-    other process on the GPU: what tells whether one more worker fits. Only devices where this
+    other process on the GPU: what tells whether one more worker fits. Only devices where the
     process already holds memory are read, so a scrape never creates a CUDA context.
     """
 
-    def collect(self) -> Iterable[Metric]:
-        devices = devices_in_use()
-        if not devices:
-            return []
-        import torch
+    def __init__(self, gpus: Callable[[], list[GpuReading]]) -> None:
+        self._gpus = gpus
 
+    def collect(self) -> Iterable[Metric]:
+        gpus = self._gpus()
+        if not gpus:
+            return []
         used = GaugeMetricFamily(
             "ffn_gpu_memory_used_bytes", "GPU memory in use on the device, by every process.", labels=["device"]
         )
         total = GaugeMetricFamily("ffn_gpu_memory_total_bytes", "GPU memory of the device.", labels=["device"])
-        for index in devices:
-            free, capacity = torch.cuda.mem_get_info(index)
-            used.add_metric([f"cuda:{index}"], capacity - free)
-            total.add_metric([f"cuda:{index}"], capacity)
+        for gpu in gpus:
+            used.add_metric([gpu.device], gpu.used_bytes)
+            total.add_metric([gpu.device], gpu.total_bytes)
         return [used, total]
 
 
@@ -149,6 +150,7 @@ class GpuReading:
     used_bytes: int  # device-wide: every process's memory on it
     total_bytes: int
     power_watts: float | None  # None: NVML could not say
+    device: str  # "cuda:N", torch's index on the host that read it
 
 
 def read_gpus() -> list[GpuReading]:
@@ -168,6 +170,7 @@ def read_gpus() -> list[GpuReading]:
                 used_bytes=capacity - free,
                 total_bytes=capacity,
                 power_watts=_from_nvml(torch.cuda.power_draw, index, 1000.0),  # milliwatts
+                device=f"cuda:{index}",
             )
         )
     return readings

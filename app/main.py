@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from app import __version__
-from app.collectors import read_gpus
 from app.control import Control
 from app.engine.facade import ServingEngine
 from app.http import ops
@@ -68,9 +67,10 @@ def create_app(
     tracing = start_tracing(export, trace_settings)
     regions = SharedMemoryRegions() if settings.shared_memory else None
     held = HeldBytes(settings.max_held_bytes)
+    metrics.gpus = served.gpus  # its own, or its engines' (a front)
     if settings.triton_metrics:  # the models served now, each at its version, whichever loads happened
         metrics.triton = TritonNames(
-            versions=lambda: {model.name: model.version for model in served.models()}, gpus=read_gpus
+            versions=lambda: {model.name: model.version for model in served.models()}, gpus=served.gpus
         )
     state = ServiceState(
         settings, served, metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from app.collectors import BuildInfoCollector, GpuMemoryCollector, ProcessesCollector
+from app.collectors import BuildInfoCollector, GpuMemoryCollector, GpuReading, ProcessesCollector, read_gpus
 
 if TYPE_CHECKING:
     from app.triton_metrics import TritonNames
@@ -100,6 +100,9 @@ class Metrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     # Triton's names (nv_inference_*, nv_gpu_*) written after the ffn_* series; None: off (triton_metrics).
     triton: TritonNames | None = None
+    # The GPUs the service computes on, read at a scrape (ffn_gpu_memory_*, nv_gpu_*): this process's,
+    # or, in a front of engine processes, what they last reported (app/handoff/remote.py).
+    gpus: Callable[[], list[GpuReading]] = read_gpus
 
     # Names forgotten (a model no [[models]] table names any more, unloaded): their series are left
     # out of every scrape. With workers, prometheus_client keeps every series written in the
@@ -114,7 +117,7 @@ class Metrics:
         else:
             self.merged = CollectorRegistry()
             MultiProcessCollector(self.merged, path=str(folder))
-        for collector in (BuildInfoCollector(), ProcessesCollector(folder), GpuMemoryCollector()):
+        for collector in (BuildInfoCollector(), ProcessesCollector(folder), GpuMemoryCollector(lambda: self.gpus())):
             self.merged.register(collector)
         self.requests = Counter(
             "ffn_requests",

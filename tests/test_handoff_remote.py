@@ -18,9 +18,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from app.collectors import GpuReading
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry
 from app.engine.service import Engine
+from app.handoff import engine as engine_side
 from app.handoff.engine import EngineServer
 from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
@@ -28,6 +30,7 @@ from app.handoff.remote import RemoteEngine
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
 from app.protocol.v2.statistics import model_stats
 from app.settings import load_settings
+from app.triton_metrics import TritonNames
 from ffn_core.dtypes import DTYPES
 from tests.reference import assert_close, demo_reference
 
@@ -232,3 +235,32 @@ async def test_no_room_in_dev_shm_is_said_by_readiness_and_each_request_not_a_cr
         assert_close(await front.model("demo").infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
     finally:
         await front.close()
+
+
+async def test_a_front_scrapes_the_gpus_its_engine_computes_on(
+    served: Served, front: RemoteEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine reads its GPUs (here an injected reading: this machine has none) and sends them when
+    they change; a front's ffn_gpu_memory_* and nv_gpu_* show them, and a front that links later gets
+    them at once."""
+    reading = GpuReading("GPU-5f1f6c1e-90b8-2d4c-8d3a-0c2e3d4b5a61", 0.25, 3 * 2**30, 80 * 2**30, 250.5, "cuda:1")
+    assert front.gpus() == []
+    monkeypatch.setattr(engine_side, "GPUS_EVERY_S", 0.05)
+    monkeypatch.setattr(served.engine, "gpus", lambda: [reading])
+    await eventually(lambda: front.gpus() == [reading])
+    metrics = Metrics()
+    metrics.gpus = front.gpus
+    assert metrics.merged.get_sample_value("ffn_gpu_memory_used_bytes", {"device": "cuda:1"}) == 3 * 2**30
+    assert metrics.merged.get_sample_value("ffn_gpu_memory_total_bytes", {"device": "cuda:1"}) == 80 * 2**30
+    text = TritonNames(versions=lambda: {}, gpus=front.gpus).gpu_text()
+    assert f'nv_gpu_power_usage{{gpu_uuid="{reading.uuid}"}} 250.5' in text
+    assert f'nv_gpu_utilization{{gpu_uuid="{reading.uuid}"}} 0.25' in text
+
+    monkeypatch.setattr(engine_side, "GPUS_EVERY_S", 3600.0)  # no more reads: only the greeting can tell it
+    later = RemoteEngine([EngineClient(served.socket)], served.engine.settings)
+    await later.start()
+    try:
+        await asyncio.wait_for(later.until_warm(), 10)
+        await eventually(lambda: later.gpus() == [reading])
+    finally:
+        await later.close()

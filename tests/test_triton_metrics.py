@@ -116,8 +116,8 @@ async def test_the_setting_turns_them_off(start_app) -> None:
 # ----- GPUs, by injection ---------------------------------------------------------------------------
 
 GPUS = [
-    GpuReading("GPU-5f1f6c1e-90b8-2d4c-8d3a-0c2e3d4b5a61", 0.42, 3 * 2**30, 80 * 2**30, 123.5),
-    GpuReading("GPU-a0b1c2d3-e4f5-0617-2839-4a5b6c7d8e9f", None, 2**30 + 7, 141 * 10**9, None),
+    GpuReading("GPU-5f1f6c1e-90b8-2d4c-8d3a-0c2e3d4b5a61", 0.42, 3 * 2**30, 80 * 2**30, 123.5, "cuda:0"),
+    GpuReading("GPU-a0b1c2d3-e4f5-0617-2839-4a5b6c7d8e9f", None, 2**30 + 7, 141 * 10**9, None, "cuda:1"),
 ]
 
 

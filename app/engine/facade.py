@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from app.collectors import GpuReading
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import ModelStatus
 from app.settings import Settings
@@ -132,6 +133,10 @@ class EngineFacade(Protocol):
     @property
     def cuda_available(self) -> bool:
         """Whether this server sees a CUDA device (what CUDA shared memory's refusal says)."""
+        ...
+
+    def gpus(self) -> list[GpuReading]:
+        """The GPUs the models compute on, as a scrape shows them (ffn_gpu_memory_*, nv_gpu_*)."""
         ...
 
     async def load(self, name: str, config: str | None = None) -> dict[str, Any]: ...

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from app.collectors import GpuReading, read_gpus
 from app.control import Control, Reply
 from app.engine.errors import LoadFailed, ModelControlOff, ModelNotFound, Unavailable
 from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
@@ -153,6 +154,10 @@ class Engine:
     def cuda_available(self) -> bool:
         """Whether this server sees a CUDA device (what CUDA shared memory's refusal says)."""
         return torch.cuda.is_available()
+
+    def gpus(self) -> list[GpuReading]:
+        """The GPUs where this process holds memory, read now."""
+        return read_gpus()
 
     # ----- lifecycle -------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
-from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_as_data
+from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_as_data
 from app.protocol.identity import CURRENT
 from ffn_core.dtypes import DTYPES
 
@@ -58,6 +58,9 @@ GROUP_ROWS = 1024
 # send every front: the fronts' readiness and model list lag the engine's by at most this much,
 # and a front that asked for a load or unload has the new table before the answer.
 TABLE_EVERY_S = 0.1
+# How often the engine reads its GPUs for the fronts' scrapes (Triton's default metrics interval):
+# ffn_gpu_memory_* and nv_gpu_* at a front are at most this old.
+GPUS_EVERY_S = 2.0
 
 
 def engine_table(engine: Engine) -> dict[str, Any]:
@@ -83,6 +86,7 @@ class EngineServer:
         self._connections: set[asyncio.Task[None]] = set()
         self._fronts: set[FrameWriter] = set()  # each connected front's, for the table
         self._table: dict[str, Any] | None = None  # as last sent
+        self._gpus: list[Any] = []  # as last read and sent (app/collectors.py's GpuReading)
         self._watching: asyncio.Task[None] | None = None
         self._controls: set[asyncio.Task[None]] = set()
 
@@ -125,6 +129,8 @@ class EngineServer:
                     elif message[0] == HELLO and arena is None:
                         arena = Arena.attach(message[1], message[2], message[3])
                         frames.send((TABLE, self._current_table()))
+                        if self._gpus:
+                            frames.send((GPUS, self._gpus))
                         self._fronts.add(frames)
                     else:
                         raise ValueError(f"unexpected message {message[0]!r} from a front")
@@ -154,8 +160,12 @@ class EngineServer:
         return self._table
 
     async def _watch_table(self) -> None:
+        gpus_read_at = -math.inf
         while True:
             await asyncio.sleep(TABLE_EVERY_S)
+            if time.monotonic() - gpus_read_at >= GPUS_EVERY_S:
+                gpus_read_at = time.monotonic()
+                self._read_gpus()
             if not self._fronts:
                 continue
             before = self._table
@@ -167,6 +177,18 @@ class EngineServer:
             if table != before:
                 for frames in self._fronts:
                     frames.send((TABLE, table))
+
+    def _read_gpus(self) -> None:
+        """The engine's GPUs read now, and sent to every front if they changed."""
+        try:
+            gpus = self.engine.gpus()
+        except Exception:  # a driver's failure: the fronts keep the last reading; the log says why
+            log.exception("hand-off: the engine's GPUs could not be read")
+            return
+        if gpus != self._gpus:
+            self._gpus = gpus
+            for frames in self._fronts:
+                frames.send((GPUS, gpus))
 
     def _control(self, frames: FrameWriter, message: Message) -> None:
         """Model control for a front, as the facade's: the answer after the table it changed."""

@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from app.collectors import GpuReading
 from app.engine.errors import Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
 from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
-from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, HELLO, REPLY, SUBMIT, TABLE, error_from_data
+from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_from_data
 from app.protocol.identity import RequestContext, StageMarks
 from ffn_core.dtypes import DType
 
@@ -59,6 +60,7 @@ class EngineClient:
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.on_table = on_table
+        self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (GPUS)
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
         # Rows (times passes, for Monte Carlo) sent and not yet answered: how busy this front keeps
@@ -123,6 +125,9 @@ class EngineClient:
             self.rows_in_flight -= load
         return MonteCarloResult(mean, std)
 
+    def _took_gpus(self, gpus: list[GpuReading]) -> None:
+        self.gpus = gpus
+
     @property
     def in_flight(self) -> int:
         return 0 if self._link is None else len(self._link.pending)
@@ -138,7 +143,7 @@ class EngineClient:
             return link
         async with self._connecting:
             if self._link is None or self._link.closed:
-                self._link = await _Link.open(self.path, self.slots, self.slot_bytes, self.on_table)
+                self._link = await _Link.open(self.path, self.slots, self.slot_bytes, self.on_table, self._took_gpus)
             return self._link
 
 
@@ -151,6 +156,7 @@ class _Link:
         writer: asyncio.StreamWriter,
         arena: Arena,
         on_table: Callable[[dict[str, Any]], None] | None,
+        on_gpus: Callable[[list[GpuReading]], None],
     ) -> None:
         self.arena = arena
         self.pending: dict[int, Pending] = {}
@@ -158,6 +164,7 @@ class _Link:
         self.closed = False
         self.ended = asyncio.Event()
         self._on_table = on_table
+        self._on_gpus = on_gpus
         self._writer = writer
         self._frames = FrameWriter(writer)
         self._ids = itertools.count(1)
@@ -166,7 +173,12 @@ class _Link:
 
     @classmethod
     async def open(
-        cls, path: Path, slots: int, slot_bytes: int, on_table: Callable[[dict[str, Any]], None] | None
+        cls,
+        path: Path,
+        slots: int,
+        slot_bytes: int,
+        on_table: Callable[[dict[str, Any]], None] | None,
+        on_gpus: Callable[[list[GpuReading]], None],
     ) -> _Link:
         try:
             reader, writer = await asyncio.open_unix_connection(str(path))
@@ -177,7 +189,7 @@ class _Link:
         except NoRoom as exc:
             writer.close()
             raise Unavailable(str(exc)) from None
-        return cls(reader, writer, arena, on_table)
+        return cls(reader, writer, arena, on_table, on_gpus)
 
     async def control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
         ask = next(self._ids)
@@ -255,6 +267,8 @@ class _Link:
                     if kind == TABLE:
                         if self._on_table is not None:
                             self._on_table(message[1])
+                    elif kind == GPUS:
+                        self._on_gpus(message[1])
                     elif kind == REPLY or (kind == FAILED and message[1] in self.replies):
                         self._replied(message)
                     else:

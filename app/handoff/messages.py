@@ -21,6 +21,9 @@ Engine to front:
 - (TABLE, table): the engine's models and readiness as a front's facade shows them (engine.py's
   `engine_table`): after HELLO, whenever it changes, and before each REPLY.
 - (REPLY, id, result): a CONTROL's result.
+- (GPUS, readings): the GPUs the engine computes on, app/collectors.py's GpuReading each, for
+  the fronts' scrapes (ffn_gpu_memory_*, nv_gpu_*): after HELLO, and every GPUS_EVERY_S while
+  they change (engine.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 from app.engine import errors
 
 HELLO, SUBMIT, CANCEL, DONE, FAILED = "hello", "submit", "cancel", "done", "failed"
-CONTROL, TABLE, REPLY = "control", "table", "reply"
+CONTROL, TABLE, REPLY, GPUS = "control", "table", "reply", "gpus"
 
 # The engine's errors that cross, by name; anything else crosses as a ModelError.
 KINDS: dict[str, type[errors.EngineError]] = {

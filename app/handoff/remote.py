@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from app.collectors import GpuReading
 from app.engine.errors import Unavailable
 from app.engine.facade import ModelFacade, ServingEngine
 from app.engine.loop_watch import LoopWatch
@@ -267,6 +268,11 @@ class RemoteEngine:
     @property
     def cuda_available(self) -> bool:
         return any(engine.table and engine.table["cuda"] for engine in self._engines)
+
+    def gpus(self) -> list[GpuReading]:
+        """What the linked engines last said of their GPUs (every GPUS_EVERY_S), each GPU once."""
+        readings = {gpu.uuid: gpu for engine in self._engines if engine.linked for gpu in engine.client.gpus}
+        return list(readings.values())
 
     async def load(self, name: str, config: str | None = None) -> dict[str, Any]:
         return await self._control("load", {"name": name, "config": config})
