@@ -96,13 +96,7 @@ class EngineClient:
     ) -> np.ndarray:
         """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`.
         `context`: the request's (app/protocol/identity.py); a traced one crosses with its trace."""
-        link = await self._connected()
-        load = len(rows)
-        self.rows_in_flight += load
-        try:
-            (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
-        finally:
-            self.rows_in_flight -= load
+        (answer,) = await self._ask(model, version, rows, answer_dtype, deadline, None, context)
         return answer
 
     async def infer_monte_carlo(
@@ -116,14 +110,27 @@ class EngineClient:
         deadline: float | None,
         context: RequestContext | None = None,
     ) -> MonteCarloResult:
+        mean, std = await self._ask(model, version, rows, answer_dtype, deadline, request, context)
+        return MonteCarloResult(mean, std)
+
+    async def _ask(
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        deadline: float | None,
+        monte_carlo: MonteCarloRequest | None,
+        context: RequestContext | None,
+    ) -> list[np.ndarray]:
+        """A request through the link (connected first), its rows × passes counted in flight meanwhile."""
         link = await self._connected()
-        load = len(rows) * request.passes
+        load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
         self.rows_in_flight += load
         try:
-            mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request, context)
+            return await link.ask(model, version, rows, answer_dtype, deadline, monte_carlo, context)
         finally:
             self.rows_in_flight -= load
-        return MonteCarloResult(mean, std)
 
     def _took_gpus(self, gpus: list[GpuReading]) -> None:
         self.gpus = gpus
