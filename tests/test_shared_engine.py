@@ -259,10 +259,10 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
                 np.testing.assert_allclose(
                     np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
                 )
-            # Each engine computed a share: 24 passes' worth of 256 rows (0.27 GFLOP each) is seconds of
-            # CPU; an idle engine spends milliseconds on its heartbeats in that time.
+            # Each engine computed a share: 24 requests of 256 rows (1 GFLOP each) took 0.47 s of CPU
+            # here, split 0.25 and 0.22; an idle engine spends milliseconds on its heartbeats meanwhile.
             spent = {k: cpu_seconds(pid) - before[k] for k, pid in engines.items()}
-            assert min(spent.values()) > 0.1, spent
+            assert min(spent.values()) >= sum(spent.values()) / 4 and sum(spent.values()) > 0.1, spent
 
             r = await client.post("/v2/repository/models/demo/load")
             assert r.status_code == 200, r.text
