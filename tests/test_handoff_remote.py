@@ -28,6 +28,7 @@ from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.handoff.remote import RemoteEngine
 from app.metrics import MULTIPROCESS_VARIABLE, Metrics
+from app.protocol.identity import CURRENT, RequestContext
 from app.protocol.v2.statistics import model_stats
 from app.settings import load_settings
 from app.triton_metrics import TritonNames
@@ -264,3 +265,26 @@ async def test_a_front_scrapes_the_gpus_its_engine_computes_on(
         await eventually(lambda: later.gpus() == [reading])
     finally:
         await later.close()
+
+
+async def test_an_answer_names_the_copy_that_computed_it_when_a_reload_raced_the_request(
+    served: Served, front: RemoteEngine
+) -> None:
+    """A door looks its model up in the front's table, then the request crosses to the engine: a reload
+    in between means another copy computes it. Within that request the model names the copy that did
+    (its version and digest, which the answer carries); outside it, the table's."""
+    looked_up = front.model("demo")  # as a door holds it, from the table of version 1
+    assert looked_up.version == 1
+    await served.engine.load("demo")  # the engine serves version 2 before the request reaches it
+    computing = served.engine.model("demo")
+    assert computing.version == 2
+    context = RequestContext("raced-1")
+    token = CURRENT.set(context)
+    try:
+        x = rows(2)
+        assert_close(await looked_up.infer(x, F32, deadline=None), demo_reference(x.astype(np.float64)))
+        assert (looked_up.version, looked_up.digest) == (2, computing.digest)
+        assert front.model("other").version == 1  # another model of the same request's front: its table's
+    finally:
+        CURRENT.reset(token)
+    assert looked_up.version == 1  # no request: the table the front looked it up in

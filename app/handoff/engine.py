@@ -38,7 +38,7 @@ import numpy as np
 
 from app.engine.errors import EngineError, NotTogether
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
-from app.engine.service import Engine
+from app.engine.service import Engine, ServedModel
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_as_data
@@ -261,10 +261,14 @@ class EngineServer:
         group = Group(call, {member.ask: member for member in members})
         for member in members:
             calls[member.ask] = group
-        call.add_done_callback(lambda _: self._group_answered(arena, frames, calls, group, name))
+        copy = _copy_of(model)
+        call.add_done_callback(lambda _: self._group_answered(arena, frames, calls, group, copy))
 
-    def _group_answered(self, arena: Arena, frames: FrameWriter, calls: Calls, group: Group, name: str) -> None:
+    def _group_answered(
+        self, arena: Arena, frames: FrameWriter, calls: Calls, group: Group, copy: tuple[str, int, str]
+    ) -> None:
         """A group's call ended: each member still waiting gets its rows of the answer, or why not."""
+        name = copy[0]
         members = list(group.members.values())
         group.members.clear()
         for member in members:
@@ -280,9 +284,8 @@ class EngineServer:
             return
         answer = call.result()
         for member in members:
-            _send_answer(
-                arena, frames, member.ask, member.slot, member.generation, [answer[member.start : member.stop]], None
-            )
+            part = [answer[member.start : member.stop]]
+            _send_answer(arena, frames, member.ask, member.slot, member.generation, part, None, copy)
 
     def _submit(self, arena: Arena, frames: FrameWriter, calls: Calls, message: Message) -> None:
         """Queue one SUBMIT with its model, in the turn its frame arrived: no task, no await."""
@@ -326,7 +329,8 @@ class EngineServer:
             if token is not None:
                 CURRENT.reset(token)
         calls[ask] = call
-        call.add_done_callback(lambda _: self._answered(arena, frames, calls, message, call, context))
+        copy = _copy_of(model)
+        call.add_done_callback(lambda _: self._answered(arena, frames, calls, message, call, context, copy))
 
     def _answered(
         self,
@@ -336,9 +340,10 @@ class EngineServer:
         message: Message,
         call: asyncio.Future[Any],
         context: HandedOffRequest | None,
+        copy: tuple[str, int, str],
     ) -> None:
         """A call ended: its answer into the slot under the request's generation (or into the message), or why not;
-        with a traced request's `context`, what it rode in."""
+        with a traced request's `context`, what it rode in; and the model `copy` that computed it."""
         ask, slot, generation, name = message[1], message[2], message[3], message[4]
         calls.pop(ask, None)
         if call.cancelled():
@@ -349,7 +354,8 @@ class EngineServer:
             return
         result = call.result()
         parts = [result.mean, result.std] if isinstance(result, MonteCarloResult) else [result]
-        _send_answer(arena, frames, ask, slot, generation, parts, None if context is None else context.handed_off.rides)
+        rides = None if context is None else context.handed_off.rides
+        _send_answer(arena, frames, ask, slot, generation, parts, rides, copy)
 
     @staticmethod
     def _failed(frames: FrameWriter, ask: int, generation: int, name: str, error: BaseException) -> None:
@@ -416,14 +422,20 @@ def _send_answer(
     generation: int,
     parts: list[np.ndarray],
     rides: list[tuple[Any, ...]] | None,
+    copy: tuple[str, int, str],
 ) -> None:
     """DONE, with the answer in the request's slot under its generation, or in the message where it does not
-    fit; and a traced request's `rides`."""
+    fit; a traced request's `rides`; and the model `copy` that computed it."""
     shape = tuple(parts[0].shape)
     if slot >= 0 and arena.write_answer(slot, generation, parts):
-        frames.send((DONE, ask, generation, shape, None, rides))
+        frames.send((DONE, ask, generation, shape, None, rides, copy))
     else:
-        frames.send((DONE, ask, generation, shape, b"".join(part.tobytes() for part in parts), rides))
+        frames.send((DONE, ask, generation, shape, b"".join(part.tobytes() for part in parts), rides, copy))
+
+
+def _copy_of(model: ServedModel) -> tuple[str, int, str]:
+    """The model copy a request was queued with, as its answer names it: (name, version, digest)."""
+    return model.name, model.version, model.digest
 
 
 def _cancel(frames: FrameWriter, calls: Calls, ask: int) -> None:

@@ -25,7 +25,7 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
 from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_from_data
-from app.protocol.identity import RequestContext, StageMarks
+from app.protocol.identity import RequestContext
 from ffn_core.dtypes import DType
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
@@ -41,7 +41,7 @@ class Pending:
     slot: Slot | None
     dtype: DType
     parts: int  # 1, or 2 for a Monte Carlo request's mean and std
-    trace: StageMarks | None  # a traced request's: told what it rode in
+    context: RequestContext | None  # the request's: told which model copy computed it (and a trace, what it rode in)
 
 
 class EngineClient:
@@ -234,7 +234,7 @@ class _Link:
         ask = next(self._ids)
         loop = asyncio.get_running_loop()
         trace = None if context is None else context.trace
-        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, trace)
+        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, context)
         self.pending[ask] = pending
         self._frames.send(
             (
@@ -302,8 +302,11 @@ class _Link:
                 pending.answer.set_exception(error_from_data(message[3], message[4], message[5]))
             elif kind == DONE:
                 pending.answer.set_result(self._arrays(pending, message[3], message[4]))
-                if message[5] is not None and pending.trace is not None:
-                    pending.trace.rode_in_engine(message[5])
+                context = pending.context
+                if context is not None:
+                    context.computed_by = message[6]
+                    if message[5] is not None and context.trace is not None:
+                        context.trace.rode_in_engine(message[5])
         finally:
             if slot is not None:
                 self.arena.give_back(slot)

@@ -13,9 +13,10 @@ Front to engine:
   "unload" (name), answered REPLY or FAILED; "refused_load" (name), counted, not answered (id 0).
 
 Engine to front:
-- (DONE, id, generation, shape, inline answer, rides): the answer is in the request's slot under
-  its generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its std.
-  `rides`: None, or for a traced request the batches and slices it ran in (HandedOffTrace's).
+- (DONE, id, generation, shape, inline answer, rides, copy): the answer is in the request's slot
+  under its generation (inline None), or here as bytes; a Monte Carlo answer is its mean then its
+  std. `rides`: None, or for a traced request the batches and slices it ran in (HandedOffTrace's).
+  `copy`: (name, version, digest) of the model copy that computed it, which the answer names.
 - (FAILED, id, generation, kind, message, attributes): an app/engine/errors.py kind (generation 0
   for a CONTROL's).
 - (TABLE, table): the engine's models and readiness as a front's facade shows them (engine.py's

@@ -81,8 +81,8 @@ class RemoteModel:
         self._description = description
         self._client = self._clients[0] if self._clients else copies[0][0]
         self.name: str = description["name"]
-        self.version: int = description["version"]
-        self.digest: str = description["digest"]
+        self._version: int = description["version"]
+        self._digest: str = description["digest"]
         self.d_model: int = description["d_model"]
         self.dtype: DType = DTYPES[description["dtype"]]
         self.dropout: float = description["dropout"]
@@ -91,6 +91,24 @@ class RemoteModel:
         )
         self.device = RemoteDevice.parse(description["device"])
         self.weight_bytes: int = description.get("weight_bytes", 0)
+
+    @property
+    def version(self) -> int:
+        """The version this front's table names; within a request this model answered, the version of
+        the copy that computed it (a reload may have raced the request to the engine)."""
+        computed = self._computed()
+        return self._version if computed is None else computed[1]
+
+    @property
+    def digest(self) -> str:
+        """As `version`: the table's, or that of the copy that computed the current request's answer."""
+        computed = self._computed()
+        return self._digest if computed is None else computed[2]
+
+    def _computed(self) -> tuple[str, int, str] | None:
+        context = current()
+        computed = None if context is None else context.computed_by
+        return computed if computed is not None and computed[0] == self.name else None
 
     def describe(self) -> dict[str, Any]:
         """The model as GET /v1/models lists it: the engine's description (and its state here)."""

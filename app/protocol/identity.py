@@ -53,12 +53,15 @@ class StageMarks(Protocol):
 class RequestContext:
     """One request's ids, and its trace (None unless this request is traced)."""
 
-    __slots__ = ("request_id", "trace", "v2_id")
+    __slots__ = ("computed_by", "request_id", "trace", "v2_id")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.v2_id: str | None = None  # the V2 request's `id`, once its body is decoded
         self.trace: StageMarks | None = None
+        # Where another process computed the answer (a front's engine, app/handoff): the model copy
+        # that did, (name, version, digest), which the answer names even if a reload raced it there.
+        self.computed_by: tuple[str, int, str] | None = None
 
 
 CURRENT: ContextVar[RequestContext | None] = ContextVar("ffn_request", default=None)
