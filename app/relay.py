@@ -55,15 +55,18 @@ class Relay:
         self._ids = itertools.count(1)
         self._workers: dict[int, Worker] = {}
         self._accepts: dict[int, frozenset[str] | None] = {}  # by worker number: the commands it applies; None: all
+        self._refuses: dict[int, frozenset[str]] = {}  # by worker number: the commands it never applies
         self._numbering = Numbering()
 
-    def started(self, worker: Worker, accepts: frozenset[str] | None = None) -> None:
+    def started(self, worker: Worker, accepts: frozenset[str] | None = None, refuses: frozenset[str] = frozenset()) -> None:
         """A worker (re)started: replay the sticky commands to it, in order. `accepts`: the only commands it
-        applies (the engine process of shared_engine applies the log settings alone); None: every one."""
+        applies (an engine process of shared_engine: the log settings and model loads); None: every one
+        but those it `refuses` (a front of engine processes: the model loads, which it has no models for)."""
         self._workers[worker.index] = worker
         self._accepts[worker.index] = accepts
+        self._refuses[worker.index] = refuses
         for key, (name, args, number) in self._sticky.items():
-            if accepts is None or name in accepts:
+            if self._takes(worker, name):
                 _send(worker, (APPLY, None, name, args, key, number))
 
     def received(self, worker: Worker, message: tuple[Any, ...]) -> None:
@@ -82,6 +85,7 @@ class Relay:
         """A worker is gone: it answers nothing more; its own broadcasts still reach the others."""
         self._workers.pop(worker.index, None)
         self._accepts.pop(worker.index, None)
+        self._refuses.pop(worker.index, None)
         for broadcast_id, broadcast in list(self._broadcasts.items()):
             if worker.index in broadcast.waiting:
                 self._give_up(broadcast_id, broadcast, [worker.index], f"worker {worker.index} exited")
@@ -121,7 +125,7 @@ class Relay:
 
     def _takes(self, worker: Worker, name: str) -> bool:
         accepts = self._accepts.get(worker.index)
-        return accepts is None or name in accepts
+        return (accepts is None or name in accepts) and name not in self._refuses.get(worker.index, ())
 
     def _drop(self, origin: Worker, request_id: int, late_s: float) -> None:
         why = (

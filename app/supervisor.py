@@ -66,9 +66,12 @@ STABLE_AFTER_S = 30.0  # a worker that served this long resets its slot's backof
 STARTING_BEAT_S = 0.5  # a starting worker's heartbeats, from a thread while it loads
 LOST_LOGGED_S = 1.0  # a stretch this long in which the supervisor did not run is logged
 ENGINE = 0  # the (first) engine process's slot index (shared_engine); the workers' are 1 to N, more engines' N+1...
-# The broadcast commands the engine process applies too: the log settings (app/protocol/v2/log_settings.py's
-# COMMAND). The trace settings and shared-memory regions are the fronts' alone: the engine reads no request.
-ENGINE_COMMANDS = frozenset({"log_settings"})
+# The broadcast commands an engine process applies: the log settings (app/protocol/v2/log_settings.py's
+# COMMAND), and the model loads and unloads (app/engine/lifecycle.py's LOAD_MODEL, UNLOAD_MODEL), which
+# an engine broadcasts to every engine, and which are kept and replayed to one that restarts. The
+# fronts apply the rest (the trace settings, the shared-memory regions: the engines read no request).
+MODEL_COMMANDS = frozenset({"load_model", "unload_model"})
+ENGINE_COMMANDS = frozenset({"log_settings"}) | MODEL_COMMANDS
 
 
 def engine_count(settings: Settings) -> int:
@@ -250,7 +253,10 @@ class Supervisor:
         slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
         log.info("%s started (pid %d)", self._named(slot), process.pid)
         self._record_processes()
-        self._relay.started(slot, ENGINE_COMMANDS if slot in self._engines else None)
+        if slot in self._engines:
+            self._relay.started(slot, accepts=ENGINE_COMMANDS)
+        else:
+            self._relay.started(slot, refuses=MODEL_COMMANDS if self._engines else frozenset())
 
     def _receive(self, slot: Slot) -> None:
         """Read all that the worker's pipe holds (beats queued while this loop did not run count before

@@ -274,7 +274,7 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
             expected = ["0", "3"] if "retiring" in pattern else ["0", "1", "2", "3"]  # engines 0 and 1 are slots 0, 3
             assert said_by == expected, (pattern, server.logs())
 
-        mark = len(server.logs())
+        killed_at = mark = len(server.logs())
         os.kill(engines[0], signal.SIGKILL)
         for _ in range(2):  # both fronts see its link end, and send to engine 1 alone until it is back
             mark = wait_for_log(server, r"the link to engine process 0 ended", after=mark).end() + mark
@@ -287,7 +287,10 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
                 np.testing.assert_allclose(
                     np.frombuffer(r.content, "<f4").reshape(x.shape), demo_reference(x), rtol=1e-5, atol=1e-5
                 )
-        wait_for_log(server, r"engine process 0 \(cpu\) \(pid \d+\) ready")
+        # Restarted, it loads the configured version 1, and the load made since is replayed before it
+        # serves: it serves version 2, as engine 1 does.
+        wait_for_log(server, r"engine process 0 \(cpu\) \(pid \d+\) ready", after=killed_at)
+        assert re.search(r"\[worker 0\] .*version 1 retiring", server.logs()[killed_at:]), server.logs()[killed_at:]
         assert server.stop() == 0
 
 

@@ -89,16 +89,18 @@ async def serve(
     if settings is None:
         settings = load_settings()
         configure_logging(settings.log_level, settings.log_format)
-    engine = Engine(settings, Registry(settings, Metrics(), device=device), beat=beat)
+    # With the supervisor's pipe, a load or unload reaches every engine process (and is replayed to one
+    # that restarts), as it reaches every worker of the plain layout.
+    engine = Engine(settings, Registry(settings, Metrics(), device=device), control, beat=beat)
     # The batches' spans are the engine's: the fronts trace the requests, and send each traced
     # one's span context along (app/handoff/engine.py).
     tracing = start_tracing(traces_export(settings.otlp_endpoint, os.environ), TraceSettings(tracing=True))
-    if control is not None:
-        control.register(log_settings.COMMAND, log_settings.apply_command)
-        await control.open()  # a change replayed to a restarted engine applies before it serves
     await engine.start()
     if tracing is not None:
         engine.on_serving(tracing.observe)
+    if control is not None:
+        control.register(log_settings.COMMAND, log_settings.apply_command)
+        await control.open()  # what was replayed to a restarted engine (a load too) applies before it serves
     await engine.until_warm()
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a dead engine's socket: nobody listens on it any more

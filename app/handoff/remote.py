@@ -7,7 +7,8 @@ through the hand-off (`EngineClient`), and model control is a message each engin
 
 Several engines (one per entry of `devices`) serve the same models: a request goes to the one,
 among those whose copy is ready, with the fewest rows in flight from this front (ties taken in
-turn), and a model load or unload goes to every one. While no engine is linked (starting, or
+turn), and a model load or unload is asked of one, which applies it in every engine through the
+supervisor (and it is replayed to an engine that restarts). While no engine is linked (starting, or
 restarting after it died), the front is not ready: readiness says why, every model is unavailable
 (503), and a task per engine links again every RETRY_S; while one of several is linked, the front
 serves through it.
@@ -304,17 +305,10 @@ class RemoteEngine:
             log.warning("a refused load of %r was not counted: no engine is linked", name[:100])
 
     async def _control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        """A model control applied by every engine: the first's result, or the first error any raised
-        (an engine not running refuses it: it loads its configured models again when it starts)."""
-        results = await asyncio.gather(
-            *(engine.client.control(what, arguments) for engine in self._engines), return_exceptions=True
-        )
-        answers = []
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-            answers.append(result)
-        return answers[0]
+        """A model control, asked of one linked engine: it reaches the others through the supervisor, as
+        a load reaches every worker (app/engine/service.py), and is replayed to one that restarts."""
+        linked = next((engine for engine in self._engines if engine.linked), self._engines[0])
+        return await linked.client.control(what, arguments)
 
     # ----- the links -------------------------------------------------------------------------
 
