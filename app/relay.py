@@ -58,7 +58,9 @@ class Relay:
         self._refuses: dict[int, frozenset[str]] = {}  # by worker number: the commands it never applies
         self._numbering = Numbering()
 
-    def started(self, worker: Worker, accepts: frozenset[str] | None = None, refuses: frozenset[str] = frozenset()) -> None:
+    def started(
+        self, worker: Worker, accepts: frozenset[str] | None = None, refuses: frozenset[str] = frozenset()
+    ) -> None:
         """A worker (re)started: replay the sticky commands to it, in order. `accepts`: the only commands it
         applies (an engine process of shared_engine: the log settings and model loads); None: every one
         but those it `refuses` (a front of engine processes: the model loads, which it has no models for)."""

@@ -350,19 +350,17 @@ class Supervisor:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
         if self._stop_deadline is not None:
             return
-        if self._engines:
-            for engine in self._engines:
-                if engine.ready and engine.process is not None and engine.pid is not None and engine.process.is_alive():
-                    log.info("received SIGHUP: %s reads the config file again", self._named(engine))
-                    os.kill(engine.pid, signal.SIGHUP)
-                else:
-                    log.warning("received SIGHUP with %s not ready: ignored there", self._named(engine))
-            return
-        slot = next((s for s in self._slots if s.ready and s.process is not None and s.process.is_alive()), None)
+        # One process applies the config file for all: its loads are broadcast to every worker, or, with
+        # a shared engine, to every engine process.
+        candidates = self._engines or self._slots
+        slot = next((s for s in candidates if s.ready and s.process is not None and s.process.is_alive()), None)
         if slot is None or slot.pid is None:
-            log.warning("received SIGHUP with no worker ready to apply the config file: ignored")
+            log.warning(
+                "received SIGHUP with no %s ready to apply the config file: ignored",
+                "engine process" if self._engines else "worker",
+            )
             return
-        log.info("received SIGHUP: worker %d reads the config file again and applies it to every worker", slot.index)
+        log.info("received SIGHUP: %s reads the config file again and applies it to every one", self._named(slot))
         os.kill(slot.pid, signal.SIGHUP)
 
     def _stop(self, sig: int | None) -> None:

@@ -231,12 +231,17 @@ async def drain_under_load(server: ServerProcess) -> None:
     assert "still running after the drain timeout" not in server.logs()
 
 
-async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_engine_reach_both() -> None:
+async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_engine_reach_both(
+    tmp_path: Path,
+) -> None:
     """`devices` = cpu twice: two engine processes (libtorch in them alone); requests spread over both,
-    answers equal to numpy; a model load and a log setting applied by each; one engine killed, the
-    fronts serve through the other while it restarts."""
+    answers equal to numpy; a model load and a log setting applied by each, SIGHUP's reading of the
+    config file by one; one engine killed, the fronts serve through the other while it restarts, and
+    it serves the loaded version again."""
+    config = tmp_path / "ffn.toml"
+    config.write_text('[[models]]\nname = "demo"\n')
     env = {"FFN_WORKERS": "2", "FFN_DEVICES": '["cpu", "cpu"]', "FFN_MODEL_CONTROL": "explicit", **SHARED}
-    with start_server(env=env) as server:
+    with start_server(env=env, config=config) as server:
         wait_for_log(server, r"ready: 2 fronts and 2 engine processes \(cpu, cpu\)")
         engines = {
             int(k): int(pid)
@@ -274,6 +279,10 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
             expected = ["0", "3"] if "retiring" in pattern else ["0", "1", "2", "3"]  # engines 0 and 1 are slots 0, 3
             assert said_by == expected, (pattern, server.logs())
 
+        mark = len(server.logs())
+        server.proc.send_signal(signal.SIGHUP)  # one engine reads the file; its loads (none here) reach both
+        wait_for_log(server, r"received SIGHUP: engine process 0 \(cpu\) reads the config file again", after=mark)
+        wait_for_log(server, r"\[worker 0\] .*SIGHUP: config file .* read again", after=mark)
         killed_at = mark = len(server.logs())
         os.kill(engines[0], signal.SIGKILL)
         for _ in range(2):  # both fronts see its link end, and send to engine 1 alone until it is back
@@ -291,6 +300,7 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
         # serves: it serves version 2, as engine 1 does.
         wait_for_log(server, r"engine process 0 \(cpu\) \(pid \d+\) ready", after=killed_at)
         assert re.search(r"\[worker 0\] .*version 1 retiring", server.logs()[killed_at:]), server.logs()[killed_at:]
+        assert not re.search(r"\[worker 3\] .*SIGHUP", server.logs()), "engine 1 was sent SIGHUP too"
         assert server.stop() == 0
 
 
