@@ -92,7 +92,9 @@ class Cluster:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
 
-    def start_worker(self, index: int, accepts: frozenset[str] | None = None) -> Control:
+    def start_worker(
+        self, index: int, accepts: frozenset[str] | None = None, refuses: frozenset[str] = frozenset()
+    ) -> Control:
         ours, theirs = Pipe(duplex=True)
         control = Control(worker=index, conn=theirs)
         control.register("set", recorder(self.log, index))
@@ -100,7 +102,7 @@ class Cluster:
         with self.lock:
             slot = FakeSlot(index, ours)
             self.slots[index] = slot
-            self.relay.started(slot, accepts)
+            self.relay.started(slot, accepts, refuses)
         self.controls[index] = control
         return control
 
@@ -185,6 +187,29 @@ async def test_a_process_that_accepts_some_commands_gets_only_those_sent_and_rep
     assert sorted(r.worker for r in replies if r.ok) == [0, 1]
     refused = await front.broadcast("other", {"value": "y"})
     assert [r.worker for r in refused] == [1]  # not sent to the engine, so not waited for or refused there
+
+
+async def test_a_process_that_refuses_some_commands_is_neither_sent_nor_replayed_them(cluster: Cluster) -> None:
+    # A front of engine processes refuses the model loads (app/supervisor.py's MODEL_COMMANDS): the
+    # engines apply them, and a front, which holds no model, is neither sent them nor waited for.
+    engine = cluster.start_worker(0, accepts=frozenset({"set", "other"}))
+    engine.register("other", recorder(cluster.log, 0))
+    await engine.open()
+    await engine.broadcast("other", {"value": "load"}, sticky="model")
+    front = cluster.start_worker(1, refuses=frozenset({"other"}))
+    await front.open()
+    replies = await engine.broadcast("set", {"value": "level"}, sticky="level")
+    assert sorted(r.worker for r in replies if r.ok) == [0, 1]
+    replies = await engine.broadcast("other", {"value": "load 2"}, sticky="model")
+    assert [r.worker for r in replies if r.ok] == [0] and len(replies) == 1  # the front: not sent, not waited for
+    late = cluster.start_worker(2, refuses=frozenset({"other"}))
+    await late.open()
+    async with asyncio.timeout(10):  # the replay has arrived
+        while not any(worker == 2 for worker, _ in cluster.log):
+            await asyncio.sleep(0.01)
+    await late.broadcast("set", {"value": "marks the replay's end"})  # answered after whatever was replayed
+    assert [value for worker, value in cluster.log if worker == 2] == ["level", "marks the replay's end"]
+    assert [value for worker, value in cluster.log if worker in (1, 2) and value.startswith("load")] == []
 
 
 def numbered(log: list[tuple[int, str, int]], worker: int):
