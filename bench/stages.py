@@ -11,7 +11,8 @@ it is not idle (its own heuristic), so the shares are of busy time.
 
 The stages follow a request's path (docs/architecture.md): read, decode, admission, batch
 assembly, the hop to the device thread and back, compute, split, encode, write; beside them the
-metrics, the edge (guard, fast path, handler), uvicorn's protocol and the event loop itself.
+metrics, the hand-off between a front and an engine process (shared_engine), the edge (guard,
+fast path, handler), uvicorn's protocol and the event loop itself.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ STAGES: list[Rule] = [
                 "Batcher._answer",
                 "WorkQueue.push",
                 "ServedModel.infer",
+                "ServedModel.infer_soon",
+                "Batcher.submit_soon",
                 "ServedModel.check_serving",
                 "deadline_from",
                 "unless_disconnected",
@@ -124,6 +127,9 @@ STAGES: list[Rule] = [
         ),
         (),
     ),
+    # A front's and an engine's side of the hand-off between them (shared_engine): the messages,
+    # the arena's copies, the engine's grouping of a frame's requests.
+    ("hand-off", frozenset(), ("app/handoff/",)),
     (
         "edge: guard, fast path, handler",
         frozenset(),

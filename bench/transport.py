@@ -327,17 +327,21 @@ def prediction(cells: list[Cell], server: str = "near-free") -> list[str]:
 def profile(
     servers: list[Server], configs: dict[str, Path], args: argparse.Namespace, folder: Path
 ) -> dict[str, dict[str, tuple[float, float]]]:
-    """py-spy over a steady load of each profiled cell, for the near-free service and the plain echo."""
+    """py-spy over a steady load of each profiled cell, for the near-free service and the plain echo, and
+    with --shared-engine for the layout's front and engine process, each profiled on its own."""
     server_cores, client_cores = cores(args.server_cpus), cores(args.client_cpus)
     results: dict[str, dict[str, tuple[float, float]]] = {}
     for spec in args.profile_cells.split(","):
         rows, concurrency = (int(part) for part in spec.lower().split("x"))
-        for server in (s for s in servers if s.name in ("echo", "near-free")):
+        for server in (s for s in servers if s.name in ("echo", "near-free", "near-free+engine")):
             with running(server, configs, server_cores) as process:
                 body, headers, _ = service.prepared_body(rows, D_MODEL, folder)
                 service.load(args.generator, process.url, body, headers, rows, D_MODEL, concurrency, 1.0, client_cores)
-                before = service.tree_cpu_seconds(process.pid)
-                recording = stages.record(process.pid, args.seconds * 2, pinned(args.client_cpus))
+                parts = layout_parts(server.name, process)
+                before = {name: service.tree_cpu_seconds(pid) for name, pid in parts.items()}
+                recordings = {
+                    name: stages.record(pid, args.seconds * 2, pinned(args.client_cpus)) for name, pid in parts.items()
+                }
                 result = service.load(
                     args.generator,
                     process.url,
@@ -349,12 +353,28 @@ def profile(
                     args.seconds * 2,
                     client_cores,
                 )
-                cpu_ms = 1000.0 * (service.tree_cpu_seconds(process.pid) - before) / max(result.requests, 1)
-                samples = stages.classify(recording.finish())
-            key = f"{server.name} r={rows} C={concurrency}"
-            results[key] = stages.breakdown(samples, cpu_ms)
-            print(f"profiled {key}: {sum(samples.values())} samples, {cpu_ms:.3f} ms CPU per request", flush=True)
+                for name, pid in parts.items():
+                    cpu_ms = 1000.0 * (service.tree_cpu_seconds(pid) - before[name]) / max(result.requests, 1)
+                    samples = stages.classify(recordings[name].finish())
+                    key = f"{name} r={rows} C={concurrency}"
+                    results[key] = stages.breakdown(samples, cpu_ms)
+                    print(
+                        f"profiled {key}: {sum(samples.values())} samples, {cpu_ms:.3f} ms CPU per request", flush=True
+                    )
     return results
+
+
+def layout_parts(name: str, process: ServerProcess) -> dict[str, int]:
+    """The processes to profile, by the name their column gets: the server's own (its tree's CPU), or,
+    for the shared-engine layout, its front and its engine (told apart by libtorch, mapped by the engine
+    alone), each with its own CPU."""
+    if not name.endswith("+engine"):
+        return {name: process.pid}
+    pids = process.worker_pids()
+    engines = [pid for pid in pids if "libtorch" in Path(f"/proc/{pid}/maps").read_text()]
+    fronts = [pid for pid in pids if pid not in engines]
+    assert len(engines) == 1 and len(fronts) == 1, f"one front and one engine expected: {pids}"
+    return {f"{name} (front)": fronts[0], f"{name} (engine)": engines[0]}
 
 
 def profile_table(results: dict[str, dict[str, tuple[float, float]]]) -> str:

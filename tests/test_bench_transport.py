@@ -90,6 +90,11 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
             f"thread (1): MainThread;{handler} 2",
             "thread (1): MainThread;Runner.run (asyncio/runners.py:118) 9",
             "thread (1): MainThread;something (elsewhere.py:1) 1",
+            # A front of an engine process, and the engine (shared_engine): the hand-off's own frames.
+            f"thread (1): MainThread;{handler};RemoteModel.infer (app/handoff/remote.py:110);"
+            "_Link.ask (app/handoff/front.py:240);FrameWriter.send (app/handoff/frames.py:50) 4",
+            f"thread (1): MainThread;{loop};EngineServer._submit (app/handoff/engine.py:300);"
+            "ServedModel.infer_soon (app/engine/registry.py:290);Batcher.submit_soon (app/engine/batcher.py:210) 3",
         ]
     )
     samples = stages.classify(raw)
@@ -105,9 +110,11 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
             "edge: guard, fast path, handler": 2,
             "event loop": 9,
             "other": 1,
+            "hand-off": 4,
+            "admission": 3,  # the engine's submit of a handed-off request is the batcher's admission
         }
     )
     spread = stages.breakdown(samples, cpu_ms_per_request=0.4)
     assert list(spread) == [stage for stage in stages.ORDER if samples[stage]]
-    assert spread["compute"] == pytest.approx((7 / 40, 70.0))
+    assert spread["compute"] == pytest.approx((7 / 47, 400.0 * 7 / 47))
     assert sum(micros for _, micros in spread.values()) == pytest.approx(400.0)
