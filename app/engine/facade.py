@@ -15,15 +15,17 @@ Errors are app/engine/errors.py's kinds, statuses app/engine/status.py's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from app.collectors import GpuReading
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import ModelStatus
 from app.settings import Settings
 from ffn_core.dtypes import DType
+
+if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
+    from app.collectors import GpuReading
 
 
 class Device(Protocol):

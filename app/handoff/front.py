@@ -15,11 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.collectors import GpuReading
 from app.engine.errors import Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
@@ -27,6 +26,9 @@ from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_from_data
 from app.protocol.identity import RequestContext
 from ffn_core.dtypes import DType
+
+if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
+    from app.collectors import GpuReading
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
 

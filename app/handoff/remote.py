@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.collectors import GpuReading
 from app.engine.errors import Unavailable
 from app.engine.facade import ModelFacade, ServingEngine
 from app.engine.loop_watch import LoopWatch
@@ -37,6 +36,9 @@ from app.handoff.front import EngineClient, EngineNotRunning
 from app.protocol.identity import current
 from app.settings import Settings
 from ffn_core.dtypes import DTYPES, DType
+
+if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
+    from app.collectors import GpuReading
 
 log = logging.getLogger("ffn_serve.handoff")
 
