@@ -12,6 +12,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ffn_client.testing import ServerProcess, metric_value, start_server
+from ffn_client.testing import ServerProcess, free_port, metric_value, start_server
 from tests.grpc_helpers import infer_request, output_of, stub
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
@@ -308,3 +310,17 @@ def cpu_seconds(pid: int) -> float:
     """The process's user and system CPU time so far, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_device_that_is_not_there_stops_the_start_naming_it() -> None:
+    """`devices` naming a GPU this host lacks (no CUDA here; on a GPU host, no 100th GPU): that engine
+    cannot load its models, and the service stops (the front may have served through engine 0 until
+    then, as a plain worker serves while another fails to start), its log naming the device."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
+    env |= {"FFN_WORKERS": "1", "FFN_DEVICES": '["cpu", "cuda:99"]', "FFN_GRPC": "false", **SHARED}
+    command = [sys.executable, "-m", "app.cli", "--host", "127.0.0.1", "--port", str(free_port())]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0, result.stderr
+    assert "device 'cuda:99' requested but" in result.stderr, result.stderr
+    stopping = r"engine process 1 \(cuda:99\) \(pid \d+\) exited with code \d+ while starting: stopping the service"
+    assert re.search(stopping, result.stderr), result.stderr
