@@ -65,9 +65,6 @@ class EngineClient:
         self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (GPUS)
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
-        # Rows (times passes, for Monte Carlo) sent and not yet answered: how busy this front keeps
-        # the engine, by which a front of several engines picks the least loaded (app/handoff/remote.py).
-        self.rows_in_flight = 0
 
     async def linked(self) -> asyncio.Event:
         """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
@@ -98,7 +95,8 @@ class EngineClient:
     ) -> np.ndarray:
         """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`.
         `context`: the request's (app/protocol/identity.py); a traced one crosses with its trace."""
-        (answer,) = await self._ask(model, version, rows, answer_dtype, deadline, None, context)
+        link = await self._connected()
+        (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
         return answer
 
     async def infer_monte_carlo(
@@ -112,30 +110,18 @@ class EngineClient:
         deadline: float | None,
         context: RequestContext | None = None,
     ) -> MonteCarloResult:
-        mean, std = await self._ask(model, version, rows, answer_dtype, deadline, request, context)
-        return MonteCarloResult(mean, std)
-
-    async def _ask(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        answer_dtype: DType,
-        deadline: float | None,
-        monte_carlo: MonteCarloRequest | None,
-        context: RequestContext | None,
-    ) -> list[np.ndarray]:
-        """A request through the link (connected first), its rows × passes counted in flight meanwhile."""
         link = await self._connected()
-        load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
-        self.rows_in_flight += load
-        try:
-            return await link.ask(model, version, rows, answer_dtype, deadline, monte_carlo, context)
-        finally:
-            self.rows_in_flight -= load
+        mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request, context)
+        return MonteCarloResult(mean, std)
 
     def _took_gpus(self, gpus: list[GpuReading]) -> None:
         self.gpus = gpus
+
+    @property
+    def rows_in_flight(self) -> int:
+        """Rows (times passes, for Monte Carlo) sent and not yet answered: how busy this front keeps the
+        engine, by which a front of several engines picks the least loaded (app/handoff/remote.py)."""
+        return 0 if self._link is None else self._link.rows_in_flight
 
     @property
     def in_flight(self) -> int:
@@ -169,6 +155,7 @@ class _Link:
     ) -> None:
         self.arena = arena
         self.pending: dict[int, Pending] = {}
+        self.rows_in_flight = 0  # of the requests in `pending`, times their passes
         self.replies: dict[int, asyncio.Future[dict[str, Any]]] = {}  # model control's, by id
         self.closed = False
         self.ended = asyncio.Event()
@@ -255,6 +242,8 @@ class _Link:
                 None if trace is None or context is None else (context.request_id, *trace.handed_off()),
             )
         )
+        load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
+        self.rows_in_flight += load
         try:
             return await pending.answer
         except asyncio.CancelledError:
@@ -262,6 +251,8 @@ class _Link:
                 # Its slot stays taken until the engine answers for it (see app/handoff/engine.py).
                 self._frames.send((CANCEL, ask))
             raise
+        finally:
+            self.rows_in_flight -= load
 
     async def close(self) -> None:
         self._reading.cancel()
