@@ -1,8 +1,9 @@
 """`ffn-serve --check`: the deployment's smoke test, in this process, serving nothing.
 
 Every configured model is loaded and warmed up as the server would (the same registry and engine;
-with `devices`, on each of them in turn), then asked one request through the engine's facade, `ServedModel.infer`, as the doors ask it; the
-answer must have the request's rows and the model's width, and be finite. For a user after an
+with `devices`, on each of them in turn), then asked one request through the engine's facade,
+`ServedModel.infer`, as the doors ask it; the answer must have the request's rows and the model's
+width, and be finite. For a user after an
 install, a CI job after a build, or an image (`docker run --rm IMAGE --check`): exit 0 with one
 line per model on stdout, or one line on stderr saying what failed and exit 2. No port is bound.
 """

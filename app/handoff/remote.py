@@ -3,7 +3,7 @@
 The doors and the protocol core know the engine only through its facade; a front process serves
 them this one instead of an in-process Engine. No torch: the models are the engines' tables (sent
 after each connection and whenever one changes, engine.py's `engine_table`), their work goes
-through the hand-off (`EngineClient`), and model control is a message each engine answers.
+through the hand-off (`EngineClient`), and model control is a message an engine answers.
 
 Several engines (one per entry of `devices`) serve the same models: a request goes to the one,
 among those whose copy is ready, with the fewest rows in flight from this front (ties taken in
