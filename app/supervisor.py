@@ -1,12 +1,18 @@
 """Supervisor: N worker processes on the parent's listening sockets, each with its own models.
 
-The parent binds the port, then starts the workers (spawned: a fresh interpreter each, so no
-CUDA or thread state is inherited) and hands them the bound sockets. Each worker loads its
-models, warms up, and only then accepts connections, telling the parent "ready" over a pipe:
-a connection is only ever accepted by a warm worker.
+The parent binds the port, then starts the workers and hands them the bound sockets. A worker is
+forked from a fork server (multiprocessing's "forkserver"): a fresh interpreter, started by the
+parent, that imported torch and the serving code once and runs nothing, so a worker inherits no
+CUDA or thread state and starts in a fraction of the CPU a fresh interpreter takes. With
+shared_engine the engines are forked so, and the fronts, which never import torch, are spawned.
+Each worker loads its models, warms up, and only then accepts connections, telling the parent
+"ready" over a pipe: a connection is only ever accepted by a warm worker.
 
 - A worker that dies is started again after a backoff (0.5 s, doubling to 30 s; back to 0.5 s
   once a worker has stayed up 30 s), with a log line.
+- A fork server that dies (killed) leaves its workers running, but they read as exited (code 255):
+  each still running is asked to drain (SIGTERM; its pipe closed too, which alone would drain it),
+  with a log line that says so, and is replaced from a new fork server.
 - Liveness (app/liveness.py): a ready worker silent for `heartbeat_timeout_s` is asked to drain
   (SIGTERM), and killed (SIGKILL) if it stays silent as long again; a starting worker silent for
   STARTING_SILENCE_S, or not ready within `worker_start_timeout_s`, is killed; each with a log line
@@ -42,6 +48,7 @@ import threading
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
 
@@ -72,6 +79,14 @@ ENGINE = 0  # the (first) engine process's slot index (shared_engine); the worke
 # fronts apply the rest (the trace settings, the shared-memory regions: the engines read no request).
 MODEL_COMMANDS = frozenset({"load_model", "unload_model"})
 ENGINE_COMMANDS = frozenset({"log_settings"}) | MODEL_COMMANDS
+# What the fork server imports before it forks a process that computes (multiprocessing's "forkserver":
+# a fresh interpreter this process starts, which imports these modules once and forks each worker from
+# itself). A worker then starts in about 0.5 s of CPU instead of 3.5 (most of that is importing torch),
+# and one that died is back as fast. The fork server imports, and runs nothing else: no CUDA context,
+# no torch threads, no sockets, which is all a spawned worker was spared by its fresh interpreter.
+WORKER_PRELOAD = ("app.supervisor", "app.server", "app.engine.service")
+ENGINE_PRELOAD = ("app.supervisor", "app.handoff.engine_process")
+FORK_SERVER_LOST = 255  # the exit code multiprocessing gives each child of a fork server that died
 
 
 def engine_count(settings: Settings) -> int:
@@ -108,7 +123,11 @@ class Supervisor:
         self.listeners = listeners
         self.threads = threads_per_worker(settings)
         self._worker_settings = settings.model_copy(update={"torch_threads": self.threads})
-        self._context = multiprocessing.get_context("spawn")
+        # The processes that compute (the workers; with shared_engine the engines) are forked from a fork
+        # server that imported torch and the serving code once; the fronts, which import no torch, are spawned.
+        self._spawning = multiprocessing.get_context("spawn")
+        self._forking = multiprocessing.get_context("forkserver")
+        self._forking.set_forkserver_preload(list(ENGINE_PRELOAD if settings.shared_engine else WORKER_PRELOAD))
         self._slots = [Slot(i + 1) for i in range(settings.workers)]
         # shared_engine: the engine processes (one, or one per entry of `devices`) are started first and
         # stopped last; the workers are fronts. Slot 0 is the first engine, N+1... the others.
@@ -126,6 +145,7 @@ class Supervisor:
         self._signals: list[int] = []
         self._relay = Relay()
         self._turned_at = time.monotonic()  # when the loop last woke
+        self._starting_s = 0.0  # of the time since, how long a start held the loop (a fork server importing)
 
     def run(self) -> int:
         """Supervise until stopped; the exit code for the whole service."""
@@ -212,14 +232,16 @@ class Supervisor:
         """The loop woke at `now`: time past TURN_S since it last woke is time this process did not run
         (stopped, starved of CPU, its machine paused), and no worker's silence: every deadline moves on by it."""
         lost = now - self._turned_at - TURN_S
-        self._turned_at = now
+        busy, self._turned_at, self._starting_s = self._starting_s, now, 0.0
         if lost <= 0:
             return
         for slot in self._slots:
             slot.resumed(lost)
         if self._stop_deadline is not None:
             self._stop_deadline += lost
-        if lost >= LOST_LOGGED_S:
+        # A start that waited for a fork server to import torch (its first start, or one after it died)
+        # held the loop too: counted like any lost time, but nothing to warn of.
+        if lost - busy >= LOST_LOGGED_S:
             log.warning(
                 "the supervisor did not run for %.1f s (stopped, starved of CPU, or its machine paused): "
                 "its workers' silence is not counted for that time",
@@ -232,22 +254,26 @@ class Supervisor:
     # ----- workers -------------------------------------------------------------------------
 
     def _start(self, slot: Slot) -> None:
-        ours, theirs = self._context.Pipe(duplex=True)
+        ours, theirs = multiprocessing.Pipe(duplex=True)
         replacement = slot.failures > 0 or slot.ready
+        process: BaseProcess
         if slot in self._engines:
             k = self._engines.index(slot)
-            process = self._context.Process(
+            process = self._forking.Process(
                 target=engine_entry,
                 name=f"ffn-engine-{k}",
                 args=(self._engine_settings, theirs, self._engine_sockets[k], replacement, slot.index, self._device(k)),
             )
         else:
-            process = self._context.Process(
+            context = self._spawning if self._engines else self._forking
+            process = context.Process(
                 target=worker_main,
                 name=f"ffn-worker-{slot.index}",
                 args=(self._worker_settings, self.listeners, theirs, slot.index, replacement, self._engine_sockets),
             )
+        began = time.monotonic()
         process.start()
+        self._starting_s += time.monotonic() - began
         theirs.close()  # the worker's end lives in the worker: its reads see EOF when we are gone
         slot.process, slot.conn, slot.ready, slot.beat_at = process, ours, False, None
         slot.started_at, slot.killed, slot.drain_asked_at = time.monotonic(), False, None
@@ -327,6 +353,11 @@ class Supervisor:
         multiprocess.mark_process_dead(process.pid, str(self._folder))
         self._record_processes()
         how = _describe_exit(code)
+        if code == FORK_SERVER_LOST and _running(process.pid):
+            # Its fork server is gone (killed), which reports every child it forked as exited with 255;
+            # the worker itself runs on. Its pipe is closed above, which drains it; told once more here.
+            how = "lost its fork server (killed?) and is asked to drain"
+            os.kill(process.pid, signal.SIGTERM)
         if self._stop_deadline is not None:
             self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
@@ -413,6 +444,15 @@ class Supervisor:
         write_processes(
             self._folder, os.getpid(), [pid for pid in (slot.pid for slot in self._slots) if pid is not None]
         )
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` exists (one this process forked no longer is its child once its fork server is gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _describe_exit(code: int | None) -> str:

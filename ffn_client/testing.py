@@ -223,15 +223,18 @@ class ServerProcess:
         return read_rss(self.proc.pid)
 
     def worker_pids(self) -> set[int]:
-        """A supervisor's worker processes (spawned: `spawn_main` in their command line; not its resource tracker)."""
+        """A supervisor's worker (and engine) processes, not its fork server or resource tracker.
+
+        The fronts are spawned (`spawn_main` in their command line); the processes that compute are
+        forked by the supervisor's fork server, whose children they are (app/supervisor.py).
+        """
         found: set[int] = set()
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            for child in (task / "children").read_text().split():
-                try:
-                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                        found.add(int(child))
-                except FileNotFoundError:  # exited meanwhile
-                    pass
+        for child in _children(self.pid):
+            command = _command_line(child)
+            if b"spawn_main" in command:
+                found.add(child)
+            elif b"multiprocessing.forkserver" in command:
+                found.update(_children(child))
         return found
 
     def terminate(self) -> None:
@@ -397,3 +400,25 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (none if it has exited)."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return []
+    found: list[int] = []
+    for task in tasks:
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread or the process ended meanwhile
+            pass
+    return found
+
+
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # exited meanwhile
+        return b""

@@ -9,7 +9,8 @@ same code in a real process, on real sockets, taking real signals, for about 0.5
 
 What a fork cannot give a start is started the plain way (ffn_client.testing.exec_server): a
 command other than `python -m app.cli` or a prefix (the installed script, taskset, ...), worker
-processes (a supervisor imports no torch, and that is tested; its workers are spawned anew), or an
+processes (a supervisor imports no torch, and that is tested; it starts its workers from a fork server
+of its own), or an
 environment that differs from the fork server's in anything but FFN_* variables and the few read
 only when used (READ_WHEN_USED), since some libraries read their variables only when they load (glibc's MALLOC_*, OpenMP's OMP_*,
 huggingface_hub's HF_*). FFN_TEST_FORKSERVER=0 turns it off: every start a fresh interpreter,

@@ -113,11 +113,6 @@ def socket_inodes(pid: int) -> set[int]:
     return found
 
 
-def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(child) for child in f.read().split()]
-
-
 async def test_every_worker_serves_grpc_on_the_one_port() -> None:
     with start_server(env={"FFN_WORKERS": "2"}) as server:
         assert server.grpc_port is not None
@@ -126,8 +121,7 @@ async def test_every_worker_serves_grpc_on_the_one_port() -> None:
             assert server.proc.poll() is None and asyncio.get_running_loop().time() < give_up, server.logs()
             await asyncio.sleep(0.05)
         listening = listening_sockets(server.grpc_port)
-        workers = children(server.pid)
-        holders = {pid: socket_inodes(pid) & listening for pid in workers}
+        holders = {pid: socket_inodes(pid) & listening for pid in server.worker_pids()}
         serving = [pid for pid, held in holders.items() if held]
         assert len(serving) == 2 and len(listening) == 2, (holders, listening)  # one listener in each worker
         assert not socket_inodes(server.pid) & listening, "the supervisor holds the port but never listens"

@@ -201,6 +201,67 @@ async def test_a_killed_worker_is_replaced_while_the_other_answers(workers: tupl
     assert grown == sent
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def fork_server_of(server: ServerProcess) -> int:
+    """The one process the workers were forked from: a child of the supervisor, not the supervisor."""
+    parents = {parent_of(pid) for pid in server.worker_pids()}
+    assert len(parents) == 1, parents
+    (fork_server,) = parents
+    assert fork_server != server.pid and parent_of(fork_server) == server.pid
+    return fork_server
+
+
+async def request_id_prefixes(port: int) -> set[str]:
+    """The request-id prefixes the workers give (12 hex digits, one per process), over new connections
+    until two are seen (which worker accepts a connection is the kernel's choice)."""
+    prefixes: set[str] = set()
+    for _ in range(30):
+        responses = await asyncio.gather(
+            *(raw_request(port, http_request("GET", "/v2/health/ready")) for _ in range(16))
+        )
+        prefixes |= {response.headers["x-request-id"][:12] for response in responses}
+        if len(prefixes) >= 2:
+            break
+    return prefixes
+
+
+async def test_the_workers_are_forked_from_one_fork_server_that_imported_torch(
+    workers: tuple[ServerProcess, int],
+) -> None:
+    # A worker starts from a process that imported torch once (app/supervisor.py), not from a fresh
+    # interpreter, and yet each draws its own request ids.
+    server, _ = workers
+    fork_server = fork_server_of(server)
+    assert torch_loaded(fork_server) and not torch_loaded(server.pid)
+    assert len(await request_id_prefixes(server.port)) == 2
+    await send_checked(server.port, 8, seed=7)
+
+
+async def test_a_killed_fork_server_has_its_workers_drained_and_replaced(workers: tuple[ServerProcess, int]) -> None:
+    server, _ = workers
+    old_workers, fork_server = server.worker_pids(), fork_server_of(server)
+    assert len(old_workers) == 2
+    ready_before = server.logs().count(") ready")
+    os.kill(fork_server, signal.SIGKILL)
+    # Every child of a dead fork server reads as exited: the supervisor says what happened, asks
+    # those workers to drain (they exit by themselves) and starts others from a new fork server.
+    give_up = time.monotonic() + 180
+    while not (len(server.worker_pids() - old_workers) == 2 and server.logs().count(") ready") >= ready_before + 2):
+        assert time.monotonic() < give_up and server.proc.poll() is None, server.logs()
+        await asyncio.sleep(0.1)
+    for pid in old_workers:
+        assert f"(pid {pid}) lost its fork server (killed?) and is asked to drain; starting another" in server.logs()
+    while any(Path(f"/proc/{pid}").exists() for pid in old_workers):  # drained: not left running
+        assert time.monotonic() < give_up, f"workers {old_workers} still run"
+        await asyncio.sleep(0.1)
+    assert fork_server_of(server) != fork_server
+    await send_checked(server.port, 16, seed=11)
+    assert len(await request_id_prefixes(server.port)) == 2
+
+
 @pytest.fixture(scope="module")
 def drain_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("workers-drain")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -67,10 +68,19 @@ class RequestContext:
 CURRENT: ContextVar[RequestContext | None] = ContextVar("ffn_request", default=None)
 
 # A request id is this process's random prefix and a counter: unique across processes and
-# restarts with overwhelming odds, and ~10x cheaper than a uuid4 on every request. Workers are
-# spawned (not forked), so each imports this module afresh and draws its own prefix.
-_PREFIX = secrets.token_hex(6)
+# restarts with overwhelming odds, and ~10x cheaper than a uuid4 on every request. The workers are
+# forked from a fork server that imported this module (app/supervisor.py): each child draws its own.
+_PREFIX = ""
 _COUNTER = itertools.count(1)
+
+
+def _draw_prefix() -> None:
+    global _PREFIX, _COUNTER
+    _PREFIX, _COUNTER = secrets.token_hex(6), itertools.count(1)
+
+
+_draw_prefix()
+os.register_at_fork(after_in_child=_draw_prefix)
 
 
 def new_request_id() -> str:
