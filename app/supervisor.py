@@ -84,7 +84,15 @@ ENGINE_COMMANDS = frozenset({"log_settings"}) | MODEL_COMMANDS
 # itself). A worker then starts in about 0.5 s of CPU instead of 3.5 (most of that is importing torch),
 # and one that died is back as fast. The fork server imports, and runs nothing else: no CUDA context,
 # no torch threads, no sockets, which is all a spawned worker was spared by its fresh interpreter.
-WORKER_PRELOAD = ("app.supervisor", "app.server", "app.engine.service")
+# WORKER_PRELOAD is all of ours, and torch, that a worker imports before it is ready (a test holds it to that).
+WORKER_PRELOAD = (
+    "app.supervisor",
+    "app.server",
+    "app.engine.service",
+    "app.engine.registry",
+    "app.preflight",
+    "app.http.transport.uvicorn_members",
+)
 ENGINE_PRELOAD = ("app.supervisor", "app.handoff.engine_process")
 FORK_SERVER_LOST = 255  # the exit code multiprocessing gives each child of a fork server that died
 

@@ -25,6 +25,7 @@ process handle asks it for the exit status (`poll`), over the pipe that carries 
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -253,10 +254,12 @@ def _text(fd: int) -> io.TextIOWrapper:
 
 
 def main() -> int:
-    import app.cli
-    import app.server  # the import every start would pay: torch, FastAPI, grpc
+    # What every start would import, as the supervisor's own fork server does: the web stack and grpc,
+    # torch and the engine (app.server imports no torch), and what a server loads before it is ready.
+    from app.supervisor import WORKER_PRELOAD
 
-    del app
+    for module in ("app.cli", *WORKER_PRELOAD):
+        importlib.import_module(module)
     start = serve(sys.stdin.buffer, sys.stdout.buffer)
     if start is None:
         return 0

@@ -417,3 +417,47 @@ def test_a_workers_log_records_name_it() -> None:
     finally:
         root.handlers, root.level = saved[0], saved[1]
     assert line.endswith(" INFO [worker 2] uvicorn.access: served x"), line
+
+
+# A server that has imported WORKER_PRELOAD, as the supervisor's fork server has, then runs app.cli
+# until it is ready, and prints the modules it imported on the way: what a forked worker would
+# still import after the fork, each time, at its own cost.
+IMPORTED_AFTER_PRELOAD = """
+import importlib, json, os, signal, sys, threading, time, urllib.request
+from app.supervisor import WORKER_PRELOAD
+for module in WORKER_PRELOAD:
+    importlib.import_module(module)
+import app.cli
+before = set(sys.modules)
+port = sys.argv[1]
+
+def report_when_ready():
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5)
+            break
+        except OSError:
+            time.sleep(0.05)
+    print(json.dumps(sorted(set(sys.modules) - before)), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=report_when_ready, daemon=True).start()
+sys.exit(app.cli.main(["--host", "127.0.0.1", "--port", port]))
+"""
+
+
+def test_the_fork_server_imports_all_of_ours_and_torch_that_a_worker_needs() -> None:
+    # Before: app.server stopped importing torch (the doors import none), and every forked start
+    # paid for torch again, unnoticed.
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORTED_AFTER_PRELOAD, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr
+    imported = json.loads(run.stdout.splitlines()[0])
+    assert imported, "nothing imported after the preload: the probe did not run a server"
+    ours = [name for name in imported if name.split(".")[0] in ("app", "ffn_core", "torch", "numpy", "grpc")]
+    assert ours == [], ours
