@@ -35,28 +35,36 @@ if forkserver.enabled():
 
 
 # The files that take longest in a run of the whole suite, longest first (seconds by the clock of
-# each file in `pytest -n 3 --dist loadfile`, before the fork server, on this project's 2-core machine, issue 27's run).
+# each file's tests in `pytest -n 4 --dist loadfile` on this project's 2-core machine, at 0ee0732).
 # scripts/test.sh hands files to its processes in collection order (--no-loadscope-reorder; by
 # default pytest-xdist starts the files with the most tests first, and a long file of few tests
 # then ran last, alone, as the run's tail): these go first. The order is only a schedule.
 LONGEST_FIRST = (
-    "test_process_budgets.py",  # 133 s
-    "test_startup_checks.py",  # 115
-    "test_bench_gpu.py",  # 97
-    "test_model_control.py",  # 93
-    "test_grpc_budgets.py",  # 81
-    "test_workers.py",  # 64
-    "test_grpc_lifecycle.py",  # 63
-    "test_tritonclient_grpc_methods.py",  # 59
-    "test_tritonclient_methods.py",  # 59
-    "test_hostile_properties.py",  # 58
-    "test_docs_snippets.py",  # 56
-    "test_cli.py",  # 54
-    "test_log_settings.py",  # 54
-    "test_system_shared_memory.py",  # 51
-    "test_model_control_workers.py",  # 50
-    "test_grpc.py",  # 49
-    "test_trace_extension.py",  # 46
+    "test_process_budgets.py",  # 193 s
+    "test_shared_engine.py",  # 136
+    "test_bench_gpu.py",  # 95
+    "test_model_control_workers.py",  # 87
+    "test_bench_transport.py",  # 75
+    "test_grpc_budgets.py",  # 73
+    "test_grpc_lifecycle.py",  # 66
+    "test_tracing.py",  # 64
+    "test_system_shared_memory.py",  # 62
+    "test_startup_checks.py",  # 60
+    "test_workers.py",  # 59
+    "test_openapi_schema.py",  # 56
+    "test_start.py",  # 54
+    "test_docs_snippets.py",  # 51
+    "test_server.py",  # 48
+    "test_grpc.py",  # 47
+    "test_hostile_properties.py",  # 43
+    "test_cli.py",  # 42
+    "test_journey.py",  # 39
+    "test_locust.py",  # 39
+    "test_trace_extension.py",  # 39
+    "test_bench_worker_start.py",  # 38
+    "test_check.py",  # 37
+    "test_scripts.py",  # 37
+    "test_model_control.py",  # 37
 )
 
 
