@@ -81,8 +81,8 @@ MODEL_COMMANDS = frozenset({"load_model", "unload_model"})
 ENGINE_COMMANDS = frozenset({"log_settings"}) | MODEL_COMMANDS
 # What the fork server imports before it forks a process that computes (multiprocessing's "forkserver":
 # a fresh interpreter this process starts, which imports these modules once and forks each worker from
-# itself). A worker then starts in about 0.5 s of CPU instead of 3.5 (most of that is importing torch),
-# and one that died is back as fast. The fork server imports, and runs nothing else: no CUDA context,
+# itself). A worker then starts in about 0.7 s of CPU instead of 4 and more (most of that importing
+# torch; bench/worker_start.py), and one that died is back as fast. The fork server imports, and runs nothing else: no CUDA context,
 # no torch threads, no sockets, which is all a spawned worker was spared by its fresh interpreter.
 # WORKER_PRELOAD is all of ours, and torch, that a worker imports before it is ready (a test holds it to that).
 WORKER_PRELOAD = (
