@@ -33,9 +33,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ffn_client.testing import ServerProcess, start_server
+from ffn_client.testing import ServerProcess, process_tree, start_server, tree_cpu_seconds
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 READY = re.compile(r"worker \d+ \(pid (\d+)\) ready")
 WORKER_IMPORTS = "import app.server, app.engine.service"
 
@@ -47,23 +46,6 @@ class Reading:
     pss_mib: float  # the tree's, serving
     private_dirty_mib: float  # each worker's, median
     replacement_cpu_s: float  # a replaced worker's, to ready (nan for one worker: no supervisor)
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and its descendants that are still running."""
-    found = [pid]
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return []
-    for child in children:
-        found += tree(int(child))
-    return found
 
 
 def memory_mib(pid: int, field: str) -> float:
@@ -96,14 +78,13 @@ def measure(workers: int) -> Reading:
         if workers > 1:
             wait_for(lambda: f"ready: {workers} workers" in server.logs(), "every worker ready", server)
         ready_s = time.monotonic() - began
-        processes = tree(server.pid)
-        spent = sum(cpu_s(pid) for pid in processes)
+        spent = tree_cpu_seconds(server.pid) or 0.0
         x = np.random.default_rng(0).standard_normal((4, 512)).astype(np.float32)
         body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
         for _ in range(50):  # new connections: each worker serves some
             response = httpx.post(f"{server.url}/v2/models/demo/infer", json=body, headers={"Connection": "close"})
             response.raise_for_status()
-        serving = tree(server.pid)
+        serving = process_tree(server.pid)
         pss = sum(memory_mib(pid, "Pss") for pid in serving)
         worker_pids = server.worker_pids() if workers > 1 else {server.pid}
         dirty = statistics.median(memory_mib(pid, "Private_Dirty") for pid in worker_pids)
@@ -114,7 +95,7 @@ def measure(workers: int) -> Reading:
             wait_for(lambda: len(server.worker_pids() - worker_pids) == 1, "a replacement started", server)
             (newcomer,) = server.worker_pids() - worker_pids
             wait_for(lambda: str(newcomer) in READY.findall(server.logs()), "the replacement ready", server)
-            replacement = cpu_s(newcomer)
+            replacement = tree_cpu_seconds(newcomer) or 0.0
     return Reading(ready_s, spent, pss, dirty, replacement)
 
 

@@ -64,18 +64,25 @@ CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100 
 def tree_cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) used so far by process `pid` and all its descendants, children it
     has waited for included (a server and its workers); None where there is no Linux /proc."""
-    total, pending, found = 0.0, [pid], False
-    while pending:
-        current = pending.pop()
+    total, found = 0.0, False
+    for current in process_tree(pid):
         try:
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            children = [task / "children" for task in Path(f"/proc/{current}/task").iterdir()]
-            pending += [int(child) for path in children for child in path.read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile (or no /proc)
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         total += sum(int(ticks) for ticks in fields[11:15]) / CLOCK_TICKS_PER_S  # utime stime cutime cstime
         found = True
     return total if found else None
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, as /proc shows them now (a process that exited meanwhile has none)."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        pending += _children(current)
+    return found
 
 
 def read_rss(pid: int) -> int:
