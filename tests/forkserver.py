@@ -57,7 +57,20 @@ def enabled() -> bool:
 # sets it in the test process at its first torch.compile (torch/_inductor/runtime/cache_dir_utils.py),
 # and with it every later start of that process would differ and be started the plain way (15 of
 # a run's starts, 40 s of CPU). TMPDIR: read by tempfile, whose cached answer the child forgets.
-READ_WHEN_USED = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR"})
+# OTEL_BSP_SCHEDULE_DELAY, OTEL_SERVICE_NAME: read by the OpenTelemetry SDK when a server builds its
+# span processor and resource (the fork server imports only opentelemetry.context). HF_HOME,
+# HF_HUB_OFFLINE: huggingface_hub reads them when it loads, and only a server of a hub model loads it.
+READ_WHEN_USED = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TMPDIR",
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "OTEL_SERVICE_NAME",
+        "HF_HOME",
+        "HF_HUB_OFFLINE",
+    }
+)
 
 
 def _without_ffn(env: Mapping[str, str]) -> dict[str, str]:

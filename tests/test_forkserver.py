@@ -79,7 +79,12 @@ def test_what_a_fork_cannot_give_is_started_the_plain_way(forks: ForkServer, tmp
     # Read only when used: a start that differs in these alone is still a fork. torch sets the
     # first in the test process at its first torch.compile; had it made every later start a plain
     # one, a run would have started 15 servers the slow way.
-    used_later = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path)}
+    used_later = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path)} | {
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_SERVICE_NAME": "forked",
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+    }
     forked = forks.launch([*SERVE_COMMAND, "--version"], {**base, **used_later}, None, log)
     assert isinstance(forked, Forked)
     assert forked.wait(60) == 0

@@ -34,6 +34,9 @@ from tests.reference import numpy_ffn
 from tests.wire import raw_headers
 
 hub = pytest.importorskip("huggingface_hub")
+# By name: the package loads its submodules lazily, and `hub.constants` is an attribute only once some
+# other import has loaded it (in a run where none had, the fixture below failed).
+hub_constants = pytest.importorskip("huggingface_hub.constants")
 
 REPO = "sentence-transformers/all-MiniLM-L6-v2"
 SHARDED = "test-org/minilm-sharded"
@@ -80,8 +83,8 @@ def cache(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Cache:
 @pytest.fixture
 def offline(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> Cache:
     """huggingface_hub in this process reading `cache`, offline (it reads HF_HOME once, at import)."""
-    monkeypatch.setattr(hub.constants, "HF_HUB_CACHE", str(cache.hub))
-    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache.hub))
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     return cache
 
 

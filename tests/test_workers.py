@@ -439,6 +439,7 @@ def report_when_ready():
         except OSError:
             time.sleep(0.05)
     print(json.dumps(sorted(set(sys.modules) - before)), flush=True)
+    print(json.dumps(sorted(name for name in before if name.startswith(("huggingface_hub", "opentelemetry.sdk")))), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=report_when_ready, daemon=True).start()
@@ -461,3 +462,7 @@ def test_the_fork_server_imports_all_of_ours_and_torch_that_a_worker_needs() -> 
     assert imported, "nothing imported after the preload: the probe did not run a server"
     ours = [name for name in imported if name.split(".")[0] in ("app", "ffn_core", "torch", "numpy", "grpc")]
     assert ours == [], ours
+    # The suite's fork server (tests/forkserver.py) preloads the same, and forks starts whose HF_* or
+    # OTEL_* variables differ from its own (READ_WHEN_USED): right only while the preload loads neither
+    # library, which read those variables when they load or build their exporter.
+    assert json.loads(run.stdout.splitlines()[1]) == []
