@@ -29,13 +29,19 @@ step() {
 done_step() { echo "setup.sh       done in $((SECONDS - STEP_START)) s" >&2; }
 # Everything after torch goes in through uv, a pip-compatible installer from PyPI that resolves,
 # downloads and installs in parallel: the test extra in about 12 s against pip's minute (on this
-# project's 2-core machine). Compiled to bytecode as pip does: else each of the test suite's ~200
-# Python processes compiles FastAPI, pydantic and the rest anew (+0.8 s of CPU each, where
-# PYTHONDONTWRITEBYTECODE is set). torch stays with pip: it is the step that honours TORCH_INDEX_URL and a
-# pip.conf's local files, and uv then finds it installed. Where no uv wheel installs, pip it is.
+# project's 2-core machine). Compiled to bytecode as pip does: else, where PYTHONDONTWRITEBYTECODE
+# is set, every start of the server compiles torch, FastAPI, pydantic and the rest anew. torch stays
+# with pip: it is the step that honours TORCH_INDEX_URL and a pip.conf's local files, and uv then
+# finds it installed. Where no uv wheel installs, pip it is.
+# With --test nothing is compiled here: scripts/test.sh runs the suite with bytecode writing on, so
+# what the suite imports (about 1,400 of the environment's 10,800 files) is compiled once, by the
+# first process to import it; compiling everything took 31 of this script's 65 s on a fresh clone
+# (this project's 2-core machine).
+COMPILE=1
+[ "${1:-}" = "--test" ] && COMPILE=
 install() {
   if [ -x .venv/bin/uv ]; then
-    .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "$@"
+    .venv/bin/uv pip install -q ${COMPILE:+--compile-bytecode} --python .venv/bin/python "$@"
   else
     .venv/bin/python -m pip install -q "$@"
   fi
@@ -47,13 +53,14 @@ step "creating .venv (about 3 s)"
 python3 -m venv .venv
 done_step
 step "torch==2.13.0 from ${TORCH_INDEX_URL:-the index pip is configured with (PyPI)} (the CPU build: a 190 MB download, 750 MB installed, about 25 s; a CUDA build: GBs, many minutes)"
-# Installed uncompiled, then compiled on every core: pip compiles torch and sympy's 5,000 files
-# on one (41 s for this step against 25 s so, on this project's 2-core machine). Compiled all the
-# same: where PYTHONDONTWRITEBYTECODE is set, each of the test suite's Python processes would
-# otherwise compile what it imports of them anew. A few of torch's files are templates, not
-# Python, and fail to compile under pip too: compileall's status says nothing here.
+# Installed uncompiled, then (but with --test) compiled on every core: pip compiles torch and
+# sympy's 5,000 files on one (41 s for this step against 25 s so, on this project's 2-core
+# machine). A few of torch's files are templates, not Python, and fail to compile under pip too:
+# compileall's status says nothing here.
 .venv/bin/python -m pip install -q --no-compile torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
+if [ -n "$COMPILE" ]; then
+  .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null 2>&1 || true
+fi
 .venv/bin/python -m pip install -q uv || {
   echo "setup.sh: uv did not install; pip installs the rest" >&2
   .venv/bin/python -m pip install -q --upgrade pip

@@ -13,10 +13,21 @@ for arg in "$@"; do
   args+=("$arg")
 done
 cd "$(dirname "$0")/.."
-# The project's modules compiled once (half a second): a run starts some 200 Python processes
-# (servers, workers, CLI runs), and where PYTHONDONTWRITEBYTECODE is set none of them would keep
-# what it compiled for the next. __pycache__ is ignored by git.
-compile_project() { .venv/bin/python -m compileall -q app ffn_core ffn_client bench >/dev/null || true; }
+# Bytecode is written, whatever the caller's PYTHONDONTWRITEBYTECODE: a run starts some 200 Python
+# processes (servers, workers, CLI runs), and without it each would compile anew what it imports
+# (torch, FastAPI, ...: seconds of CPU each). scripts/setup.sh --test compiles nothing for that
+# reason: the first process to import a module compiles it for the rest. __pycache__ is ignored by git.
+unset PYTHONDONTWRITEBYTECODE
+# Compiled before the run, each once: the project's modules (half a second), and, where torch has
+# not been imported yet, what every test process and server imports first (torch and the server's
+# stack, some 1,400 files, about 5 s of CPU), which the first processes of a run would otherwise
+# all compile at once, each for itself.
+compile_project() {
+  .venv/bin/python -m compileall -q app ffn_core ffn_client bench >/dev/null || true
+  compgen -G ".venv/lib/python3*/site-packages/torch/__pycache__/__init__.*.pyc" >/dev/null \
+    || .venv/bin/python -c 'import torch, app.cli, app.server, app.engine.service, app.grpc.server, tritonclient.http, tritonclient.grpc, hypothesis, httpx' \
+    || true
+}
 # A tool of the test extra missing (an older .venv): set up again, which adds what is new.
 [ -x .venv/bin/pytest ] && [ -x .venv/bin/mypy ] && [ -x .venv/bin/ruff ] && [ -x .venv/bin/lint-imports ] \
   && [ -x .venv/bin/docker-compose ] && .venv/bin/python -c "import xdist" 2>/dev/null || bash scripts/setup.sh --test
