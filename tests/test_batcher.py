@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,9 @@ import torch
 
 from app.engine.batcher import Batcher
 from app.engine.errors import DeadlineExceeded, ModelError, NotTogether, Overloaded, RequestTooLarge, Unavailable
+from app.logs import RequestIds
 from app.metrics import Metrics
+from app.protocol.identity import CURRENT, RequestContext
 
 D = 4
 
@@ -497,3 +500,29 @@ async def test_cancelling_a_future_from_submit_soon_withdraws_its_rows(executor)
     await asyncio.wait_for(blocker, 5)
     assert forward.batches == [[1]]  # the withdrawn rows were never computed
     await batcher.stop()
+
+
+async def test_a_batcher_started_while_a_request_is_served_stamps_none_of_its_lines_with_that_requests_id(executor):
+    # A model loaded through model control starts its batcher inside the load request. Its collector
+    # task took that request's context with it, and every line it logged afterwards (a failed forward
+    # pass, an OOM split) carried the load request's id, as the batch spans would its trace.
+    forward = RecordingForward()
+    token = CURRENT.set(RequestContext("the-load-request"))
+    try:
+        batcher = await make(forward, executor, max_batch_rows=64, max_wait_s=0.0)
+    finally:
+        CURRENT.reset(token)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.addFilter(RequestIds())
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("ffn_serve.batcher")
+    logger.addHandler(handler)
+    try:
+        forward.fail_with = RuntimeError("boom")
+        with pytest.raises(ModelError):
+            await asyncio.wait_for(batcher.submit(rows(2)), 2)
+    finally:
+        logger.removeHandler(handler)
+        await batcher.stop()
+    assert [record.request_id for record in records if "forward pass failed" in record.getMessage()] == [None]

@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
+from contextvars import Context
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -144,7 +145,10 @@ class Batcher:
     async def start(self) -> None:
         assert self._collector is None, "Batcher.start() called twice; this is a bug."
         self._accepting = True
-        self._collector = asyncio.create_task(self._collect(), name=f"batcher-{self.name}")
+        # In a context of its own: a model loaded through model control starts here inside the load
+        # request, whose ids (and trace) would otherwise stamp every line the collector logs, and
+        # every batch span, for the model's life.
+        self._collector = asyncio.create_task(self._collect(), name=f"batcher-{self.name}", context=Context())
         self._collector.add_done_callback(self._collector_done)
 
     async def drain(self, timeout_s: float) -> bool:
