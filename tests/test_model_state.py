@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from app.engine.errors import Unavailable
 from app.engine.runner import ModelRunner
+from app.engine.service import _outcome
 from app.main import create_app
 from app.settings import ModelSpec, Settings
 from ffn_client.testing import metric_value
@@ -153,3 +155,10 @@ async def test_the_repository_index_takes_only_a_boolean(held: Held, body: dict)
     r = await held.client.post("/v2/repository/index", json=body)
     assert r.status_code == 400 and r.json()["error_type"] == "invalid_input", r.text
     assert "ready" in r.json()["error"]
+
+
+def test_a_control_that_reached_no_process_is_unavailable_not_a_crash() -> None:
+    # The supervisor answers a broadcast with no replies when no process that would apply it had a
+    # pipe by then; reading the version from the first reply raised IndexError (a 500).
+    with pytest.raises(Unavailable, match="load of model 'm' reached no serving process"):
+        _outcome("m", "load", [])

@@ -381,6 +381,8 @@ class Engine:
 
 def _outcome(name: str, what: str, replies: list[Reply]) -> dict[str, Any]:
     """Every process's reply as one answer; LoadFailed if any failed, naming each one and why."""
+    if not replies:  # every process that would apply it was gone by the time the supervisor sent it
+        raise Unavailable(f"the {what} of model {name[:100]!r} reached no serving process; try again")
     failed = [reply for reply in replies if not reply.ok]
     if failed:
         errors = list(dict.fromkeys(reply.error for reply in failed))
