@@ -270,6 +270,12 @@ async def test_two_engines_share_the_work_and_a_load_a_log_setting_and_a_killed_
             # here, split 0.25 and 0.22; an idle engine spends milliseconds on its heartbeats meanwhile.
             spent = {k: cpu_seconds(pid) - before[k] for k, pid in engines.items()}
             assert min(spent.values()) >= sum(spent.values()) / 4 and sum(spent.values()) > 0.1, spent
+            # The model series sum both engines' work, whichever front answers the scrape.
+            page = (await client.get("/metrics")).text
+            assert metric_value(page, "ffn_request_seconds_count", model="demo") == 24
+            assert metric_value(page, "ffn_batch_rows_sum", model="demo") == 24 * 256
+            stats = (await client.get("/v2/models/demo/stats")).json()["model_stats"][0]
+            assert stats["inference_stats"]["success"]["count"] == 24
 
             r = await client.post("/v2/repository/models/demo/load")
             assert r.status_code == 200, r.text
