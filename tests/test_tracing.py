@@ -456,7 +456,11 @@ async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared
         f32 = DTYPES["float32"]
         answers = await asyncio.gather(
             client.infer("demo", None, inputs[0], f32, deadline=None, context=traced),
-            *(client.infer("demo", None, x, f32, deadline=None) for x in inputs[1:]),
+            # Untraced, sent in one turn: they cross in one frame and the engine queues them as one group.
+            *(
+                client.infer("demo", None, x, f32, deadline=None, context=RequestContext(f"untraced-{i}"))
+                for i, x in enumerate(inputs[1:], 1)
+            ),
         )
         for x, y in zip(inputs, answers, strict=True):
             np.testing.assert_allclose(y, demo_reference(x), rtol=1e-4, atol=1e-4)
@@ -472,7 +476,13 @@ async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared
         assert batch_span.trace_id == batch_trace != trace_id
         assert batch_span.links == [(trace_id, request.span_id)]
         assert batch_span.attributes["ffn.batch.rows"] == 4 and batch_span.attributes["ffn.batch.requests"] == 4
-        assert batch_span.attributes["ffn.request_ids"] == ["handed-off-1"]
+        # Every request crosses with its id, traced or not: the batch span lists all four, as in one process.
+        assert sorted(batch_span.attributes["ffn.request_ids"]) == [
+            "handed-off-1",
+            "untraced-1",
+            "untraced-2",
+            "untraced-3",
+        ]
         assert (batch_span.start_ns, batch_span.end_ns) == (stages["compute"].start_ns, stages["compute"].end_ns)
         assert stages["queue"].end_ns == stages["compute"].start_ns
     finally:

@@ -17,7 +17,10 @@ unmapped.
 
 A traced request (its SUBMIT names its span's context) is queued alone, with its context current
 as the batcher tags its entries, so that the engine's batch spans link to it (app/tracing/spans.py);
-its DONE carries back what it rode in. Tracing is the engine process's when an OTLP endpoint is set.
+its DONE carries back what it rode in. Every request crosses with its id: while the engine traces,
+an untraced request's entry (or a group's) is tagged with its id (their ids), so that a batch span
+lists every request that rode in it, as in one process. Tracing is the engine process's when an
+OTLP endpoint is set.
 
 Each front also gets the engine's table (its models as listed, their states, the engine's
 readiness: `engine_table`) after HELLO and whenever it changes, and model control (CONTROL: a
@@ -42,11 +45,11 @@ from app.engine.service import Engine, ServedModel
 from app.handoff.arena import Arena
 from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_as_data
-from app.protocol.identity import CURRENT
+from app.protocol.identity import CURRENT, RequestContext, RequestGroup
 from ffn_core.dtypes import DTYPES
 
 if TYPE_CHECKING:
-    from app.tracing.spans import HandedOffRequest, Tracing
+    from app.tracing.spans import Tracing
 
 log = logging.getLogger("ffn_serve.handoff")
 
@@ -221,7 +224,7 @@ class EngineServer:
         queued as one entry (up to GROUP_ROWS rows); the rest one by one."""
         groups: dict[tuple[Any, ...], list[Message]] = {}
         for message in submits:
-            _, _, slot, _, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, _, trace = message
+            _, _, slot, _, name, version, shape, rows_dtype, answer_dtype, deadline, monte_carlo, _, _, trace = message
             if slot >= 0 and deadline is None and monte_carlo is None and trace is None and len(shape) == 2:
                 groups.setdefault((name, version, shape[1], rows_dtype, answer_dtype), []).append(message)
             else:
@@ -247,9 +250,15 @@ class EngineServer:
             model = self.engine.model(name, version)
             dtype = np.dtype(DTYPES[rows_dtype].array)
             rows, members = _gathered(arena, messages, dtype)
-            call = model.infer_soon(
-                rows, DTYPES[answer_dtype], deadline=None, requests=[m.stop - m.start for m in members]
-            )
+            # Traced, the entry is tagged with the group's ids (read as the batcher tags it).
+            token = None if self._tracing is None else CURRENT.set(RequestGroup([m[12] for m in messages]))
+            try:
+                call = model.infer_soon(
+                    rows, DTYPES[answer_dtype], deadline=None, requests=[m.stop - m.start for m in members]
+                )
+            finally:
+                if token is not None:
+                    CURRENT.reset(token)
         except NotTogether:  # the queue may take some of them: each gets its own verdict
             for message in messages:
                 self._submit(arena, frames, calls, message)
@@ -302,10 +311,13 @@ class EngineServer:
             deadline,
             monte_carlo,
             inline,
+            request_id,
             trace,
         ) = message
-        context = None if trace is None or self._tracing is None else self._tracing.handed_off(*trace)
-        token = None if context is None else CURRENT.set(context)  # read as the batcher tags the entries
+        context: RequestContext | None = None
+        if self._tracing is not None and request_id is not None:  # read as the batcher tags the entries
+            context = RequestContext(request_id) if trace is None else self._tracing.handed_off(request_id, *trace)
+        token = None if context is None else CURRENT.set(context)
         try:
             model = self.engine.model(name, version)
             dtype = np.dtype(DTYPES[rows_dtype].array)
@@ -339,7 +351,7 @@ class EngineServer:
         calls: Calls,
         message: Message,
         call: asyncio.Future[Any],
-        context: HandedOffRequest | None,
+        context: RequestContext | None,
         copy: tuple[str, int, str],
     ) -> None:
         """A call ended: its answer into the slot under the request's generation (or into the message), or why not;
@@ -354,7 +366,9 @@ class EngineServer:
             return
         result = call.result()
         parts = [result.mean, result.std] if isinstance(result, MonteCarloResult) else [result]
-        rides = None if context is None else context.handed_off.rides
+        # A traced request's context is a HandedOffRequest (app/tracing is imported only where tracing is on).
+        handed_off = getattr(context, "handed_off", None)
+        rides = None if handed_off is None else handed_off.rides
         _send_answer(arena, frames, ask, slot, generation, parts, rides, copy)
 
     @staticmethod

@@ -239,7 +239,8 @@ class _Link:
                 None if deadline is None else time.monotonic() + (deadline - loop.time()),
                 None if monte_carlo is None else (monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
                 None if slot is not None else rows.tobytes(),
-                None if trace is None or context is None else (context.request_id, *trace.handed_off()),
+                None if context is None else context.request_id,
+                None if trace is None else trace.handed_off(),
             )
         )
         load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)

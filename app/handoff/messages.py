@@ -3,11 +3,13 @@
 Front to engine:
 - (HELLO, arena name, slots, slot bytes): the first message of a connection.
 - (SUBMIT, id, slot, generation, model, version, shape, rows dtype, answer dtype, deadline,
-  monte carlo, inline rows, trace): one request. `slot` is -1 when the rows travel inline (bytes);
-  `deadline` is time.monotonic() seconds (one clock for every process of a host) or None;
-  `monte carlo` is (passes, dropout, seed) or None. Dtypes are ffn_core/dtypes.py's names.
-  `trace` is None, or for a traced request (request id, trace id, span id, trace flags): its
-  span's context, which the engine's batch spans link to (app/tracing/spans.py).
+  monte carlo, inline rows, request id, trace): one request. `slot` is -1 when the rows travel
+  inline (bytes); `deadline` is time.monotonic() seconds (one clock for every process of a host) or
+  None; `monte carlo` is (passes, dropout, seed) or None. Dtypes are ffn_core/dtypes.py's names.
+  `request id` is the request's (X-Request-Id, or the one it was given), which the engine's batch
+  spans list, or None for a call that came with no request context. `trace` is None, or for a
+  traced request (trace id, span id, trace flags): its span's context, which the engine's batch
+  spans link to (app/tracing/spans.py).
 - (CANCEL, id): its client left; the engine answers it anyway, FAILED or DONE.
 - (CONTROL, id, what, arguments): model control, as the engine facade's: "load" (name, config),
   "unload" (name), answered REPLY or FAILED; "refused_load" (name), counted, not answered (id 0).

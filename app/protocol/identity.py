@@ -65,6 +65,17 @@ class RequestContext:
         self.computed_by: tuple[str, int, str] | None = None
 
 
+class RequestGroup(RequestContext):
+    """Several requests computed as one (an engine process's group of a front's requests): their ids,
+    None for one that came with none. `request_id` is the first's, for what reads one."""
+
+    __slots__ = ("request_ids",)
+
+    def __init__(self, request_ids: list[str | None]) -> None:
+        super().__init__(next((rid for rid in request_ids if rid is not None), ""))
+        self.request_ids = request_ids
+
+
 CURRENT: ContextVar[RequestContext | None] = ContextVar("ffn_request", default=None)
 
 # A request id is this process's random prefix and a counter: unique across processes and

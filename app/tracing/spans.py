@@ -62,7 +62,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from app import __version__
 from app.engine.observe import Entry
 from app.engine.service import ServedModel
-from app.protocol.identity import RequestContext, current
+from app.protocol.identity import RequestContext, RequestGroup, current
 from app.tracing.config import Export
 from app.tracing.trace_settings import Policy, TraceSettings
 
@@ -339,11 +339,19 @@ class ModelObserver:
             return
         to_epoch = time.time_ns() - time.perf_counter_ns()
         start, end = _ns(started, to_epoch), _ns(ended, to_epoch)
-        request_ids = list(
-            dict.fromkeys(entry.tag.request_id for entry in entries if isinstance(entry.tag, RequestContext))
-        )
-        # In an engine process only the traced requests cross with an id: the others count by their entries.
-        untagged = sum(entry.requests for entry in entries if not isinstance(entry.tag, RequestContext))
+        named: list[str] = []
+        untagged = 0  # requests with no id to list (an engine's caller that gave none): counted all the same
+        for entry in entries:
+            tag = entry.tag
+            if isinstance(tag, RequestGroup):  # an engine process's group of a front's requests
+                ids = [rid for rid in tag.request_ids if rid is not None]
+                named += ids
+                untagged += entry.requests - len(ids)
+            elif isinstance(tag, RequestContext):
+                named.append(tag.request_id)
+            else:
+                untagged += entry.requests
+        request_ids = list(dict.fromkeys(named))
         span = self._tracing.batch_tracer.start_span(
             "batch",
             context=_EMPTY,
