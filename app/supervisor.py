@@ -137,6 +137,9 @@ class Supervisor:
         self._forking = multiprocessing.get_context("forkserver")
         self._forking.set_forkserver_preload(list(ENGINE_PRELOAD if settings.shared_engine else WORKER_PRELOAD))
         self._slots = [Slot(i + 1) for i in range(settings.workers)]
+        # Workers that lost their fork server and were asked to drain: where this process is PID 1 (a
+        # container) or a subreaper, they are its children now, and it waits for them (_reap_orphans).
+        self._orphans: set[int] = set()
         # shared_engine: the engine processes (one, or one per entry of `devices`) are started first and
         # stopped last; the workers are fronts. Slot 0 is the first engine, N+1... the others.
         self._engines: list[Slot] = []
@@ -224,6 +227,7 @@ class Supervisor:
             if self._stop_deadline is not None and now >= self._stop_deadline:
                 self._kill_the_rest()
             self._relay.expire(now)
+            self._reap_orphans()
 
     def _timeout(self) -> float:
         """How long the loop may wait: until the next thing due, and never longer than TURN_S (see _woke)."""
@@ -366,6 +370,7 @@ class Supervisor:
             # the worker itself runs on. Its pipe is closed above, which drains it; told once more here.
             how = "lost its fork server (killed?) and is asked to drain"
             os.kill(process.pid, signal.SIGTERM)
+            self._orphans.add(process.pid)
         if self._stop_deadline is not None:
             self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
@@ -384,6 +389,17 @@ class Supervisor:
         delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
         log.error("%s (pid %d) %s; starting another in %.1f s", self._named(slot), process.pid, how, delay)
+
+    def _reap_orphans(self) -> None:
+        """Wait for the drained orphans that are this process's children (it is PID 1 or a subreaper):
+        unwaited, each would stay a zombie until the service exits. One that is not its child is init's."""
+        for pid in list(self._orphans):
+            try:
+                exited, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                exited = pid
+            if exited:
+                self._orphans.discard(pid)
 
     def _hang_up(self) -> None:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""

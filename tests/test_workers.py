@@ -52,12 +52,25 @@ SLOW_ROWS = 2048  # of the slow model: a pass under way at SIGTERM, and a 4 MiB 
 ACCESS_LINE = re.compile(r"\[worker (\d+)\] uvicorn\.access: .*\"POST /v1/models/demo/transform HTTP/1\.1\" 200")
 
 
+# Runs a command as a child subreaper (PR_SET_CHILD_SUBREAPER, 36; kept across the exec): orphans of
+# its descendants become its children, as they become PID 1's in a container, where ffn-serve is PID 1.
+AS_SUBREAPER = [
+    sys.executable,
+    "-c",
+    "import ctypes, os, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:\n"
+    "    sys.exit(f'prctl: errno {ctypes.get_errno()}')\n"
+    "os.execv(sys.argv[1], sys.argv[1:])",
+]
+
+
 @pytest.fixture(scope="module")
 def workers() -> Iterator[tuple[ServerProcess, int]]:
-    """Two workers behind an API key, with an access log and a metrics port: (server, metrics port)."""
+    """Two workers behind an API key, with an access log and a metrics port: (server, metrics port).
+    The supervisor is a subreaper, as PID 1 in a container is: what it leaves unwaited stays a zombie."""
     metrics_port = free_port()
     env = {"FFN_WORKERS": "2", "FFN_API_KEY": KEY, "FFN_METRICS_PORT": str(metrics_port), "FFN_ACCESS_LOG": "true"}
-    with start_server(env=env) as server:
+    with start_server(env=env, prefix=AS_SUBREAPER) as server:
         yield server, metrics_port
 
 
@@ -254,7 +267,8 @@ async def test_a_killed_fork_server_has_its_workers_drained_and_replaced(workers
         await asyncio.sleep(0.1)
     for pid in old_workers:
         assert f"(pid {pid}) lost its fork server (killed?) and is asked to drain; starting another" in server.logs()
-    while any(Path(f"/proc/{pid}").exists() for pid in old_workers):  # drained: not left running
+    # Drained, and waited for: not left running, nor a zombie of the supervisor (their parent now).
+    while any(Path(f"/proc/{pid}").exists() for pid in old_workers):
         assert time.monotonic() < give_up, f"workers {old_workers} still run"
         await asyncio.sleep(0.1)
     assert fork_server_of(server) != fork_server
