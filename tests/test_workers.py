@@ -255,6 +255,10 @@ async def test_the_workers_are_forked_from_one_fork_server_that_imported_torch(
 
 async def test_a_killed_fork_server_has_its_workers_drained_and_replaced(workers: tuple[ServerProcess, int]) -> None:
     server, _ = workers
+    give_up = time.monotonic() + 180
+    while "ready: 2 workers" not in server.logs():  # both serve: a worker lost while starting stops the service
+        assert time.monotonic() < give_up and server.proc.poll() is None, server.logs()
+        await asyncio.sleep(0.05)
     old_workers, fork_server = server.worker_pids(), fork_server_of(server)
     assert len(old_workers) == 2
     ready_before = server.logs().count(") ready")
