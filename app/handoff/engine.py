@@ -251,7 +251,9 @@ class EngineServer:
             dtype = np.dtype(DTYPES[rows_dtype].array)
             rows, members = _gathered(arena, messages, dtype)
             # Traced, the entry is tagged with the group's ids (read as the batcher tags it).
-            token = None if self._tracing is None else CURRENT.set(RequestGroup([m[12] for m in messages]))
+            ids = [m[12] for m in messages]
+            tagged = self._tracing is not None and any(rid is not None for rid in ids)
+            token = CURRENT.set(RequestGroup(ids)) if tagged else None
             try:
                 call = model.infer_soon(
                     rows, DTYPES[answer_dtype], deadline=None, requests=[m.stop - m.start for m in members]

@@ -67,12 +67,12 @@ class RequestContext:
 
 class RequestGroup(RequestContext):
     """Several requests computed as one (an engine process's group of a front's requests): their ids,
-    None for one that came with none. `request_id` is the first's, for what reads one."""
+    None for one that came with none (at least one has one). `request_id` is the first id, for what reads one."""
 
     __slots__ = ("request_ids",)
 
     def __init__(self, request_ids: list[str | None]) -> None:
-        super().__init__(next((rid for rid in request_ids if rid is not None), ""))
+        super().__init__(next(rid for rid in request_ids if rid is not None))
         self.request_ids = request_ids
 
 
