@@ -137,9 +137,10 @@ class Supervisor:
         self._forking = multiprocessing.get_context("forkserver")
         self._forking.set_forkserver_preload(list(ENGINE_PRELOAD if settings.shared_engine else WORKER_PRELOAD))
         self._slots = [Slot(i + 1) for i in range(settings.workers)]
-        # Workers that lost their fork server and were asked to drain: where this process is PID 1 (a
-        # container) or a subreaper, they are its children now, and it waits for them (_reap_orphans).
-        self._orphans: set[int] = set()
+        # Workers that lost their fork server and were asked to drain, by pid, with their start time:
+        # where this process is PID 1 (a container) or a subreaper, they become its children, and it
+        # waits for them (_reap_orphans).
+        self._orphans: dict[int, int | None] = {}
         # shared_engine: the engine processes (one, or one per entry of `devices`) are started first and
         # stopped last; the workers are fronts. Slot 0 is the first engine, N+1... the others.
         self._engines: list[Slot] = []
@@ -370,7 +371,7 @@ class Supervisor:
             # the worker itself runs on. Its pipe is closed above, which drains it; told once more here.
             how = "lost its fork server (killed?) and is asked to drain"
             os.kill(process.pid, signal.SIGTERM)
-            self._orphans.add(process.pid)
+            self._orphans[process.pid] = _start_time(process.pid)
         if self._stop_deadline is not None:
             self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
@@ -392,14 +393,16 @@ class Supervisor:
 
     def _reap_orphans(self) -> None:
         """Wait for the drained orphans that are this process's children (it is PID 1 or a subreaper):
-        unwaited, each would stay a zombie until the service exits. One that is not its child is init's."""
-        for pid in list(self._orphans):
+        unwaited, each would stay a zombie until the service exits. One that is not its child is
+        watched until it is gone: the fork server's end can reach this process before the kernel
+        has given its children a new parent, and then they may yet be this process's."""
+        for pid, started in list(self._orphans.items()):
             try:
                 exited, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                exited = pid
+            except ChildProcessError:  # not its child (yet), or not there; the start time tells a new process
+                exited = 0 if started is not None and _start_time(pid) == started else pid
             if exited:
-                self._orphans.discard(pid)
+                del self._orphans[pid]
 
     def _hang_up(self) -> None:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
@@ -477,6 +480,16 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat), or None if it is not there
+    or there is no /proc: told apart from a later process given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _describe_exit(code: int | None) -> str:
