@@ -19,7 +19,8 @@ follows it through (text-embeddings-inference's router takes about five: handler
 batching task, backend). A background task that wakes while recording (the loop watch, a
 heartbeat) is left out by name (BACKGROUND); each journey is recorded three times and the smallest
 set kept. Recorded on the event loop's thread, where the request's layers run (sys.setprofile);
-the device thread's work is the model's.
+the device thread's work is the model's, and the server runs every pass there (inline_forward_us
+0), whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -160,6 +161,10 @@ async def journeys(rounds: int = 3, *, functions: bool = False) -> dict[str, lis
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "recorded.json"
         env = {RECORD_ENV: str(out), "FFN_MODEL_CONTROL": "explicit", "FFN_LOG_LEVEL": "warning"}
+        # The pass on the device's thread, as on a GPU and for any pass over inline_forward_us: on
+        # the loop's thread its files (runner, graphs, staging, ffn_core's model: the model's work,
+        # not a layer) were recorded or not by how fast the host ran the start's timing pass.
+        env |= {"FFN_INLINE_FORWARD_US": "0"}
         env |= {"FFN_JOURNEY_FUNCTIONS": "1"} if functions else {}
         command = [sys.executable, "-m", "bench.journey", "--serve"]
         with start_server(env=env, command=command, cwd=ROOT) as server:
