@@ -5,6 +5,7 @@
     python -m bench.transport --profile              # and where a request's CPU goes, stage by stage (py-spy)
     python -m bench.transport --against ../before    # another checkout's service in the same run
     python -m bench.transport --shared-engine        # also one front and one engine process (issue 30)
+                                                     # (with --against, the other checkout's too)
 
 In front of a GPU the FFN costs microseconds, so what limits the service there is everything
 around the model. That is measured here on the CPU: ffn-serve with a near-free model (d_model
@@ -409,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             servers.append(Server(f"{name}+engine", name, shared_engine=True))
         if args.against:
             servers.append(Server(f"{name}@other", name, args.against.resolve()))
+            if args.shared_engine:  # the layout's own path (the hand-off) against the other checkout's too
+                servers.append(Server(f"{name}+engine@other", name, args.against.resolve(), shared_engine=True))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         configs = {}
