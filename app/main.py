@@ -12,12 +12,13 @@ from app.control import Control
 from app.engine.facade import ServingEngine
 from app.http import ops
 from app.http.docs_assets import serve_docs_offline
-from app.http.edge import Edge, GuardMiddleware, JsonCORSMiddleware, route_templates
+from app.http.edge import Edge, GuardMiddleware, JsonCORSMiddleware, protocol_of, route_templates
 from app.http.endpoints import ServiceApp, register
 from app.http.errors import install_error_handlers
 from app.http.kserve_v1 import routes as kserve_v1
 from app.http.native import routes as native
 from app.http.openapi import document_validation_errors_as_400
+from app.http.transport import lean
 from app.http.v2 import routes as v2
 from app.metrics import Metrics
 from app.protocol.admission import HeldBytes
@@ -146,4 +147,15 @@ def create_app(
     # guard's and CORS's answers included (app/http/edge.py).
     hot = [endpoint.path for endpoint in ENDPOINTS if endpoint.fast]
     app.add_edge_middleware(Edge, histogram=state.metrics.http_request_seconds, routes=route_templates(app.routes, hot))
+    if fast_path and settings.lean_path and tracing is None:
+        # Read by our HTTP protocol (app/http/transport/protocol.py): plain tensor requests are served
+        # below ASGI (app/http/transport/lean.py). A traced server's requests all go through the app.
+        app.lean_door = lean.LeanDoor(
+            state,
+            api_key=api_key,
+            metrics_port=settings.metrics_port,
+            cors=bool(settings.cors_origins),
+            histogram=state.metrics.http_request_seconds,
+            protocol=protocol_of(lean.ROUTE),
+        )
     return app

@@ -8,10 +8,11 @@ each gauge merges as its `multiprocess_mode` says. One process: `merged` is `reg
 
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,6 +86,27 @@ def multiprocess_folder() -> Path | None:
     """The folder shared by the worker processes' metrics, or None in a single process."""
     folder = os.environ.get(MULTIPROCESS_VARIABLE)
     return Path(folder) if folder else None
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """Observe every value of `values` in a histogram's child, as as many `observe` calls would, in one pass.
+
+    Per batch instead of per request: each `observe` takes the value's lock twice and walks the
+    buckets in Python (some 2 µs); here the buckets' counts are found together and each bucket
+    touched once. Reads prometheus_client's Histogram members (`_upper_bounds`, `_buckets`,
+    `_sum`), which tests/test_metrics.py checks against plain `observe` calls.
+    """
+    if not values:
+        return
+    bounds: list[float] = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1
+    buckets = histogram._buckets
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
+    histogram._sum.inc(sum(values))
 
 
 @dataclass

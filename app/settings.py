@@ -311,6 +311,12 @@ class Settings(BaseSettings):
         description="CPU: batches whose forward pass took at most this long at start (microseconds) run on the "
         "event loop's thread, saving two thread hand-offs; longer ones run on the model thread. 0: never.",
     )
+    lean_path: bool = Field(
+        default=True,
+        description="Serve the tensor routes' plain requests inside the HTTP protocol, below ASGI, from cached "
+        "request plans; a request the lean path does not take (compressed, traced, CORS, pipelined, Monte Carlo, "
+        "a head it would refuse) goes to FastAPI and gets the same answer. false: every request goes to FastAPI.",
+    )
     warmup: bool = Field(default=True, description="Run every batch-size bucket once before reporting ready.")
     max_mc_passes: int = Field(
         default=64,

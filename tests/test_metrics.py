@@ -233,3 +233,25 @@ def test_a_forgotten_model_leaves_every_series_of_its_name_and_no_other() -> Non
     assert (
         metric_value(metrics.render().decode(), "ffn_requests_total", model="gone", outcome="ok", protocol="http") == 1
     )
+
+
+def test_observe_many_counts_as_observe_does() -> None:
+    """observe_many (a batch's values at once) leaves a histogram as one observe per value would."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from app.metrics import LATENCY_BUCKETS, observe_many
+
+    registry = CollectorRegistry()
+    histogram = Histogram("t", "t", ["k"], buckets=LATENCY_BUCKETS, registry=registry)
+    one_by_one, together = histogram.labels(k="a"), histogram.labels(k="b")
+    values = [0.0, 1e-7, *LATENCY_BUCKETS[:3], LATENCY_BUCKETS[4] * 1.01, 5e3, 0.002, 0.002]
+    for value in values:
+        one_by_one.observe(value)
+    observe_many(together, values)
+    observe_many(together, [])
+    samples = {(s.name, s.labels.get("le"), s.labels["k"]): s.value for s in next(iter(registry.collect())).samples}
+    for (name, le, k), value in samples.items():
+        if k == "a":
+            assert samples[name, le, "b"] == value, (name, le)
+    assert samples["t_count", None, "b"] == len(values)
+    assert samples["t_sum", None, "b"] == pytest.approx(sum(values))

@@ -33,6 +33,7 @@ from contextvars import Context
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from app.engine.errors import (
@@ -47,8 +48,10 @@ from app.engine.montecarlo import MonteCarloRequest
 from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
 from app.engine.staging import Pending
-from app.metrics import Metrics, ModelInstruments
+from app.metrics import Metrics, ModelInstruments, observe_many
 from ffn_core import MonteCarloPasses
+from ffn_core.dtypes import DType
+from ffn_core.torch_dtypes import TORCH
 
 log = logging.getLogger("ffn_serve.batcher")
 
@@ -235,10 +238,38 @@ class Batcher:
         entry.future.add_done_callback(lambda future: self._settled(entry, future))
         return entry.future
 
+    def submit_array(
+        self, rows: np.ndarray, answer: DType, *, deadline: float | None = None
+    ) -> asyncio.Future[np.ndarray]:
+        """`submit_soon` for the doors' numpy rows: the answer's rows as an array carrying `answer`.
+
+        Per request this is an entry, a future and its append; the rows stay numpy until their
+        batch, which concatenates them and views them as a tensor once, and answers each entry a
+        slice of the batch's output as one array (converted per entry only where a request asks
+        for another dtype than the batch computed in). `rows`: (n, d_model), C-contiguous,
+        bfloat16 as uint16 patterns; read in place, never written. Cancelling the future withdraws them.
+        """
+        n = rows.shape[0]
+        if n > self._ceiling:  # rare: more rows than a batch, answered in pieces as tensors
+            computed = self.submit_soon(rows_as_tensor(rows), deadline=deadline)
+            return _as_array(computed, answer)
+        arrived = time.perf_counter()
+        self._admit(n, 1, arrived)
+        loop = asyncio.get_running_loop()
+        tag = None if self.observer is None else self.observer.tag()
+        entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, tag=tag, answer=answer)
+        self._instruments.request_rows.observe(n)
+        self._queue.push([entry], deadline)
+        self._arrived.set()
+        entry.future.add_done_callback(lambda future: self._settled(entry, future))
+        return entry.future
+
     def _settled(self, entry: Entry, future: asyncio.Future[torch.Tensor]) -> None:
-        """An entry's answer: its requests counted; on failure or cancellation its rows are not wanted any more."""
+        """An entry's answer: its requests counted (an answered array entry was, with its batch, in _split);
+        on failure or cancellation its rows are not wanted any more."""
         answered = not future.cancelled() and future.exception() is None
-        self._count_ended(entry.requests, entry.arrived, answered=answered)
+        if not (answered and entry.answer is not None):
+            self._count_ended(entry.requests, entry.arrived, answered=answered)
         if not answered:
             self._queue.release(entry)
 
@@ -454,12 +485,13 @@ class Batcher:
 
     async def _run(self, batch: list[Entry]) -> None:
         started = time.perf_counter()
-        for entry in batch:
-            for _ in range(entry.requests):
-                self._instruments.queue_seconds.observe(started - entry.arrived)
+        observe_many(
+            self._instruments.queue_seconds,
+            [started - entry.arrived for entry in batch for _ in range(entry.requests)],
+        )
         rows = sum(entry.n for entry in batch)
         try:
-            output = await self._compute([entry.rows for entry in batch])
+            output = await self._compute(_parts(batch))
         except OUT_OF_MEMORY:
             await self._split_after_oom(batch, rows)
             return
@@ -471,18 +503,39 @@ class Batcher:
         elapsed = time.perf_counter() - started
         self._count_pass(elapsed, rows, sum(entry.requests for entry in batch))
         assert output.shape[0] == rows, f"forward returned {output.shape[0]} rows for {rows}; this is a bug."
-        self._split(batch, output)
+        answered = self._split(batch, output)
+        if answered:  # the array entries' latencies, observed together (their _settled counts nothing)
+            now = time.perf_counter()
+            observe_many(self._instruments.request_seconds, [now - arrived for arrived in answered])
         if self.observer is not None:  # before the waiters resume: they see their batch reported
             self.observer.batch(batch, started, started + elapsed, rows)
 
     @staticmethod
-    def _split(batch: list[Entry], output: torch.Tensor) -> None:
-        """Answer each entry its rows of the batch's output: views, in order, no copy."""
+    def _split(batch: list[Entry], output: torch.Tensor) -> list[float]:
+        """Answer each entry its rows of the batch's output: views, in order, no copy.
+
+        An array entry (submit_array) gets a slice of the output as one array, made once per batch,
+        when it asks for the dtype the batch computed in; else its rows converted alone. Returns
+        when each array entry answered had arrived (perf_counter), to be counted together."""
         offset = 0
+        array: np.ndarray | None = None
+        answered: list[float] = []
         for entry in batch:
+            n = entry.n
             if not entry.future.done():
-                entry.future.set_result(output[offset : offset + entry.n])
-            offset += entry.n
+                answer = entry.answer
+                if answer is None:
+                    entry.future.set_result(output[offset : offset + n])
+                else:
+                    if TORCH[answer.name] == output.dtype:
+                        if array is None:
+                            array = answer_as_array(output, answer)
+                        entry.future.set_result(array[offset : offset + n])
+                    else:
+                        entry.future.set_result(answer_as_array(output[offset : offset + n], answer))
+                    answered.append(entry.arrived)
+            offset += n
+        return answered
 
     def _count_pass(self, seconds: float, rows: int, requests: int) -> None:
         """Count one forward pass (a batch, or a whole Monte Carlo request) of `rows` rows for `requests` requests."""
@@ -575,6 +628,7 @@ class Batcher:
         """On the device thread: run `passes` more passes; the result once the last has run."""
         assert self._start_monte_carlo is not None and entry.monte_carlo is not None
         if entry.passes is None:
+            assert isinstance(entry.rows, torch.Tensor), "Monte Carlo rows are queued as a tensor; this is a bug."
             entry.passes = self._start_monte_carlo(entry.rows, entry.monte_carlo)
         run = entry.passes
         try:
@@ -586,3 +640,58 @@ class Batcher:
             torch.cuda.empty_cache()
             raise
         return Moments(mean.to("cpu"), std.to("cpu"))
+
+
+# The doors' numpy arrays as the engine's tensors and back: views, no copy unless a dtype changes.
+
+
+def rows_as_tensor(rows: np.ndarray) -> torch.Tensor:
+    """The rows as a tensor in their own memory: a uint16 array holds bfloat16's patterns."""
+    tensor = torch.from_numpy(rows)
+    return tensor.view(torch.bfloat16) if rows.dtype == np.uint16 else tensor
+
+
+def answer_as_array(output: torch.Tensor, dtype: DType) -> np.ndarray:
+    """A host tensor as a C-contiguous array carrying `dtype`: itself when it is in `dtype` and contiguous
+    already (the common case: a batch's own rows), else converted once (rounded to nearest even)."""
+    wire = TORCH[dtype.name]
+    if output.dtype != wire or not output.is_contiguous():
+        output = output.to(wire).contiguous()
+    if wire == torch.bfloat16:
+        output = output.view(torch.uint16)
+    return output.numpy()
+
+
+def _parts(batch: list[Entry]) -> list[torch.Tensor]:
+    """The batch's rows as the runner takes them: array entries of one dtype concatenated and viewed
+    as one tensor (one concatenation, one conversion per batch); otherwise a tensor per entry."""
+    rows = [entry.rows for entry in batch]
+    first = rows[0]
+    if isinstance(first, np.ndarray) and all(
+        isinstance(part, np.ndarray) and part.dtype == first.dtype for part in rows
+    ):
+        arrays: list[np.ndarray] = rows  # type: ignore[assignment]
+        return [rows_as_tensor(first if len(arrays) == 1 else np.concatenate(arrays))]
+    return [rows_as_tensor(part) if isinstance(part, np.ndarray) else part for part in rows]
+
+
+def _as_array(computed: asyncio.Future[torch.Tensor], answer: DType) -> asyncio.Future[np.ndarray]:
+    """A future of `computed`'s tensor as an array carrying `answer`; cancelling it cancels `computed`."""
+    converted: asyncio.Future[np.ndarray] = computed.get_loop().create_future()
+
+    def pass_on(_: object) -> None:
+        if converted.done():
+            return
+        if computed.cancelled():
+            converted.cancel()
+        elif (error := computed.exception()) is not None:
+            converted.set_exception(error)
+        else:
+            try:
+                converted.set_result(answer_as_array(computed.result(), answer))
+            except Exception as exc:  # a bug: the caller hears it, as an awaiting caller would
+                converted.set_exception(exc)
+
+    computed.add_done_callback(pass_on)
+    converted.add_done_callback(lambda _: computed.cancel() if converted.cancelled() else None)
+    return converted

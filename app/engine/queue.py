@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from app.engine.errors import DeadlineExceeded
 from app.engine.montecarlo import MonteCarloRequest
 from ffn_core import MonteCarloPasses
+from ffn_core.dtypes import DType
 
 
 @dataclass(eq=False)
@@ -35,7 +37,7 @@ class Entry:
     A Monte Carlo entry also carries what it asked for and, once its first slice ran, its passes so far.
     """
 
-    rows: torch.Tensor  # (n, d_model), on the host
+    rows: torch.Tensor | np.ndarray  # (n, d_model), on the host: a tensor, or an array (bfloat16 as uint16)
     future: asyncio.Future[Any]  # a torch.Tensor, or the Moments of a Monte Carlo entry
     enqueued_at: float  # loop.time(), for max_wait
     arrived: float  # time.perf_counter(), for metrics (uvloop's loop.time() counts whole milliseconds)
@@ -46,6 +48,8 @@ class Entry:
     queued: bool = True  # still counted in the queue's work
     tag: object | None = None  # the batch observer's mark of its request (app/engine/observe.py)
     requests: int = 1  # how many requests its rows are (the hand-off's engine queues a frame's as one entry)
+    # An entry of numpy rows (Batcher.submit_array) is answered an array carrying this dtype; None: a tensor.
+    answer: DType | None = None
     n: int = field(init=False)  # rows.shape[0], read several times per batch: kept, not asked of torch each time
 
     def __post_init__(self) -> None:

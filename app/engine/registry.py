@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.engine.batcher import Batcher
+from app.engine.batcher import Batcher, _as_array, answer_as_array, rows_as_tensor
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile, weights_format, weights_path
@@ -276,9 +276,7 @@ class ServedModel:
         bfloat16 as uint16 patterns); read in place, never written. The answer: (n, d_model), a view
         of the batch's output when it is in `answer_dtype` already, else converted as torch rounds.
         """
-        self.check_serving()
-        output = await self._batcher.submit(rows_as_tensor(rows), deadline=deadline)
-        return answer_as_array(output, answer_dtype)
+        return await self.infer_soon(rows, answer_dtype, deadline=deadline)
 
     def infer_soon(
         self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None, requests: Sequence[int] | None = None
@@ -287,15 +285,14 @@ class ServedModel:
 
         Cancelling the future withdraws the rows. `requests`: the row counts of several requests
         whose rows `rows` holds back to back, each counted as a request (Batcher.submit_soon). For
-        a caller with a turn's worth of requests (the hand-off's engine), so that it pays no task
-        per request.
+        a caller with a turn's worth of requests (the hand-off's engine, the HTTP door's lean path),
+        so that it pays no task per request.
         """
         self.check_serving()
+        if requests is None:
+            return self._batcher.submit_array(rows, answer_dtype, deadline=deadline)
         computed = self._batcher.submit_soon(rows_as_tensor(rows), deadline=deadline, requests=requests)
-        answer: asyncio.Future[np.ndarray] = computed.get_loop().create_future()
-        computed.add_done_callback(lambda _: _pass_on(computed, answer, answer_dtype))
-        answer.add_done_callback(lambda _: computed.cancel() if answer.cancelled() else None)
-        return answer
+        return _as_array(computed, answer_dtype)
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
@@ -304,42 +301,6 @@ class ServedModel:
         self.check_serving()
         moments = await self._batcher.submit_monte_carlo(rows_as_tensor(rows), request, deadline=deadline)
         return MonteCarloResult(answer_as_array(moments.mean, answer_dtype), answer_as_array(moments.std, answer_dtype))
-
-
-# The facade's arrays as the engine's tensors and back: views, no copy unless a dtype changes. Here beside
-# `infer`, so that a request enters no file more (bench/journey.py).
-
-
-def rows_as_tensor(rows: np.ndarray) -> torch.Tensor:
-    """The rows as a tensor in their own memory: a uint16 array holds bfloat16's patterns."""
-    tensor = torch.from_numpy(rows)
-    return tensor.view(torch.bfloat16) if rows.dtype == np.uint16 else tensor
-
-
-def _pass_on(computed: asyncio.Future[torch.Tensor], answer: asyncio.Future[np.ndarray], dtype: DType) -> None:
-    """The batch's rows for a request, converted, into the future its caller holds (unless it gave up)."""
-    if answer.done():
-        return
-    if computed.cancelled():
-        answer.cancel()
-    elif (error := computed.exception()) is not None:
-        answer.set_exception(error)
-    else:
-        try:
-            answer.set_result(answer_as_array(computed.result(), dtype))
-        except Exception as exc:  # a bug: the caller hears it, as an awaiting caller would
-            answer.set_exception(exc)
-
-
-def answer_as_array(output: torch.Tensor, dtype: DType) -> np.ndarray:
-    """A host tensor as a C-contiguous array carrying `dtype`: itself when it is in `dtype` and contiguous
-    already (the common case: a batch's own rows), else converted once (rounded to nearest even)."""
-    wire = TORCH[dtype.name]
-    if output.dtype != wire or not output.is_contiguous():
-        output = output.to(wire).contiguous()
-    if wire == torch.bfloat16:
-        output = output.view(torch.uint16)
-    return output.numpy()
 
 
 def described_source(spec: ModelSpec, source: WeightsFile | None = None) -> str:

@@ -48,6 +48,7 @@ from app.protocol.fields import header_int
 from app.protocol.state import ServiceState
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from app.http.transport.lean import LeanDoor
     from app.tracing.spans import Tracing
 
 log = logging.getLogger("ffn_serve")
@@ -78,6 +79,7 @@ class ServiceApp(FastAPI):
         super().__init__(**options)
         self.edge_middleware: list[Middleware] = []
         self._edge: ASGIApp | None = None
+        self.lean_door: LeanDoor | None = None  # the lean path, which our HTTP protocol serves (create_app sets it)
 
     def add_edge_middleware(self, cls: Any, **options: Any) -> None:
         if self._edge is not None:

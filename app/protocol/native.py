@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import parse_qsl
@@ -46,6 +47,7 @@ MEDIA_TYPES: dict[str, Encoding] = {
 }
 MEDIA_TYPE_OF: dict[Encoding, str] = {encoding: media for media, encoding in MEDIA_TYPES.items()}
 FLOAT32 = DTYPES["float32"]
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr names where it lives
 
 
 @dataclass(frozen=True)
@@ -123,19 +125,39 @@ def parse_dtype_header(value: str | None) -> DType:
 # ----- decoding -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RawLayout:
+    """What a raw body's headers say it holds: its shape, dtype, rows and size in bytes (checked against d_model)."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+    rows: int
+    d_model: int
+    nbytes: int
+
+    def rows_of(self, body: bytes | bytearray) -> DecodedInput:
+        """The body's rows, viewed in it without a copy: refused unless it is exactly `nbytes` of finite numbers."""
+        if len(body) != self.nbytes:
+            raise InvalidInput(
+                f"body is {len(body)} bytes but X-Shape {list(self.shape)} of {self.dtype.name} needs {self.nbytes} bytes"
+            )
+        return DecodedInput(view_rows(body, self.dtype, self.rows, self.d_model), self.shape, self.dtype)
+
+
+def raw_layout(shape_header: str | None, dtype_header: str | None, d_model: int) -> RawLayout:
+    """X-Shape and X-Dtype read and checked against the model: what a raw body must then hold."""
+    shape = parse_shape_header(shape_header)
+    dtype = parse_dtype_header(dtype_header)
+    rows = check_shape(shape, d_model)
+    # Python ints: no overflow, checked before any allocation.
+    return RawLayout(shape, dtype, rows, d_model, rows * d_model * dtype.itemsize)
+
+
 def decode_raw(
     body: bytes | bytearray, shape_header: str | None, dtype_header: str | None, d_model: int
 ) -> DecodedInput:
     """application/octet-stream + X-Shape + X-Dtype, little-endian, C order. No copy."""
-    shape = parse_shape_header(shape_header)
-    dtype = parse_dtype_header(dtype_header)
-    rows = check_shape(shape, d_model)
-    expected = rows * d_model * dtype.itemsize  # Python ints: no overflow, checked before any allocation
-    if len(body) != expected:
-        raise InvalidInput(
-            f"body is {len(body)} bytes but X-Shape {list(shape)} of {dtype.name} needs {expected} bytes"
-        )
-    return DecodedInput(view_rows(body, dtype, rows, d_model), shape, dtype)
+    return raw_layout(shape_header, dtype_header, d_model).rows_of(body)
 
 
 def decode_npy(body: bytes | bytearray, d_model: int) -> DecodedInput:
@@ -166,7 +188,9 @@ def _read_npy_header(body: bytes | bytearray) -> tuple[object, int]:
         # TypeError: an unhashable key or set member ({[1]: 2}); the literal is built before we see it.
         header = ast.literal_eval(raw.decode("latin1" if major < 3 else "utf8"))
     except (ValueError, TypeError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
-        raise InvalidInput(f"body is not a valid .npy file: {str(exc)[:200]}") from None
+        # ast's messages name a node by its repr, memory address included: never sent to a client.
+        reason = _ADDRESS.sub("", str(exc))[:200]
+        raise InvalidInput(f"body is not a valid .npy file: {reason}") from None
     return header, stream.tell()
 
 

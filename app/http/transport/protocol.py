@@ -79,6 +79,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.errors import ServiceError
 from app.http.errors import error_body
 from app.http.transport.budgets import ConnectionBudget, PipelineTurns
+from app.http.transport.lean import LeanDoor, LeanRequest
 from app.protocol.errors import (
     HeaderTooLarge,
     HttpVersionNotSupported,
@@ -241,12 +242,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._completion_deferred = False  # uvicorn's end of an answer waits for this connection's turn
         self._admitted = True  # within the connection cap (connection_made)
         self._discarded = 0
+        self._lean_door: LeanDoor | None = None  # the app's lean path (app/http/transport/lean.py), if it has one
+        self._lean: LeanRequest | None = None  # the request the lean path serves on this connection, until answered
+        self._lean_ready: LeanRequest | None = None  # ... whose body the read just completed
 
     # ----- connection ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = HeldFlowControl(transport)
+        self._lean_door = getattr(self.config.loaded_app, "lean_door", None)
         self.app = _unless_refused(self.app)
         self._admitted, idle = self.budget.opened(self)
         if idle is not None:
@@ -263,6 +268,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.turns.withdraw(self)
         self._drop_unparsed()
         self.budget.closed(self)
+        if self._lean is not None:  # the client left before its answer: its rows are withdrawn
+            self._lean.abandon()
+            self._lean = self._lean_ready = None
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:
@@ -311,6 +319,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
         if self._in_body and self._body_timer is None:
             self._body_timer = self.loop.call_later(self.limits.read_timeout_s, self._check_body)
+        if self._lean_ready is not None:
+            ready, self._lean_ready = self._lean_ready, None
+            ready.complete()
 
     def _holding(self) -> bool:
         """Whether bytes read are held unparsed."""
@@ -491,21 +502,58 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ----- parser callbacks ------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, less its ASGI scope: a request the lean path serves needs none, and the scope
+        # (a dict, and a copy of the app's state) is built only for one that goes to the app.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = None  # type: ignore[assignment]
         self._head_begun = True
-        cast(dict[str, Any], self.scope)[ON_DISCONNECT] = None  # see http.py: unless_disconnected
+
+    def _begin_scope(self) -> None:
+        """The request's ASGI scope, as uvicorn's on_message_begin makes it (on_headers_complete fills in the rest)."""
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            ON_DISCONNECT: None,  # see app/http/endpoints.py: unless_disconnected
+        }
+        self.scope = cast(Any, scope)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, inlined (it runs for every header line): trailers are dropped.
         if self._in_body:
             return  # a trailer field: counted in the message's budget, never one of its headers
-        super().on_header(name, value)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._cancel_head_timer()
-        super().on_headers_complete()
-        self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
-        if self.closing:
-            self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
+        lean = None
+        door = self._lean_door
+        if (
+            door is not None
+            and (match := door.paths.fullmatch(self.url)) is not None
+            and self._admitted
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            lean = door.admit(self, match)  # None: the request goes the full way, through the app
+        if lean is None:
+            self._begin_scope()
+            super().on_headers_complete()
+            self.cycle.transport = OneWriteAnswers(self.transport, self.loop)  # type: ignore[assignment]
+            if self.closing:
+                self.cycle.keep_alive = False  # uvicorn says Connection: close and closes after the answer
+        else:
+            self.cycle = self._lean = lean  # type: ignore[assignment]
         self._unanswered += 1
         self._in_body = True
         self._body_left = self._content_length()
@@ -516,10 +564,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._slice_body += len(body)
         if self._body_left is not None:
             self._body_left -= len(body)
-        super().on_body(body)
+        if self.cycle is self._lean:
+            self._lean.body(body)  # type: ignore[union-attr]
+        else:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
+        if self.cycle is self._lean:
+            self._lean_ready = self._lean  # served once the parser has returned (_feed), not inside its callback
+        else:
+            super().on_message_complete()
         self._completed = True
         self._line_end, self._line_done = b"", False
         self._head_begun = self._in_body = False
@@ -529,6 +583,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._body_timer = None
 
     def on_response_complete(self) -> None:
+        if self._lean is not None and self._lean.response_complete:
+            self._lean = None
         self._unanswered -= 1
         self._completed = False
         if self.pipeline and not self.transport.is_closing():
@@ -718,6 +774,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             cycle.disconnected = True  # the app's answer, if any, is dropped: this one goes instead
             cycle.message_event.set()
+            if isinstance(cycle, LeanRequest):
+                cycle.abandon()
+                self._lean = self._lean_ready = None
             # A task not yet begun (the head was parsed in this very read) never enters the app:
             # a refusal costs the protocol's answer, not the app's whole stack.
             cast(dict[str, Any], cycle.scope)[REFUSED] = True

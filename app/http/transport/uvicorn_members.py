@@ -29,6 +29,7 @@ PROTOCOL_METHODS = (
     "connection_lost",
     "data_received",
     "on_message_begin",
+    "on_url",
     "on_header",
     "on_headers_complete",
     "on_body",
@@ -49,6 +50,13 @@ PROTOCOL_STATE = (
     "flow",
     "scope",
     "headers",
+    "expect_100_continue",
+    "asgi_version",
+    "root_path",
+    "app_state",
+    "server",
+    "client",
+    "scheme",
 )
 FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
 SERVER_STATE = ("default_headers",)

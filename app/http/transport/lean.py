@@ -1,0 +1,388 @@
+"""The lean path: a plain tensor request served inside the HTTP protocol, below ASGI, from a cached plan.
+
+For a request the model answers in microseconds, ASGI's machinery costs more than the rest: a
+scope dict, a task and a contextvars copy per request, receive and send messages, Starlette's
+Request and Response, the edge's middleware calls. Here the protocol (protocol.py) hands each
+plain `POST /v1/models/{name}/transform` to the `LeanDoor` as soon as its head is parsed; the
+door decides once per distinct head what it means (app/protocol/plans.py), collects the body as
+the parser delivers it, and when it is whole decodes it, queues its rows (`infer_soon`: an entry
+and a future, no task) and writes the answer from the future's callback, head and body in one
+write. FastAPI still declares the route (OpenAPI, /docs) and serves every other one.
+
+Every rule of the full path holds, taken from the same code: the guard's head size, Transfer-
+Encoding, metrics-port and API-key checks; the model's state; the plan's checks (415, 406, the
+raw shape and dtype); the deadline; the body's declared size against `max_body_bytes` and the
+process's held bytes; the decode's and the batcher's refusals; the client hanging up; the request
+id; the outcome in ffn_requests_total and the whole time in ffn_http_request_seconds. The door
+takes only what it can answer exactly as the full path would, and leaves everything else to it
+(`admit` returns None): a head the full path would refuse (its answer is then the full path's own),
+a compressed body or answer, a traced server, a CORS request, a pipelined request behind another,
+a chunked body, `Expect: 100-continue`, a query string (Monte Carlo), a path with escapes, a model
+served by another process. tests/test_lean.py sends the suite's bad-input and hostile cases
+through both and compares the answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from prometheus_client import Histogram
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from app.http.errors import error_body
+from app.metrics import observe_many
+from app.protocol.admission import Hold, deadline_from
+from app.protocol.errors import INTERNAL, ClientDisconnected, error_type_of, kind_of, message_of
+from app.protocol.fields import answer_coding, header_int
+from app.protocol.identity import CURRENT, RequestContext, bearer_matches, request_id_from
+from app.protocol.native import DecodedInput
+from app.protocol.plans import NativePlan, PlanCache, native_plan
+from app.protocol.state import ServiceState
+
+log = logging.getLogger("ffn_serve")
+
+ROUTE = "/v1/models/{name}/transform"
+# A transform path with a plain model name: no escapes, query or fragment (those go the full way,
+# which decodes them as Starlette does). The characters are a path segment's unreserved and sub-delims.
+_TRANSFORM = re.compile(rb"/v1/models/([A-Za-z0-9._~!$&'()*+,;=:@-]+)/transform")
+ONE_WRITE_BYTES = 64 * 1024  # as protocol.py: an answer up to this size goes out with its head in one write
+HUNG_UP = error_type_of(ClientDisconnected(""))  # how a request whose client left is counted
+_PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding")
+
+
+class LeanProtocol(Protocol):
+    """What the door reads of the connection's protocol (app/http/transport/protocol.py)."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    parser: Any
+    url: bytes
+    headers: list[tuple[bytes, bytes]]
+    server: tuple[str, int | None] | None
+    server_state: Any
+    expect_100_continue: bool
+
+    def on_response_complete(self) -> None: ...
+
+
+class HttpPlan:
+    """A head's plan with what the HTTP door adds: the answer's fixed header lines, preformatted."""
+
+    __slots__ = ("compressed", "core", "fixed_head", "head")
+
+    def __init__(self, core: NativePlan, head: tuple[str | None, ...], compressed: bool) -> None:
+        self.core = core
+        self.head = head  # Content-Type, X-Shape, X-Dtype, Accept: what the plan was made from
+        self.compressed = compressed  # the client takes a coding: the full path compresses, this one does not
+        self.fixed_head = b"".join(_header_line(name, value) for name, value in core.answer_headers)
+
+    def for_copy(self, served: Any) -> HttpPlan:
+        """The same head planned for another copy of the model (a reload swapped it); its error if it does not fit."""
+        content_type, shape, dtype, accept = self.head
+        return HttpPlan(native_plan(served, content_type, shape, dtype, accept), self.head, self.compressed)
+
+
+def _header_line(name: str, value: str) -> bytes:
+    return f"{name}: {value}\r\n".encode("latin-1")
+
+
+class _NoEvent:
+    """uvicorn's `connection_lost` sets the cycle's message event; a lean request waits on none."""
+
+    def set(self) -> None:
+        return None
+
+
+_NO_EVENT = _NoEvent()
+
+
+class LeanDoor:
+    """One app's lean path: its checks' settings, its plans, and its metrics' children."""
+
+    def __init__(
+        self,
+        state: ServiceState,
+        *,
+        api_key: str | None,
+        metrics_port: int | None,
+        cors: bool,
+        histogram: Histogram,
+        protocol: str,
+    ) -> None:
+        """`histogram`: ffn_http_request_seconds, whose `protocol` label is `protocol` for ROUTE (the edge's protocol_of)."""
+        settings = state.settings
+        self.state = state
+        self.engine = state.engine
+        self._key = api_key.encode() if api_key else None
+        self._metrics_port = metrics_port
+        self._cors = cors
+        self._max_header_bytes = settings.max_header_bytes
+        self.max_body_bytes = settings.max_body_bytes
+        self.max_queue_rows = settings.max_queue_rows
+        self._default_timeout_ms = settings.default_timeout_ms
+        # The paths it serves: the protocol matches them before it calls `admit`, so that a request
+        # on any other route never enters this module.
+        self.paths = _TRANSFORM
+        self._plans: PlanCache[HttpPlan] = PlanCache()
+        self._timers = {
+            status_class: histogram.labels(protocol=protocol, route=ROUTE, status=f"{status_class}xx")
+            for status_class in (2, 4, 5)
+        }
+        self._head_date: tuple[object, bytes] = (None, b"")
+        # Each request's outcome and time, kept as plain values and observed once per turn of the loop.
+        self._outcomes: dict[tuple[str, str], int] = {}
+        self._times: dict[int, list[float]] = {status_class: [] for status_class in self._timers}
+        self._flush_due = False
+
+    # ----- the head: take the request, or leave it to the full path ----------------------------
+
+    def admit(self, protocol: LeanProtocol, match: re.Match[bytes]) -> LeanRequest | None:
+        """The lean request for the head just parsed, whose path `paths` matched; or None: the full path answers it."""
+        parser = protocol.parser
+        if parser.get_method() != b"POST" or protocol.expect_100_continue or parser.should_upgrade():
+            return None
+        server = protocol.server
+        if self._metrics_port is not None and server is not None and server[1] == self._metrics_port:
+            return None
+        # One pass over the headers: the guard's size of the head, and the values that matter.
+        size = 16 + len(protocol.url)  # the guard's estimate: the method, path and 12 bytes of framing
+        planned: list[bytes | None] = [None] * len(_PLANNED)
+        length = authorization = timeout = None
+        request_ids: list[bytes] = []
+        for field, value in protocol.headers:
+            size += len(field) + len(value) + 4
+            if field in _PLANNED:
+                at = _PLANNED.index(field)
+                if planned[at] is None:  # the first, as Starlette's Headers.get reads it
+                    planned[at] = value
+            elif field == b"content-length":
+                length = value if length is None else b"twice"
+            elif field == b"authorization":
+                authorization = value if authorization is None else authorization
+            elif field == b"x-request-id":
+                request_ids.append(value)
+            elif field == b"x-timeout-ms":
+                timeout = value if timeout is None else timeout
+            elif field in (b"transfer-encoding", b"content-encoding") or (self._cors and field == b"origin"):
+                return None
+        if size > self._max_header_bytes:
+            return None
+        if self._key is not None and not bearer_matches(authorization or b"", self._key):
+            return None
+        try:
+            declared = header_int(length.decode("latin-1"), "Content-Length") if length is not None else None
+            if declared is None or declared > self.max_body_bytes:
+                return None
+            name = match[1].decode("ascii")
+            served = self.engine.model(name)
+            served.check_serving()
+            plan = self._plan(name, served, planned)
+            if plan is None:
+                return None
+            deadline = deadline_from(None if timeout is None else timeout.decode("latin-1"), self._default_timeout_ms)
+            hold = Hold(self.state.held)
+            hold.grow(declared)
+        except Exception:  # the full path answers this head, and its error, itself
+            return None
+        request_id, _ = request_id_from(request_ids)
+        keep_alive = parser.should_keep_alive() and not getattr(protocol, "closing", False)
+        return LeanRequest(self, protocol, name, plan, request_id, deadline, hold, keep_alive)
+
+    def _plan(self, name: str, served: Any, planned: Sequence[bytes | None]) -> HttpPlan | None:
+        """The head's plan for the copy serving now: cached, or made (raising the head's own error)."""
+        key = (name, *planned)
+        plan = self._plans.get(key)
+        if plan is None or not plan.core.is_for(served):
+            if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
+                return None
+            content_type, shape, dtype, accept, accept_encoding = (
+                None if value is None else value.decode("latin-1") for value in planned
+            )
+            core = native_plan(served, content_type, shape, dtype, accept)
+            head = (content_type, shape, dtype, accept)
+            plan = HttpPlan(core, head, compressed=answer_coding(accept_encoding) is not None)
+            self._plans.put(key, plan)
+        return None if plan.compressed else plan
+
+    # ----- the answer -----------------------------------------------------------------------------
+
+    def head(self, protocol: LeanProtocol, status: int, lines: bytes, length: int, keep_alive: bool) -> bytes:
+        """An answer's head: status line, the server's default headers (its Date), `lines`, the length."""
+        defaults = protocol.server_state.default_headers
+        cached_for, date = self._head_date
+        if cached_for is not defaults:  # uvicorn renews the list (its Date) every second
+            date = b"".join(name + b": " + value + b"\r\n" for name, value in defaults)
+            self._head_date = (defaults, date)
+        close = b"" if keep_alive else b"connection: close\r\n"
+        return b"%s%s%scontent-length: %d\r\n%s\r\n" % (STATUS_LINE[status], date, lines, length, close)
+
+    def ended(self, loop: asyncio.AbstractEventLoop, model: str, outcome: str, status: int, started: float) -> None:
+        """A request ended: its outcome (ffn_requests_total) and time (ffn_http_request_seconds), counted at
+        the end of this turn of the loop with every other request's, before anything can read them."""
+        self._times[status // 100].append(time.perf_counter() - started)
+        key = (model, outcome)
+        self._outcomes[key] = self._outcomes.get(key, 0) + 1
+        if not self._flush_due:
+            self._flush_due = True
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        outcomes, self._outcomes = self._outcomes, {}
+        for (model, outcome), count in outcomes.items():
+            self.state.outcomes.counter(model, outcome).inc(count)
+        for status_class, times in self._times.items():
+            if times:
+                observe_many(self._timers[status_class], times)
+                times.clear()
+
+
+class LeanRequest:
+    """One request the lean path serves; the protocol keeps it as its `cycle` until it is answered.
+
+    It answers to what the protocol and uvicorn read of a cycle (`response_complete`,
+    `keep_alive`, `disconnected`, `scope`, `message_event`, `transport`), so that the connection's
+    budgets, drain and refusals treat it as any other request.
+    """
+
+    message_event = _NO_EVENT
+    response_started = False
+
+    def __init__(
+        self,
+        door: LeanDoor,
+        protocol: LeanProtocol,
+        name: str,
+        plan: HttpPlan,
+        request_id: bytes,
+        deadline: float,
+        hold: Hold,
+        keep_alive: bool,
+    ) -> None:
+        self.door = door
+        self.protocol = protocol
+        self.transport = protocol.transport
+        self.name = name
+        self.plan = plan
+        self.request_id = request_id
+        self.deadline = deadline
+        self.hold = hold
+        self.keep_alive = keep_alive
+        self.started = time.perf_counter()
+        self.response_complete = False
+        self.disconnected = False
+        self.scope: dict[str, Any] = {}  # the protocol marks a refusal here (REFUSED)
+        self.chunks: list[bytes] = []
+        self.decoded: DecodedInput | None = None
+        self.future: asyncio.Future[np.ndarray] | None = None
+
+    def body(self, chunk: bytes) -> None:
+        if not self.response_complete:
+            self.chunks.append(chunk)
+
+    def complete(self) -> None:
+        """The body is whole: decode it against the plan and queue its rows, or answer why not."""
+        if self.response_complete:
+            return
+        chunks, self.chunks = self.chunks, []
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        context = RequestContext(self.request_id.decode("ascii"))
+        token = CURRENT.set(context)  # whatever logs for this request names it
+        try:
+            door = self.door
+            # Looked up again: a reload may have swapped the copy while the body arrived. From here to
+            # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
+            served = door.engine.model(self.name)
+            if not self.plan.core.is_for(served):
+                self.plan = self.plan.for_copy(served)
+            plan = self.plan.core
+            decoded = plan.decode(body, door.max_queue_rows)
+            del body  # binary rows are a view of it: those bytes stay held, and counted
+            if plan.encoding_in == "json":  # the body is gone, parsed into an array of its own
+                self.hold.resize(decoded.rows.nbytes)
+            self.decoded = decoded
+            future = served.infer_soon(decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self._fail(exc)
+            return
+        finally:
+            CURRENT.reset(token)
+        self.future = future
+        future.add_done_callback(self._computed)
+
+    def _computed(self, future: asyncio.Future[np.ndarray]) -> None:
+        if self.response_complete:  # the client left (or was refused) meanwhile: nobody reads an answer
+            return
+        error = future.exception()
+        if error is not None:
+            self._fail(error)
+            return
+        output = future.result()
+        decoded = self.decoded
+        assert decoded is not None, "a computed lean request was decoded; this is a bug."
+        try:
+            body, extra = self.plan.core.encode(output, decoded)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        lines = self.plan.fixed_head + b"".join(_header_line(name, value) for name, value in extra)
+        self._answer(200, lines, body, "ok")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Answer `exc` as the one error table says (the full path's body, status and headers)."""
+        assert isinstance(exc, Exception), "only Exceptions reach a lean request's answer; this is a bug."
+        kind = kind_of(exc)
+        if kind is INTERNAL:  # a bug: keep its traceback; the client learns nothing internal
+            log.exception("unhandled error in POST %s", ROUTE.replace("{name}", self.name), exc_info=exc)
+            body = error_body("internal server error", "internal", self.request_id.decode("ascii"))
+            headers: dict[str, str] = {}
+        else:
+            body = error_body(message_of(exc, "http"), kind.error_type, self.request_id.decode("ascii"))
+            headers = kind.headers(exc)
+        lines = b"content-type: application/json\r\n" + b"".join(
+            _header_line(name, value) for name, value in headers.items()
+        )
+        if any(name.lower() == "connection" and value.lower() == "close" for name, value in headers.items()):
+            self.keep_alive = False
+        self._answer(kind.status, lines, body, error_type_of(exc))
+
+    def _answer(self, status: int, lines: bytes, body: bytes | memoryview, outcome: str) -> None:
+        """Write the answer, head and body in one write (up to ONE_WRITE_BYTES), and end the request."""
+        self.response_complete = True
+        self.future = self.decoded = None
+        transport = self.transport
+        door = self.door
+        if not transport.is_closing():
+            lines += b"x-request-id: " + self.request_id + b"\r\n"
+            head = door.head(self.protocol, status, lines, len(body), self.keep_alive)
+            if len(body) <= ONE_WRITE_BYTES:
+                transport.write(head + body)
+            else:
+                transport.write(head)
+                transport.write(body)
+            if not self.keep_alive:
+                transport.close()
+        self.hold.resize(0)
+        door.ended(self.protocol.loop, self.name, outcome, status, self.started)
+        self.protocol.on_response_complete()
+
+    def abandon(self) -> None:
+        """The client left, or the protocol refused the request: its rows are withdrawn, nothing is written.
+
+        Counted as the full path counts a hang-up: client_disconnected, and a 4xx request time."""
+        if self.response_complete:
+            return
+        self.response_complete = self.disconnected = True
+        if self.future is not None:
+            self.future.cancel()
+        self.future = self.decoded = None
+        self.chunks = []
+        self.hold.resize(0)
+        self.door.ended(self.protocol.loop, self.name, HUNG_UP, 499, self.started)
