@@ -30,7 +30,7 @@ from ffn_core import MonteCarloPasses
 from ffn_core.dtypes import DType
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """A queued slice of one request: its rows and the future its answer goes to.
 

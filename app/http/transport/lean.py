@@ -39,7 +39,7 @@ from app.http.errors import error_body
 from app.metrics import observe_many
 from app.protocol.admission import Hold, deadline_from
 from app.protocol.errors import INTERNAL, ClientDisconnected, error_type_of, kind_of, message_of
-from app.protocol.fields import answer_coding, header_int
+from app.protocol.fields import answer_coding
 from app.protocol.identity import CURRENT, RequestContext, bearer_matches, request_id_from
 from app.protocol.native import DecodedInput
 from app.protocol.plans import NativePlan, PlanCache, native_plan
@@ -51,6 +51,7 @@ ROUTE = "/v1/models/{name}/transform"
 # A transform path with a plain model name: no escapes, query or fragment (those go the full way,
 # which decodes them as Starlette does). The characters are a path segment's unreserved and sub-delims.
 _TRANSFORM = re.compile(rb"/v1/models/([A-Za-z0-9._~!$&'()*+,;=:@-]+)/transform")
+MAX_LENGTH_DIGITS = 18  # a Content-Length past this is no body this service takes (and int() stays cheap)
 ONE_WRITE_BYTES = 64 * 1024  # as protocol.py: an answer up to this size goes out with its head in one write
 HUNG_UP = error_type_of(ClientDisconnected(""))  # how a request whose client left is counted
 _PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding")
@@ -162,7 +163,7 @@ class LeanDoor:
                 if planned[at] is None:  # the first, as Starlette's Headers.get reads it
                     planned[at] = value
             elif field == b"content-length":
-                length = value if length is None else b"twice"
+                length = value if length is None else b"twice"  # two: not digits, so the full way
             elif field == b"authorization":
                 authorization = value if authorization is None else authorization
             elif field == b"x-request-id":
@@ -175,10 +176,13 @@ class LeanDoor:
             return None
         if self._key is not None and not bearer_matches(authorization or b"", self._key):
             return None
+        # Content-Length as llhttp took it: digits alone (anything else, or none, goes the full way).
+        if length is None or not length.isdigit() or len(length) > MAX_LENGTH_DIGITS:
+            return None
+        declared = int(length)
+        if declared > self.max_body_bytes:
+            return None
         try:
-            declared = header_int(length.decode("latin-1"), "Content-Length") if length is not None else None
-            if declared is None or declared > self.max_body_bytes:
-                return None
             name = match[1].decode("ascii")
             served = self.engine.model(name)
             served.check_serving()
