@@ -156,6 +156,6 @@ def create_app(
             metrics_port=settings.metrics_port,
             cors=bool(settings.cors_origins),
             histogram=state.metrics.http_request_seconds,
-            protocol=protocol_of(lean.ROUTE),
+            protocols={route: protocol_of(route) for route in lean.ROUTES},
         )
     return app

@@ -52,6 +52,10 @@ STAGES: list[Rule] = [
                 "check_content",
                 "parse_shape_header",
                 "parse_dtype_header",
+                "NativePlan.decode",
+                "RawLayout.rows_of",
+                "native_plan",
+                "raw_layout",
             }
         ),
         (),
@@ -69,14 +73,29 @@ STAGES: list[Rule] = [
                 "Response.__init__",
                 "Response.init_headers",
                 "Response.render",
+                "NativePlan.encode",
             }
         ),
         (),
     ),
-    ("write", frozenset({"RequestResponseCycle.send", "Response.__call__"}), ()),
+    (
+        "write",
+        frozenset({"RequestResponseCycle.send", "Response.__call__", "LeanRequest._answer", "LeanDoor.head"}),
+        (),
+    ),
     (
         "metrics",
-        frozenset({"Counting.__exit__", "Outcomes.counter", "Batcher._count_pass", "count_failure"}),
+        frozenset(
+            {
+                "Counting.__exit__",
+                "Outcomes.counter",
+                "Batcher._count_pass",
+                "count_failure",
+                "observe_many",
+                "LeanDoor.ended",
+                "LeanDoor._flush",
+            }
+        ),
         ("prometheus_client/",),
     ),
     (
@@ -120,6 +139,7 @@ STAGES: list[Rule] = [
                 "ServedModel.infer",
                 "ServedModel.infer_soon",
                 "Batcher.submit_soon",
+                "Batcher.submit_array",
                 "ServedModel.check_serving",
                 "deadline_from",
                 "unless_disconnected",
@@ -138,6 +158,7 @@ STAGES: list[Rule] = [
             "app/http/endpoints.py",
             "app/http/native/routes.py",
             "app/http/v2/routes.py",
+            "app/http/transport/lean.py",
             "starlette/",
             "fastapi/",
             "bench/gpu/echo.py",

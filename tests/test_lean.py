@@ -29,7 +29,7 @@ from app.settings import Settings
 from ffn_client.http1 import Response
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference
-from tests.test_hostile import JSON_CASES, NPY_CASES, RAW_CASES
+from tests.test_hostile import JSON_CASES, NPY_CASES, RAW_CASES, V2_BINARY_CASES, V2_JSON_CASES, v2_binary
 from tests.wire import npy_bytes, raw_headers
 
 D = 512
@@ -37,16 +37,66 @@ KEY = "lean-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 20
 V1 = "/v1/models/demo/transform"
+V2 = "/v2/models/demo/infer"
 ID = {"X-Request-Id": "one-id-for-both"}  # else error bodies differ by their ids
 x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
 RAW = raw_headers((3, D))
-COMPARED = ("content-type", "x-shape", "x-dtype", "retry-after", "x-model-digest", "x-request-id", "content-encoding")
+COMPARED = (
+    "content-type",
+    "x-shape",
+    "x-dtype",
+    "retry-after",
+    "x-model-digest",
+    "x-request-id",
+    "content-encoding",
+    "inference-header-content-length",
+)
+JSON = {"Content-Type": "application/json"}
+
+
+def _v2(**fields: object) -> bytes:
+    tensor = {"name": "input", "shape": [3, D], "datatype": "FP32", "data": x.ravel().tolist()}
+    return orjson.dumps({"inputs": [tensor], **fields})
+
+
+def _v2_binary(array: np.ndarray, datatype: str = "FP32", **fields: object) -> tuple[dict[str, str], bytes]:
+    tensor = {"name": "input", "shape": list(array.shape), "datatype": datatype}
+    tensor["parameters"] = {"binary_data_size": array.nbytes}
+    header = orjson.dumps({"inputs": [tensor], **fields})
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(header))}
+    return headers, header + array.tobytes()
+
 
 Case = tuple[str, dict[str, str], bytes]  # path, headers, body: a POST
 CASES: dict[str, Case] = {
     **{f"json {name}": (V1, {"Content-Type": "application/json"}, body) for name, body in JSON_CASES.items()},
     **{f"raw {name}": (V1, headers, body) for name, (headers, body) in RAW_CASES.items()},
     **{f"npy {name}": (V1, {"Content-Type": "application/x-npy"}, body) for name, body in NPY_CASES.items()},
+    **{f"v2 json {name}": (V2, JSON, body) for name, body in V2_JSON_CASES.items()},
+    **{f"v2 binary {name}": (V2, headers, body) for name, (headers, body) in V2_BINARY_CASES.items()},
+    "v2 json": (V2, JSON, _v2(id="7")),
+    "v2 json, no content type": (V2, {}, _v2()),
+    "v2 json answered binary": (V2, JSON, _v2(parameters={"binary_data_output": True})),
+    "v2 json output asked by name": (V2, JSON, _v2(outputs=[{"name": "output", "parameters": {"binary_data": True}}])),
+    "v2 json timeout": (V2, JSON, _v2(parameters={"timeout": 60_000_000})),
+    "v2 json monte carlo": (V2, JSON, _v2(parameters={"mc_passes": 3, "mc_seed": 1, "mc_dropout": 0.1})),
+    "v2 json monte carlo too many passes": (V2, JSON, _v2(parameters={"mc_passes": 100_000})),
+    "v2 json sequence extension": (V2, JSON, _v2(parameters={"sequence_id": 1})),
+    "v2 json text/plain": (V2, {"Content-Type": "text/plain"}, _v2()),
+    "v2 binary": (V2, *_v2_binary(x)),
+    "v2 binary fp16": (V2, *_v2_binary(x.astype(np.float16), "FP16")),
+    "v2 binary bf16": (V2, *_v2_binary((x.view(np.uint32) >> 16).astype(np.uint16), "BF16")),
+    "v2 binary answered binary": (V2, *_v2_binary(x, parameters={"binary_data_output": True})),
+    "v2 binary with an id": (V2, *_v2_binary(x, id="req-1")),
+    "v2 binary header length not a number": (
+        V2,
+        {**v2_binary(4 * D, np.ones(D, np.float32).tobytes())[0], "Inference-Header-Content-Length": "-1"},
+        v2_binary(4 * D, np.ones(D, np.float32).tobytes())[1],
+    ),
+    "v2 versioned": ("/v2/models/demo/versions/1/infer", *_v2_binary(x)),
+    "v2 wrong version": ("/v2/models/demo/versions/2/infer", *_v2_binary(x)),
+    "v2 unknown model": ("/v2/models/nope/infer", JSON, _v2()),
+    "v2 compressed answer": (V2, {**JSON, "Accept-Encoding": "gzip"}, _v2()),
     "raw": (V1, RAW, x.tobytes()),
     "raw answered as json": (V1, {**RAW, "accept": "application/json"}, x.tobytes()),
     "raw answered as npy": (V1, {**RAW, "accept": "application/x-npy"}, x.tobytes()),
@@ -195,20 +245,35 @@ async def test_the_lean_path_serves_plain_requests_right(taken) -> None:
             as_json = await client.post(V1, json={"inputs": x.tolist()})
             bad = await client.post(V1, content=x.tobytes()[:-4], headers=RAW)
             compressed = await client.post(V1, content=x.tobytes(), headers={**RAW, "accept-encoding": "gzip"})
+            v2_headers, v2_body = _v2_binary(x, id="v2-1", parameters={"binary_data_output": True})
+            v2 = await client.post(V2, content=v2_body, headers=v2_headers)
+            v2_json = await client.post(V2, content=_v2(), headers=JSON)
+            mc = _v2(parameters={"mc_passes": 4, "mc_seed": 3, "mc_dropout": 0.1})
+            v2_mc = await client.post("/v2/models/demo/versions/1/infer", content=mc, headers=JSON)
             metrics = (await client.get("/metrics")).text
-    assert taken == [True, True, True, False]  # the compressed answer is the full path's
+    assert taken == [True, True, True, False, True, True, True]  # the compressed answer is the full path's
     assert raw.status_code == 200 and raw.headers["x-shape"] == f"3,{D}" and raw.headers["x-dtype"] == "float32"
     assert_close(np.frombuffer(raw.content, np.float32).reshape(3, D), demo_reference(x))
     assert_close(np.asarray(as_json.json()["outputs"]), demo_reference(x))
     assert bad.status_code == 400 and bad.json()["error_type"] == "invalid_input"
     assert bad.json()["request_id"] == bad.headers["x-request-id"]
     assert compressed.status_code == 200 and compressed.headers["content-encoding"] == "gzip"
+    header_length = int(v2.headers["inference-header-content-length"])
+    header = orjson.loads(v2.content[:header_length])
+    assert header["id"] == "v2-1" and header["outputs"][0]["parameters"]["binary_data_size"] == x.nbytes
+    assert_close(np.frombuffer(v2.content[header_length:], np.float32).reshape(3, D), demo_reference(x))
+    assert_close(np.asarray(v2_json.json()["outputs"][0]["data"]).reshape(3, D), demo_reference(x))
+    answered = {output["name"]: output for output in v2_mc.json()["outputs"]}
+    assert set(answered) == {"output", "output_std"} and v2_mc.json()["parameters"]["mc_passes"] == 4
     # Every request counted once, by outcome and by its whole time, as the full path counts them.
-    assert 'ffn_requests_total{model="demo",outcome="ok",protocol="http"} 3.0' in metrics
+    assert 'ffn_requests_total{model="demo",outcome="ok",protocol="http"} 6.0' in metrics
     assert 'ffn_requests_total{model="demo",outcome="invalid_input",protocol="http"} 1.0' in metrics
     route = 'protocol="native",route="/v1/models/{name}/transform"'
     assert f'ffn_http_request_seconds_count{{{route},status="2xx"}} 3.0' in metrics
     assert f'ffn_http_request_seconds_count{{{route},status="4xx"}} 1.0' in metrics
+    assert 'ffn_http_request_seconds_count{protocol="v2",route="/v2/models/{name}/infer",status="2xx"} 2.0' in metrics
+    versioned = 'protocol="v2",route="/v2/models/{name}/versions/{version}/infer"'
+    assert f'ffn_http_request_seconds_count{{{versioned},status="2xx"}} 1.0' in metrics
     assert app.state.service.held.held == 0
 
 

@@ -1,25 +1,27 @@
-"""The lean path: a plain tensor request served inside the HTTP protocol, below ASGI, from a cached plan.
+"""The lean path: a plain tensor request served inside the HTTP protocol, below ASGI.
 
 For a request the model answers in microseconds, ASGI's machinery costs more than the rest: a
 scope dict, a task and a contextvars copy per request, receive and send messages, Starlette's
 Request and Response, the edge's middleware calls. Here the protocol (protocol.py) hands each
-plain `POST /v1/models/{name}/transform` to the `LeanDoor` as soon as its head is parsed; the
-door decides once per distinct head what it means (app/protocol/plans.py), collects the body as
-the parser delivers it, and when it is whole decodes it, queues its rows (`infer_soon`: an entry
-and a future, no task) and writes the answer from the future's callback, head and body in one
-write. FastAPI still declares the route (OpenAPI, /docs) and serves every other one.
+plain `POST /v1/models/{name}/transform` and `POST /v2/models/{name}[/versions/{v}]/infer` to the
+`LeanDoor` as soon as its head is parsed. For a transform the door decides once per distinct head
+what it means (a plan, app/protocol/plans.py); a V2 request's meaning is in its body, decoded by
+the V2 infer step both paths call (app/protocol/v2/infer.py). The door collects the body as the
+parser delivers it, and when it is whole decodes it, queues its rows (`infer_soon`: an entry and a
+future, no task) and writes the answer from the future's callback, head and body in one write.
+FastAPI still declares the routes (OpenAPI, /docs) and serves every other one.
 
 Every rule of the full path holds, taken from the same code: the guard's head size, Transfer-
 Encoding, metrics-port and API-key checks; the model's state; the plan's checks (415, 406, the
 raw shape and dtype); the deadline; the body's declared size against `max_body_bytes` and the
 process's held bytes; the decode's and the batcher's refusals; the client hanging up; the request
-id; the outcome in ffn_requests_total and the whole time in ffn_http_request_seconds. The door
-takes only what it can answer exactly as the full path would, and leaves everything else to it
-(`admit` returns None): a head the full path would refuse (its answer is then the full path's own),
-a compressed body or answer, a traced server, a CORS request, a pipelined request behind another,
-a chunked body, `Expect: 100-continue`, a query string (Monte Carlo), a path with escapes, a model
-served by another process. tests/test_lean.py sends the suite's bad-input and hostile cases
-through both and compares the answers.
+id (and a V2 request's `id` in its error bodies); the outcome in ffn_requests_total and the whole
+time in ffn_http_request_seconds. The door takes only what it can answer exactly as the full path
+would, and leaves everything else to it (`admit` returns None): a head the full path would refuse
+(its answer is then the full path's own), a compressed body or answer, a traced server, a CORS
+request, a pipelined request behind another, a chunked body, `Expect: 100-continue`, a query
+string (native Monte Carlo), a path with escapes, a model served by another process.
+tests/test_lean.py sends the suite's bad-input and hostile cases through both and compares them.
 """
 
 from __future__ import annotations
@@ -44,17 +46,26 @@ from app.protocol.identity import CURRENT, RequestContext, bearer_matches, reque
 from app.protocol.native import DecodedInput
 from app.protocol.plans import NativePlan, PlanCache, native_plan
 from app.protocol.state import ServiceState
+from app.protocol.v2 import codec as v2_codec
+from app.protocol.v2 import infer as infer_step
 
 log = logging.getLogger("ffn_serve")
 
 ROUTE = "/v1/models/{name}/transform"
-# A transform path with a plain model name: no escapes, query or fragment (those go the full way,
-# which decodes them as Starlette does). The characters are a path segment's unreserved and sub-delims.
-_TRANSFORM = re.compile(rb"/v1/models/([A-Za-z0-9._~!$&'()*+,;=:@-]+)/transform")
+V2_ROUTE = "/v2/models/{name}/infer"
+V2_VERSION_ROUTE = "/v2/models/{name}/versions/{version}/infer"
+ROUTES = (ROUTE, V2_ROUTE, V2_VERSION_ROUTE)
+# The tensor routes' paths with plain names: no escapes, query or fragment (those go the full way,
+# which decodes them as Starlette does). A name's characters are a path segment's unreserved and sub-delims.
+_SEGMENT = rb"[A-Za-z0-9._~!$&'()*+,;=:@-]+"
+_PATHS = re.compile(
+    rb"/v1/models/(?P<native>%s)/transform|/v2/models/(?P<v2>%s)(?:/versions/(?P<version>%s))?/infer"
+    % (_SEGMENT, _SEGMENT, _SEGMENT)
+)
 MAX_LENGTH_DIGITS = 18  # a Content-Length past this is no body this service takes (and int() stays cheap)
 ONE_WRITE_BYTES = 64 * 1024  # as protocol.py: an answer up to this size goes out with its head in one write
 HUNG_UP = error_type_of(ClientDisconnected(""))  # how a request whose client left is counted
-_PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding")
+_PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding", b"inference-header-content-length")
 
 
 class LeanProtocol(Protocol):
@@ -114,9 +125,9 @@ class LeanDoor:
         metrics_port: int | None,
         cors: bool,
         histogram: Histogram,
-        protocol: str,
+        protocols: dict[str, str],
     ) -> None:
-        """`histogram`: ffn_http_request_seconds, whose `protocol` label is `protocol` for ROUTE (the edge's protocol_of)."""
+        """`histogram`: ffn_http_request_seconds; `protocols`: its `protocol` label for each of ROUTES (the edge's protocol_of)."""
         settings = state.settings
         self.state = state
         self.engine = state.engine
@@ -129,16 +140,17 @@ class LeanDoor:
         self._default_timeout_ms = settings.default_timeout_ms
         # The paths it serves: the protocol matches them before it calls `admit`, so that a request
         # on any other route never enters this module.
-        self.paths = _TRANSFORM
+        self.paths = _PATHS
         self._plans: PlanCache[HttpPlan] = PlanCache()
         self._timers = {
-            status_class: histogram.labels(protocol=protocol, route=ROUTE, status=f"{status_class}xx")
+            (route, status_class): histogram.labels(protocol=protocols[route], route=route, status=f"{status_class}xx")
+            for route in ROUTES
             for status_class in (2, 4, 5)
         }
         self._head_date: tuple[object, bytes] = (None, b"")
         # Each request's outcome and time, kept as plain values and observed once per turn of the loop.
         self._outcomes: dict[tuple[str, str], int] = {}
-        self._times: dict[int, list[float]] = {status_class: [] for status_class in self._timers}
+        self._times: dict[tuple[str, int], list[float]] = {key: [] for key in self._timers}
         self._flush_due = False
 
     # ----- the head: take the request, or leave it to the full path ----------------------------
@@ -183,29 +195,65 @@ class LeanDoor:
         if declared > self.max_body_bytes:
             return None
         try:
-            name = match[1].decode("ascii")
-            served = self.engine.model(name)
-            served.check_serving()
-            plan = self._plan(name, served, planned)
-            if plan is None:
-                return None
-            deadline = deadline_from(None if timeout is None else timeout.decode("latin-1"), self._default_timeout_ms)
+            native = match["native"]
+            if native is not None:
+                route, name, version = ROUTE, native.decode("ascii"), None
+                served = self.engine.model(name)
+                served.check_serving()
+                plan = self._plan(name, served, planned)
+                if plan is None:
+                    return None
+                deadline = deadline_from(
+                    None if timeout is None else timeout.decode("latin-1"), self._default_timeout_ms
+                )
+            else:  # V2 infer: its deadline, like the rest of what it asks, is in its body
+                name = match["v2"].decode("ascii")
+                version = None if match["version"] is None else match["version"].decode("ascii")
+                route = V2_ROUTE if version is None else V2_VERSION_ROUTE
+                served = self.engine.model(name, version)
+                served.check_serving()
+                if not self._v2_head(served, planned):
+                    return None
+                plan, deadline = None, None
             hold = Hold(self.state.held)
             hold.grow(declared)
         except Exception:  # the full path answers this head, and its error, itself
             return None
         request_id, _ = request_id_from(request_ids)
         keep_alive = parser.should_keep_alive() and not getattr(protocol, "closing", False)
-        return LeanRequest(self, protocol, name, plan, request_id, deadline, hold, keep_alive)
+        header_length = planned[5]
+        return LeanRequest(
+            self,
+            protocol,
+            route,
+            name,
+            plan,
+            request_id,
+            deadline,
+            hold,
+            keep_alive,
+            version=version,
+            header_length=None if header_length is None else header_length.decode("latin-1"),
+        )
+
+    @staticmethod
+    def _v2_head(served: Any, planned: Sequence[bytes | None]) -> bool:
+        """Whether the lean path takes a V2 infer head (else the full path answers it); its 415 raised."""
+        if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
+            return False
+        content_type, accept_encoding, header_length = planned[0], planned[4], planned[5]
+        if header_length is None:  # with the binary extension the body is not JSON, whatever its Content-Type
+            v2_codec.check_content(None if content_type is None else content_type.decode("latin-1"))
+        return answer_coding(None if accept_encoding is None else accept_encoding.decode("latin-1")) is None
 
     def _plan(self, name: str, served: Any, planned: Sequence[bytes | None]) -> HttpPlan | None:
         """The head's plan for the copy serving now: cached, or made (raising the head's own error)."""
-        key = (name, *planned)
+        key = (name, *planned[:5])
         plan = self._plans.get(key)
         if plan is None or not plan.core.is_for(served):
             if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
                 return None
-            content_type, shape, dtype, accept, accept_encoding = (
+            content_type, shape, dtype, accept, accept_encoding, _ = (
                 None if value is None else value.decode("latin-1") for value in planned
             )
             core = native_plan(served, content_type, shape, dtype, accept)
@@ -226,10 +274,12 @@ class LeanDoor:
         close = b"" if keep_alive else b"connection: close\r\n"
         return b"%s%s%scontent-length: %d\r\n%s\r\n" % (STATUS_LINE[status], date, lines, length, close)
 
-    def ended(self, loop: asyncio.AbstractEventLoop, model: str, outcome: str, status: int, started: float) -> None:
+    def ended(
+        self, loop: asyncio.AbstractEventLoop, route: str, model: str, outcome: str, status: int, started: float
+    ) -> None:
         """A request ended: its outcome (ffn_requests_total) and time (ffn_http_request_seconds), counted at
         the end of this turn of the loop with every other request's, before anything can read them."""
-        self._times[status // 100].append(time.perf_counter() - started)
+        self._times[route, status // 100].append(time.perf_counter() - started)
         key = (model, outcome)
         self._outcomes[key] = self._outcomes.get(key, 0) + 1
         if not self._flush_due:
@@ -241,9 +291,9 @@ class LeanDoor:
         outcomes, self._outcomes = self._outcomes, {}
         for (model, outcome), count in outcomes.items():
             self.state.outcomes.counter(model, outcome).inc(count)
-        for status_class, times in self._times.items():
+        for key, times in self._times.items():
             if times:
-                observe_many(self._timers[status_class], times)
+                observe_many(self._timers[key], times)
                 times.clear()
 
 
@@ -262,19 +312,28 @@ class LeanRequest:
         self,
         door: LeanDoor,
         protocol: LeanProtocol,
+        route: str,
         name: str,
-        plan: HttpPlan,
+        plan: HttpPlan | None,
         request_id: bytes,
-        deadline: float,
+        deadline: float | None,
         hold: Hold,
         keep_alive: bool,
+        *,
+        version: str | None = None,
+        header_length: str | None = None,
     ) -> None:
+        """`plan`: a native transform's (with its `deadline`); None for a V2 infer (`version`, `header_length`)."""
         self.door = door
         self.protocol = protocol
         self.transport = protocol.transport
+        self.route = route
         self.name = name
         self.plan = plan
+        self.version = version
+        self.header_length = header_length
         self.request_id = request_id
+        self.context = RequestContext(request_id.decode("ascii"))  # what log lines and error bodies name
         self.deadline = deadline
         self.hold = hold
         self.keep_alive = keep_alive
@@ -284,35 +343,27 @@ class LeanRequest:
         self.scope: dict[str, Any] = {}  # the protocol marks a refusal here (REFUSED)
         self.chunks: list[bytes] = []
         self.decoded: DecodedInput | None = None
-        self.future: asyncio.Future[np.ndarray] | None = None
+        self.call: infer_step.InferCall | None = None
+        self.served: Any = None
+        self.future: asyncio.Future[Any] | None = None
 
     def body(self, chunk: bytes) -> None:
         if not self.response_complete:
             self.chunks.append(chunk)
 
     def complete(self) -> None:
-        """The body is whole: decode it against the plan and queue its rows, or answer why not."""
+        """The body is whole: decode it and queue its rows, or answer why not."""
         if self.response_complete:
             return
         chunks, self.chunks = self.chunks, []
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
-        context = RequestContext(self.request_id.decode("ascii"))
-        token = CURRENT.set(context)  # whatever logs for this request names it
+        token = CURRENT.set(self.context)
         try:
-            door = self.door
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
-            served = door.engine.model(self.name)
-            if not self.plan.core.is_for(served):
-                self.plan = self.plan.for_copy(served)
-            plan = self.plan.core
-            decoded = plan.decode(body, door.max_queue_rows)
-            del body  # binary rows are a view of it: those bytes stay held, and counted
-            if plan.encoding_in == "json":  # the body is gone, parsed into an array of its own
-                self.hold.resize(decoded.rows.nbytes)
-            self.decoded = decoded
-            future = served.infer_soon(decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline)  # type: ignore[attr-defined]
+            served = self.door.engine.model(self.name, self.version)
+            future = self._queue_native(served, body) if self.plan is not None else self._queue_v2(served, body)
         except Exception as exc:
             self._fail(exc)
             return
@@ -321,34 +372,73 @@ class LeanRequest:
         self.future = future
         future.add_done_callback(self._computed)
 
-    def _computed(self, future: asyncio.Future[np.ndarray]) -> None:
+    def _queue_native(self, served: Any, body: bytes) -> asyncio.Future[np.ndarray]:
+        assert self.plan is not None and self.deadline is not None, "a native request has its plan; this is a bug."
+        if not self.plan.core.is_for(served):
+            self.plan = self.plan.for_copy(served)
+        plan = self.plan.core
+        decoded = plan.decode(body, self.door.max_queue_rows)
+        del body  # binary rows are a view of it: those bytes stay held, and counted
+        if plan.encoding_in == "json":  # the body is gone, parsed into an array of its own
+            self.hold.resize(decoded.rows.nbytes)
+        self.decoded = decoded
+        future: asyncio.Future[np.ndarray] = served.infer_soon(
+            decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline
+        )
+        return future
+
+    def _queue_v2(self, served: Any, body: bytes) -> asyncio.Future[Any]:
+        call = infer_step.decoded(self.door.state, served, body, self.header_length)
+        if not call.request.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
+            self.hold.resize(call.request.rows.nbytes)
+        del body  # a binary input is a view of the body: those bytes stay held, and counted
+        self.call, self.served = call, served
+        rows, dtype = call.request.rows, call.request.dtype
+        if call.monte_carlo is None:
+            future: asyncio.Future[Any] = served.infer_soon(rows, dtype, deadline=call.deadline)
+            return future
+        # Monte Carlo dropout: rare and long (passes in slices), it runs as the full path runs it, in a task.
+        return asyncio.ensure_future(served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline))
+
+    def _computed(self, future: asyncio.Future[Any]) -> None:
         if self.response_complete:  # the client left (or was refused) meanwhile: nobody reads an answer
             return
-        error = future.exception()
-        if error is not None:
-            self._fail(error)
-            return
-        output = future.result()
-        decoded = self.decoded
-        assert decoded is not None, "a computed lean request was decoded; this is a bug."
+        token = CURRENT.set(self.context)
         try:
-            body, extra = self.plan.core.encode(output, decoded)
-        except Exception as exc:
-            self._fail(exc)
-            return
-        lines = self.plan.fixed_head + b"".join(_header_line(name, value) for name, value in extra)
-        self._answer(200, lines, body, "ok")
+            error = future.exception()
+            if error is not None:
+                self._fail(error)
+                return
+            try:
+                body, lines = self._encoded(future.result())
+            except Exception as exc:
+                self._fail(exc)
+                return
+            self._answer(200, lines, body, "ok")
+        finally:
+            CURRENT.reset(token)
+
+    def _encoded(self, answer: Any) -> tuple[bytes | memoryview, bytes]:
+        """The answer's body and its header lines beyond the server's own."""
+        if self.plan is not None:
+            assert self.decoded is not None, "a computed native request was decoded; this is a bug."
+            body, extra = self.plan.core.encode(answer, self.decoded)
+            return body, self.plan.fixed_head + b"".join(_header_line(name, value) for name, value in extra)
+        assert self.call is not None, "a computed V2 request was decoded; this is a bug."
+        content, headers = infer_step.encoded(self.name, self.served, self.call, answer)
+        return content, b"".join(_header_line(name, value) for name, value in headers.items())
 
     def _fail(self, exc: BaseException) -> None:
         """Answer `exc` as the one error table says (the full path's body, status and headers)."""
         assert isinstance(exc, Exception), "only Exceptions reach a lean request's answer; this is a bug."
         kind = kind_of(exc)
+        request_id = self.request_id.decode("ascii")
         if kind is INTERNAL:  # a bug: keep its traceback; the client learns nothing internal
-            log.exception("unhandled error in POST %s", ROUTE.replace("{name}", self.name), exc_info=exc)
-            body = error_body("internal server error", "internal", self.request_id.decode("ascii"))
+            log.exception("unhandled error in POST %s", self.route.replace("{name}", self.name), exc_info=exc)
+            body = error_body("internal server error", "internal", request_id)
             headers: dict[str, str] = {}
         else:
-            body = error_body(message_of(exc, "http"), kind.error_type, self.request_id.decode("ascii"))
+            body = error_body(message_of(exc, "http"), kind.error_type, request_id)
             headers = kind.headers(exc)
         lines = b"content-type: application/json\r\n" + b"".join(
             _header_line(name, value) for name, value in headers.items()
@@ -360,7 +450,7 @@ class LeanRequest:
     def _answer(self, status: int, lines: bytes, body: bytes | memoryview, outcome: str) -> None:
         """Write the answer, head and body in one write (up to ONE_WRITE_BYTES), and end the request."""
         self.response_complete = True
-        self.future = self.decoded = None
+        self._forget()
         transport = self.transport
         door = self.door
         if not transport.is_closing():
@@ -374,19 +464,23 @@ class LeanRequest:
             if not self.keep_alive:
                 transport.close()
         self.hold.resize(0)
-        door.ended(self.protocol.loop, self.name, outcome, status, self.started)
+        door.ended(self.protocol.loop, self.route, self.name, outcome, status, self.started)
         self.protocol.on_response_complete()
 
     def abandon(self) -> None:
         """The client left, or the protocol refused the request: its rows are withdrawn, nothing is written.
 
-        Counted as the full path counts a hang-up: client_disconnected, and a 4xx request time."""
+        Counted as the full path counts a hang-up: client_closed_request, and a 4xx request time."""
         if self.response_complete:
             return
         self.response_complete = self.disconnected = True
         if self.future is not None:
             self.future.cancel()
-        self.future = self.decoded = None
+        self._forget()
         self.chunks = []
         self.hold.resize(0)
-        self.door.ended(self.protocol.loop, self.name, HUNG_UP, 499, self.started)
+        self.door.ended(self.protocol.loop, self.route, self.name, HUNG_UP, 499, self.started)
+
+    def _forget(self) -> None:
+        """Let the request's rows and answer go now (the request object lives on with its connection)."""
+        self.future = self.decoded = self.call = self.served = None

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from app.engine.errors import Unavailable
+from app.engine.montecarlo import MonteCarloResult
 from app.http.endpoints import Endpoint, StateDep, compressed, read_body, service_state, unless_disconnected
 from app.http.errors import error_response
 from app.http.openapi import error_responses, inline_defs
 from app.http.v2 import extensions, model_control
-from app.protocol import identity, mc_parameters
-from app.protocol.admission import deadline_from
-from app.protocol.digest import ANSWER_PARAMETER, DIGEST_HEADER
 from app.protocol.fields import answer_coding, request_coding
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
+from app.protocol.v2 import infer as infer_step
 from app.protocol.v2.schemas import InferRequest, InferResponse, ModelMetadata, ModelReady, ServerMetadata
 
 
@@ -49,42 +50,18 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
             served = state.engine.model(name, version)
-            decoded = codec.decode(
-                body,
-                header_length,
-                served.d_model,
-                state.settings.max_queue_rows,
-                state.shared_memory,
-                state.settings.max_body_bytes,
-            )
-            if not decoded.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
-                hold.resize(decoded.rows.nbytes)
+            call = infer_step.decoded(state, served, body, header_length)
+            if not call.request.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
+                hold.resize(call.request.rows.nbytes)
             del body  # a binary input is a view of the body: those bytes stay held, and counted
-            identity.decoded(decoded.shape, decoded.dtype.name)
-            timeout_ms = None if decoded.timeout_us is None else decoded.timeout_us / 1000.0
-            deadline = deadline_from(timeout_ms, state.settings.default_timeout_ms)
-            # Most requests carry no parameters: then none asks for Monte Carlo dropout.
-            asked = (
-                mc_parameters.from_json(decoded.parameters, served, state.settings.max_mc_passes)
-                if decoded.parameters
-                else None
-            )
-            if asked is None:
-                output = await unless_disconnected(
-                    request, served.infer(decoded.rows, decoded.dtype, deadline=deadline)
-                )
-                content, headers = codec.encode(
-                    name, served.version, decoded, {codec.OUTPUT_NAME: output}, {ANSWER_PARAMETER: served.digest}
-                )
-            else:
-                # `output` is the mean over the passes, `output_std` their spread; the parameters used are echoed.
-                result = await unless_disconnected(
-                    request, served.infer_monte_carlo(decoded.rows, asked, decoded.dtype, deadline=deadline)
-                )
-                tensors = {codec.OUTPUT_NAME: result.mean, codec.STD_OUTPUT_NAME: result.std}
-                parameters = {**mc_parameters.echoed(asked), ANSWER_PARAMETER: served.digest}
-                content, headers = codec.encode(name, served.version, decoded, tensors, parameters)
-            headers[DIGEST_HEADER] = served.digest
+            rows, dtype = call.request.rows, call.request.dtype
+            work: Awaitable[np.ndarray | MonteCarloResult]
+            if call.monte_carlo is None:
+                work = served.infer(rows, dtype, deadline=call.deadline)
+            else:  # the answer is the mean over the passes, `output_std` their spread; the parameters used are echoed
+                work = served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline)
+            answer: np.ndarray | MonteCarloResult = await unless_disconnected(request, work)
+            content, headers = infer_step.encoded(name, served, call, answer)
             content, headers = await compressed(content, headers, coding_out)
         return Response(content, headers=headers)
 
