@@ -38,6 +38,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 1 << 20
 V1 = "/v1/models/demo/transform"
 V2 = "/v2/models/demo/infer"
+PREDICT = "/v1/models/demo:predict"
 ID = {"X-Request-Id": "one-id-for-both"}  # else error bodies differ by their ids
 x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
 RAW = raw_headers((3, D))
@@ -97,6 +98,19 @@ CASES: dict[str, Case] = {
     "v2 wrong version": ("/v2/models/demo/versions/2/infer", *_v2_binary(x)),
     "v2 unknown model": ("/v2/models/nope/infer", JSON, _v2()),
     "v2 compressed answer": (V2, {**JSON, "Accept-Encoding": "gzip"}, _v2()),
+    "kserve v1": (PREDICT, JSON, orjson.dumps({"instances": x.tolist()})),
+    "kserve v1 instances of sequences": (PREDICT, JSON, orjson.dumps({"instances": [x.tolist()]})),
+    "kserve v1 ragged instances": (PREDICT, JSON, orjson.dumps({"instances": [x[0].tolist(), x[1, :7].tolist()]})),
+    "kserve v1 inputs, not instances": (PREDICT, JSON, orjson.dumps({"inputs": x.tolist()})),
+    "kserve v1 nan": (PREDICT, JSON, orjson.dumps({"instances": [x[0].tolist()]}).replace(b"[[", b"[[NaN,", 1)),
+    "kserve v1 not json": (PREDICT, JSON, b"instances"),
+    "kserve v1 text/plain": (PREDICT, {"Content-Type": "text/plain"}, orjson.dumps({"instances": x.tolist()})),
+    "kserve v1 unknown model": ("/v1/models/nope:predict", JSON, orjson.dumps({"instances": x.tolist()})),
+    "kserve v1 compressed answer": (
+        PREDICT,
+        {**JSON, "Accept-Encoding": "deflate"},
+        orjson.dumps({"instances": x.tolist()}),
+    ),
     "raw": (V1, RAW, x.tobytes()),
     "raw answered as json": (V1, {**RAW, "accept": "application/json"}, x.tobytes()),
     "raw answered as npy": (V1, {**RAW, "accept": "application/x-npy"}, x.tobytes()),
@@ -250,8 +264,9 @@ async def test_the_lean_path_serves_plain_requests_right(taken) -> None:
             v2_json = await client.post(V2, content=_v2(), headers=JSON)
             mc = _v2(parameters={"mc_passes": 4, "mc_seed": 3, "mc_dropout": 0.1})
             v2_mc = await client.post("/v2/models/demo/versions/1/infer", content=mc, headers=JSON)
+            predicted = await client.post(PREDICT, json={"instances": x.tolist()})
             metrics = (await client.get("/metrics")).text
-    assert taken == [True, True, True, False, True, True, True]  # the compressed answer is the full path's
+    assert taken == [True, True, True, False, True, True, True, True]  # the compressed answer is the full path's
     assert raw.status_code == 200 and raw.headers["x-shape"] == f"3,{D}" and raw.headers["x-dtype"] == "float32"
     assert_close(np.frombuffer(raw.content, np.float32).reshape(3, D), demo_reference(x))
     assert_close(np.asarray(as_json.json()["outputs"]), demo_reference(x))
@@ -265,8 +280,9 @@ async def test_the_lean_path_serves_plain_requests_right(taken) -> None:
     assert_close(np.asarray(v2_json.json()["outputs"][0]["data"]).reshape(3, D), demo_reference(x))
     answered = {output["name"]: output for output in v2_mc.json()["outputs"]}
     assert set(answered) == {"output", "output_std"} and v2_mc.json()["parameters"]["mc_passes"] == 4
+    assert_close(np.asarray(predicted.json()["predictions"]), demo_reference(x))
     # Every request counted once, by outcome and by its whole time, as the full path counts them.
-    assert 'ffn_requests_total{model="demo",outcome="ok",protocol="http"} 6.0' in metrics
+    assert 'ffn_requests_total{model="demo",outcome="ok",protocol="http"} 7.0' in metrics
     assert 'ffn_requests_total{model="demo",outcome="invalid_input",protocol="http"} 1.0' in metrics
     route = 'protocol="native",route="/v1/models/{name}/transform"'
     assert f'ffn_http_request_seconds_count{{{route},status="2xx"}} 3.0' in metrics
@@ -274,6 +290,8 @@ async def test_the_lean_path_serves_plain_requests_right(taken) -> None:
     assert 'ffn_http_request_seconds_count{protocol="v2",route="/v2/models/{name}/infer",status="2xx"} 2.0' in metrics
     versioned = 'protocol="v2",route="/v2/models/{name}/versions/{version}/infer"'
     assert f'ffn_http_request_seconds_count{{{versioned},status="2xx"}} 1.0' in metrics
+    predict = 'protocol="kserve_v1",route="/v1/models/{name}:predict"'
+    assert f'ffn_http_request_seconds_count{{{predict},status="2xx"}} 1.0' in metrics
     assert app.state.service.held.held == 0
 
 

@@ -4,7 +4,7 @@ For a request the model answers in microseconds, ASGI's machinery costs more tha
 scope dict, a task and a contextvars copy per request, receive and send messages, Starlette's
 Request and Response, the edge's middleware calls. Here the protocol (protocol.py) hands each
 plain `POST /v1/models/{name}/transform` and `POST /v2/models/{name}[/versions/{v}]/infer` to the
-`LeanDoor` as soon as its head is parsed. For a transform the door decides once per distinct head
+`LeanDoor` as soon as its head is parsed (and KServe V1's `POST /v1/models/{name}:predict`). For a transform the door decides once per distinct head
 what it means (a plan, app/protocol/plans.py); a V2 request's meaning is in its body, decoded by
 the V2 infer step both paths call (app/protocol/v2/infer.py). The door collects the body as the
 parser delivers it, and when it is whole decodes it, queues its rows (`infer_soon`: an entry and a
@@ -39,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from app.http.errors import error_body
 from app.metrics import observe_many
+from app.protocol import kserve_v1
 from app.protocol.admission import Hold, deadline_from
 from app.protocol.errors import INTERNAL, ClientDisconnected, error_type_of, kind_of, message_of
 from app.protocol.fields import answer_coding
@@ -54,13 +55,14 @@ log = logging.getLogger("ffn_serve")
 ROUTE = "/v1/models/{name}/transform"
 V2_ROUTE = "/v2/models/{name}/infer"
 V2_VERSION_ROUTE = "/v2/models/{name}/versions/{version}/infer"
-ROUTES = (ROUTE, V2_ROUTE, V2_VERSION_ROUTE)
+PREDICT_ROUTE = "/v1/models/{name}:predict"  # KServe V1
+ROUTES = (ROUTE, V2_ROUTE, V2_VERSION_ROUTE, PREDICT_ROUTE)
 # The tensor routes' paths with plain names: no escapes, query or fragment (those go the full way,
 # which decodes them as Starlette does). A name's characters are a path segment's unreserved and sub-delims.
 _SEGMENT = rb"[A-Za-z0-9._~!$&'()*+,;=:@-]+"
 _PATHS = re.compile(
-    rb"/v1/models/(?P<native>%s)/transform|/v2/models/(?P<v2>%s)(?:/versions/(?P<version>%s))?/infer"
-    % (_SEGMENT, _SEGMENT, _SEGMENT)
+    rb"/v1/models/(?:(?P<native>%s)/transform|(?P<kserve>%s):predict)"
+    rb"|/v2/models/(?P<v2>%s)(?:/versions/(?P<version>%s))?/infer" % (_SEGMENT, _SEGMENT, _SEGMENT, _SEGMENT)
 )
 MAX_LENGTH_DIGITS = 18  # a Content-Length past this is no body this service takes (and int() stays cheap)
 ONE_WRITE_BYTES = 64 * 1024  # as protocol.py: an answer up to this size goes out with its head in one write
@@ -102,6 +104,9 @@ class HttpPlan:
 
 def _header_line(name: str, value: str) -> bytes:
     return f"{name}: {value}\r\n".encode("latin-1")
+
+
+_PREDICTIONS_HEAD = f"content-type: {kserve_v1.MEDIA_TYPE}\r\n".encode()
 
 
 class _NoEvent:
@@ -195,7 +200,8 @@ class LeanDoor:
         if declared > self.max_body_bytes:
             return None
         try:
-            native = match["native"]
+            native, kserve = match["native"], match["kserve"]
+            timeout_ms = None if timeout is None else timeout.decode("latin-1")
             if native is not None:
                 route, name, version = ROUTE, native.decode("ascii"), None
                 served = self.engine.model(name)
@@ -203,9 +209,14 @@ class LeanDoor:
                 plan = self._plan(name, served, planned)
                 if plan is None:
                     return None
-                deadline = deadline_from(
-                    None if timeout is None else timeout.decode("latin-1"), self._default_timeout_ms
-                )
+                deadline = deadline_from(timeout_ms, self._default_timeout_ms)
+            elif kserve is not None:  # KServe V1 predict: JSON instances, answered JSON predictions
+                route, name, version, plan = PREDICT_ROUTE, kserve.decode("ascii"), None, None
+                served = self.engine.model(name)
+                served.check_serving()
+                if not self._predict_head(served, planned):
+                    return None
+                deadline = deadline_from(timeout_ms, self._default_timeout_ms)
             else:  # V2 infer: its deadline, like the rest of what it asks, is in its body
                 name = match["v2"].decode("ascii")
                 version = None if match["version"] is None else match["version"].decode("ascii")
@@ -235,6 +246,15 @@ class LeanDoor:
             version=version,
             header_length=None if header_length is None else header_length.decode("latin-1"),
         )
+
+    @staticmethod
+    def _predict_head(served: Any, planned: Sequence[bytes | None]) -> bool:
+        """Whether the lean path takes a KServe V1 predict head (else the full path answers it); its 415 raised."""
+        if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
+            return False
+        content_type, accept_encoding = planned[0], planned[4]
+        kserve_v1.check_content(None if content_type is None else content_type.decode("latin-1"))
+        return answer_coding(None if accept_encoding is None else accept_encoding.decode("latin-1")) is None
 
     @staticmethod
     def _v2_head(served: Any, planned: Sequence[bytes | None]) -> bool:
@@ -363,7 +383,12 @@ class LeanRequest:
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
             # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
             served = self.door.engine.model(self.name, self.version)
-            future = self._queue_native(served, body) if self.plan is not None else self._queue_v2(served, body)
+            if self.plan is not None:
+                future = self._queue_native(served, body)
+            elif self.route == PREDICT_ROUTE:
+                future = self._queue_predict(served, body)
+            else:
+                future = self._queue_v2(served, body)
         except Exception as exc:
             self._fail(exc)
             return
@@ -385,6 +410,15 @@ class LeanRequest:
         future: asyncio.Future[np.ndarray] = served.infer_soon(
             decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline
         )
+        return future
+
+    def _queue_predict(self, served: Any, body: bytes) -> asyncio.Future[np.ndarray]:
+        assert self.deadline is not None, "a KServe V1 request has its deadline from its head; this is a bug."
+        decoded = kserve_v1.decode(body, served.d_model, self.door.max_queue_rows)
+        del body
+        self.hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into an array of its own
+        self.decoded = decoded
+        future: asyncio.Future[np.ndarray] = served.infer_soon(decoded.rows, decoded.dtype, deadline=self.deadline)
         return future
 
     def _queue_v2(self, served: Any, body: bytes) -> asyncio.Future[Any]:
@@ -424,6 +458,9 @@ class LeanRequest:
             assert self.decoded is not None, "a computed native request was decoded; this is a bug."
             body, extra = self.plan.core.encode(answer, self.decoded)
             return body, self.plan.fixed_head + b"".join(_header_line(name, value) for name, value in extra)
+        if self.route == PREDICT_ROUTE:
+            assert self.decoded is not None, "a computed KServe V1 request was decoded; this is a bug."
+            return kserve_v1.encode(answer, self.decoded), _PREDICTIONS_HEAD
         assert self.call is not None, "a computed V2 request was decoded; this is a bug."
         content, headers = infer_step.encoded(self.name, self.served, self.call, answer)
         return content, b"".join(_header_line(name, value) for name, value in headers.items())
