@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import shutil
@@ -96,7 +97,10 @@ def make_pki(folder: Path) -> Pki:
     pki = Pki(trustme.CA(), folder)
     pki.ca.cert_pem.write_to_path(str(pki.ca_file))
     pki.issue_server()
-    pki.ca.issue_cert("client@ffn-serve.test").private_key_and_cert_chain_pem.write_to_path(str(pki.client_file))
+    client = pki.ca.issue_cert("client@ffn-serve.test")
+    client.private_key_and_cert_chain_pem.write_to_path(str(pki.client_file))
+    client.cert_chain_pems[0].write_to_path(str(folder / "client.crt"))
+    client.private_key_pem.write_to_path(str(folder / "client.key"))
     return pki
 
 
@@ -333,6 +337,31 @@ def test_mutual_tls_serves_a_client_with_a_certificate_on_both_doors(mtls_server
         assert_close(client_http.infer("demo", [request_http]).as_numpy("output"), demo_reference(x))
     finally:
         client_http.close()
+
+
+# ----- ffn-loadtest --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("protocol", "engine"), [("http", "raw"), ("http", "httpx"), ("grpc", "raw"), ("grpc-stream", "raw")]
+)
+def test_loadtest_with_cacert_cert_and_key_over_mutual_tls(
+    mtls_server: ServerProcess, pki: Pki, protocol: str, engine: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ffn_client.loadtest import main
+
+    # The client certificate and its key in two files, as --cert and --key take them.
+    cert, key = pki.folder / "client.crt", pki.folder / "client.key"
+    url = mtls_server.url if protocol == "http" else f"grpc://{mtls_server.grpc_target}"
+    tls = ["--cacert", str(pki.ca_file), "--cert", str(cert), "--key", str(key)]
+    args = ["--protocol", protocol, "--engine", engine, "--url", url, "--metrics-url", mtls_server.url + "/metrics"]
+    code = main([*args, *tls, "-n", "20", "-c", "4", "-q", "--json", "-"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["counts"] == {"sent": 20, "ok": 20, "errors": {}}
+    assert report["config"]["d_model"] == D_MODEL  # asked over TLS too
+    # Without the client certificate: nothing measured, as for a server that cannot be reached.
+    assert main([*args, "--cacert", str(pki.ca_file), "-n", "3", "-q", "--timeout", "10"]) == 1
 
 
 # ----- files that cannot serve -------------------------------------------------------------------
