@@ -515,3 +515,37 @@ def test_workers_serve_mutual_tls_and_every_one_rotates_on_sighup(rotating_pki: 
         still_answers(before, old)
         before.close()
         assert grpc_health(server.grpc_target, credentials(pki, mutual=True)) == "SERVING"
+
+
+# ----- the container's health check ----------------------------------------------------------------
+
+
+def run_healthcheck(server: ServerProcess, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parents[1] / "deploy" / "docker" / "healthcheck.py"
+    child = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"FFN_PORT": str(server.port)} | env
+    return subprocess.run([sys.executable, str(script)], env=child, capture_output=True, text=True, timeout=WAIT_S)
+
+
+def test_the_health_check_speaks_https_to_the_certificate_it_was_given(tls_server: ServerProcess, pki: Pki) -> None:
+    assert run_healthcheck(tls_server, pki.env()).returncode == 0
+    # A server that shows another certificate than the one configured is not this container's server.
+    stranger = make_pki(pki.folder / "stranger")
+    shown = run_healthcheck(tls_server, pki.env() | {"FFN_TLS_CERT_FILE": str(stranger.cert_file)})
+    assert shown.returncode == 1 and "another certificate" in shown.stderr
+    assert run_healthcheck(tls_server, {}).returncode == 1  # cleartext to an HTTPS port: not ready
+
+
+def test_the_health_check_presents_a_client_certificate_under_mutual_tls(mtls_server: ServerProcess, pki: Pki) -> None:
+    # By default the server's own pair, which the test CA signed for client use too.
+    assert run_healthcheck(mtls_server, pki.env(mutual=True)).returncode == 0
+    client = {
+        "HEALTHCHECK_CERT_FILE": str(pki.folder / "client.crt"),
+        "HEALTHCHECK_KEY_FILE": str(pki.folder / "client.key"),
+    }
+    assert run_healthcheck(mtls_server, pki.env(mutual=True) | client).returncode == 0
+    stranger = make_pki(pki.folder / "stranger-client")
+    other = {
+        "HEALTHCHECK_CERT_FILE": str(stranger.folder / "client.crt"),
+        "HEALTHCHECK_KEY_FILE": str(stranger.folder / "client.key"),
+    }
+    assert run_healthcheck(mtls_server, pki.env(mutual=True) | other).returncode == 1
