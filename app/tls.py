@@ -13,8 +13,12 @@ both require a client certificate signed by that CA, refused in the handshake wi
   the old one for new handshakes on both doors; connections already open keep theirs. One that
   fails is refused with one log line, and the old pair stays.
 
-The HTTP door's context is one `ssl.SSLContext` that uvicorn is given and keeps: a new pair is
-loaded into it (`load_cert_chain`), which new handshakes take and open connections do not see.
+The HTTP door: uvicorn is given one `ssl.SSLContext` and keeps it for the process's life. Each
+pair served gets a context of its own, built whole from the files and checked, and the first
+one's SNI callback, which OpenSSL calls early in every handshake (with or without a server name),
+moves the new connection onto the latest (`SSLObject.context`): new handshakes take the new
+certificate, key and client CA (one taken out of the file is no longer trusted), connections
+already open keep the context they shook hands with, and a context is never changed in place.
 The gRPC door asks `current` at each handshake (app/grpc/tls.py). No grpc, no uvicorn here.
 """
 
@@ -148,7 +152,9 @@ class Rotation:
     def __init__(self, files: TlsFiles) -> None:
         """Read and check the files (TlsError, as at start) and build the HTTP door's context."""
         self.files = files
-        self.context = server_context(files)
+        self.context = server_context(files)  # uvicorn's, for the process's life
+        self._served = self.context  # the latest pair's: where the SNI callback sends new handshakes
+        self.context.sni_callback = self._to_the_latest
         self._lock = threading.Lock()  # `current` is read from grpc core's threads
         self._current = read_pair(files, generation=1)
         self._identity = _identities(files)
@@ -164,16 +170,11 @@ class Rotation:
         self._identity = _identities(self.files)
         try:
             pair = read_pair(self.files, generation=self.current.generation + 1)
-            # A context built apart first: the live one is changed only by a pair OpenSSL took whole.
-            server_context(self.files)
-            _load_chain(self.context, self.files)
-            if self.files.client_ca is not None:
-                # OpenSSL adds to a context's trust store and never removes: a CA taken out of the file is
-                # still trusted over HTTPS until a restart (docs/operations.md, "TLS").
-                self.context.load_verify_locations(cafile=str(self.files.client_ca))
-        except (TlsError, ssl.SSLError, OSError) as exc:
+            served = server_context(self.files)
+        except TlsError as exc:
             log.error("TLS: %s: new certificate not served, the old one kept: %s", why, exc)
             return False
+        self._served = served
         with self._lock:
             self._current = pair
         log.info(
@@ -184,6 +185,14 @@ class Rotation:
             _day(pair.not_after),
         )
         return True
+
+    def _to_the_latest(
+        self, connection: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        # OpenSSL's servername callback: a handshake begun on an older context continues on the latest.
+        served = self._served
+        if served is not context:
+            connection.context = served
 
     def start_watching(self) -> None:
         """Check the files' identities every WATCH_INTERVAL_S on the running loop."""

@@ -490,6 +490,39 @@ def test_a_change_of_the_files_rotates_and_a_bad_pair_keeps_the_old(rotating_pki
             assert client.ready()
 
 
+def test_a_new_client_ca_replaces_the_old_one_on_both_doors(rotating_pki: Pki, tmp_path: Path) -> None:
+    pki, other = rotating_pki, make_pki(tmp_path / "other")
+
+    def served_over_https(client: Pki) -> bool:
+        context = client_context(pki)
+        context.load_cert_chain(str(client.client_file))
+        try:
+            return httpx.get(server.url + "/v2/health/ready", verify=context, timeout=WAIT_S).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def served_over_grpc(client: Pki) -> bool:
+        pem = client.client_file.read_bytes()
+        tls = grpc.ssl_channel_credentials(pki.ca_file.read_bytes(), private_key=pem, certificate_chain=pem)
+        try:
+            return grpc_health(server.grpc_target, tls) == "SERVING"
+        except grpc.RpcError:
+            return False
+
+    client_ca = pki.folder / "clients-ca.pem"
+    shutil.copy(pki.ca_file, client_ca)
+    env = pki.env() | {"FFN_TLS_CLIENT_CA_FILE": str(client_ca)}
+    with start_server(env=env, verify=pki.ca_file, cert=pki.client_file) as server:
+        assert served_over_https(pki) and served_over_grpc(pki)
+        assert not served_over_https(other) and not served_over_grpc(other)
+        shutil.copy(other.ca_file, str(client_ca) + ".new")
+        os.replace(str(client_ca) + ".new", client_ca)
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: served_over_https(other) and served_over_grpc(other), "the new CA's clients served")
+        # The CA taken out of the file is trusted no more, on either door.
+        assert not served_over_https(pki) and not served_over_grpc(pki)
+
+
 def test_workers_serve_mutual_tls_and_every_one_rotates_on_sighup(rotating_pki: Pki) -> None:
     pki = rotating_pki
     env = pki.env(mutual=True) | {"FFN_WORKERS": "2"}
