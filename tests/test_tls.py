@@ -39,7 +39,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ffn_client import Client
-from ffn_client.testing import HOST, ServerProcess, start_server
+from ffn_client.testing import HOST, ServerProcess, free_port, start_server
 from tests.reference import assert_close, demo_reference
 
 pytestmark = pytest.mark.server
@@ -110,8 +110,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def tls_server(pki: Pki) -> Iterator[ServerProcess]:
-    with start_server(env=pki.env(), verify=pki.ca_file) as server:
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def tls_server(pki: Pki, metrics_port: int) -> Iterator[ServerProcess]:
+    env = pki.env() | {"FFN_METRICS_PORT": str(metrics_port)}
+    with start_server(env=env, verify=pki.ca_file) as server:
         yield server
 
 
@@ -188,6 +194,13 @@ def test_readiness_answers_over_https_and_cleartext_gets_no_answer(tls_server: S
     # The TLS layer reads the request's bytes as a broken handshake and closes: no HTTP at all, not a redirect.
     assert b"HTTP/" not in cleartext_answer(tls_server.port)
     assert "listening on https://127.0.0.1" in tls_server.logs()
+
+
+def test_the_metrics_port_serves_https_too(tls_server: ServerProcess, pki: Pki, metrics_port: int) -> None:
+    page = httpx.get(f"https://{HOST}:{metrics_port}/metrics", verify=client_context(pki), timeout=WAIT_S)
+    assert page.status_code == 200 and "ffn_requests_total" in page.text
+    assert b"HTTP/" not in cleartext_answer(metrics_port)
+    assert f"metrics on https://127.0.0.1:{metrics_port}/metrics" in tls_server.logs()
 
 
 def test_curl_with_the_ca(tls_server: ServerProcess, pki: Pki) -> None:
@@ -523,11 +536,15 @@ def test_a_new_client_ca_replaces_the_old_one_on_both_doors(rotating_pki: Pki, t
         assert not served_over_https(pki) and not served_over_grpc(pki)
 
 
-def test_workers_serve_mutual_tls_and_every_one_rotates_on_sighup(rotating_pki: Pki) -> None:
+@pytest.mark.parametrize("layout", ["workers", "shared-engine"])
+def test_workers_serve_mutual_tls_and_every_one_rotates_on_sighup(rotating_pki: Pki, layout: str) -> None:
     pki = rotating_pki
     env = pki.env(mutual=True) | {"FFN_WORKERS": "2"}
+    if layout == "shared-engine":  # two fronts (the doors) and one engine process
+        env["FFN_SHARED_ENGINE"] = "true"
     with start_server(env=env, verify=pki.ca_file, cert=pki.client_file) as server:
-        wait_for(lambda: "ready: 2 workers" in server.logs(), "both workers ready")
+        ready = "ready: 2 fronts" if layout == "shared-engine" else "ready: 2 workers"
+        wait_for(lambda: ready in server.logs(), "both fronts ready")
         with pytest.raises(httpx.TransportError):
             httpx.get(server.url + "/v2/health/ready", verify=client_context(pki), timeout=WAIT_S)
         x = rows(2, seed=4)
