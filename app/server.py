@@ -301,8 +301,8 @@ def _prepare(
     if tls is not None:
         from app.grpc.tls import server_credentials
 
-        # uvicorn builds its context in load(): loaded here, its context replaced by the one the
-        # rotation loads each new pair into, so that new handshakes on every HTTP socket take it.
+        # uvicorn builds its context in load(): loaded here, and its context replaced by the rotation's
+        # first, whose SNI callback moves each new handshake on every HTTP socket onto the latest pair's.
         config.load()
         config.ssl = tls.context
         credentials = server_credentials(tls) if settings.grpc else None
