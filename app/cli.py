@@ -7,7 +7,8 @@ loads the models and serves (app/server.py); with more, a supervisor (app/superv
 that many worker processes on the sockets bound here.
 
 Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
-server failed while starting; 2 invalid settings or command line, or an installed uvicorn that
+server failed while starting; 2 invalid settings or command line (a TLS file missing, unreadable,
+expired or not matching its pair among them), or an installed uvicorn that
 lacks what app/http/transport/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
 allowed).
 """
@@ -47,6 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_metrics_dir(settings.metrics_dir)
         except MetricsFolderError as exc:
             print(f"ffn-serve: invalid setting {exc}", file=sys.stderr)
+            return EXIT_BAD_SETTINGS
+    if settings.tls_cert_file is not None:
+        from app.tls import start_problems  # cryptography: only where TLS is on
+
+        tls_problems = start_problems(settings)
+        for problem in tls_problems:
+            print(f"ffn-serve: invalid setting {problem}", file=sys.stderr)
+        if tls_problems:
             return EXIT_BAD_SETTINGS
     tracing_problems = tracing_config.problems(settings.otlp_endpoint, os.environ)
     for problem in tracing_problems:

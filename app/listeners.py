@@ -55,13 +55,22 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
     }
     log.info("settings changed from defaults: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) or "none")
     log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")
-    log.info("listening on %s", _address(listeners.main))
+    tls = settings.tls_cert_file is not None
+    if tls:
+        mutual = "mutual TLS: client certificates signed by " + str(settings.tls_client_ca_file)
+        log.info(
+            "TLS on both doors (%s)", mutual if settings.tls_client_ca_file is not None else "no client certificates"
+        )
+    http = "https" if tls else "http"
+    log.info("listening on %s", _address(listeners.main, http))
     if listeners.grpc is not None:
         log.info(
-            "gRPC (inference.GRPCInferenceService, grpc.health.v1, reflection) on %s", _address(listeners.grpc, "grpc")
+            "gRPC (inference.GRPCInferenceService, grpc.health.v1, reflection) on %s%s",
+            _address(listeners.grpc, "grpc"),
+            " over TLS" if tls else "",
         )
     if listeners.metrics is not None:
-        log.info("metrics on %s/metrics, without the API key", _address(listeners.metrics))
+        log.info("metrics on %s/metrics, without the API key", _address(listeners.metrics, http))
 
 
 def _address(sock: socket.socket, scheme: str = "http") -> str:

@@ -92,6 +92,14 @@ class Relay:
             if worker.index in broadcast.waiting:
                 self._give_up(broadcast_id, broadcast, [worker.index], f"worker {worker.index} exited")
 
+    def tell(self, name: str, args: dict[str, Any]) -> int:
+        """The supervisor's own command, sent to every live worker that takes it, unanswered; how many it reached."""
+        number = self._numbering.next(name, name)
+        targets = [worker for worker in self._workers.values() if worker.conn is not None and self._takes(worker, name)]
+        for worker in targets:
+            _send(worker, (APPLY, None, name, args, name, number))
+        return len(targets)
+
     def next_deadline(self) -> float | None:
         return min((b.deadline for b in self._broadcasts.values()), default=None)
 

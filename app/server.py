@@ -2,7 +2,9 @@
 
 The same code runs the whole service (`workers = 1`) and each of the supervisor's workers.
 SIGHUP reads the config file again and applies its [[models]] (Engine.apply_config_file); with
-workers the supervisor passes it to one of them, whose loads reach them all.
+workers the supervisor passes it to one of them, whose loads reach them all. With TLS, SIGHUP also
+reads the certificate and key again (app/tls.py); with workers the supervisor sends every front the
+control command TLS_RELOAD for that.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from app.control import Control
 from app.descriptors import fit_connection_cap
 from app.engine.facade import ServingEngine
-from app.exits import EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
+from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.grpc.server import GrpcServer
 from app.http.transport.protocol import LimitedHttpToolsProtocol, uvicorn_options
 from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
@@ -34,6 +37,7 @@ from app.main import create_app
 from app.metrics import Metrics
 from app.settings import Settings
 from app.starting import Starting, StartStopped
+from app.tls import TLS_RELOAD, Rotation, TlsError, tls_files
 
 log = logging.getLogger("ffn_serve")
 
@@ -58,9 +62,15 @@ class DrainingServer(uvicorn.Server):
         engine: ServingEngine,
         on_started: Callable[[], None] | None = None,
         grpc_server: GrpcServer | None = None,
+        tls: Rotation | None = None,
+        tls_on_hang_up: bool = True,
     ) -> None:
-        """`grpc_server`: the gRPC door, started once the app has (warm, in a worker) and stopped after the drain."""
+        """`grpc_server`: the gRPC door, started once the app has (warm, in a worker) and stopped after the drain.
+        `tls`: the pair both doors serve, its files watched while serving; `tls_on_hang_up`: SIGHUP reads them
+        again too (a worker's come as TLS_RELOAD from the supervisor instead)."""
         super().__init__(config)
+        self._tls = tls
+        self._tls_on_hang_up = tls_on_hang_up
         self._engine = engine
         self._on_started = on_started
         self._grpc = grpc_server
@@ -89,6 +99,8 @@ class DrainingServer(uvicorn.Server):
         # in a context of its own (the interrupted code's may be a request's, whose id its lines would carry).
         loop = self._serving_loop
         if loop is not None and not self.should_exit:
+            if self._tls is not None and self._tls_on_hang_up:
+                loop.call_soon_threadsafe(self._tls.reload, "SIGHUP", context=contextvars.Context())
             loop.call_soon_threadsafe(self._apply_config_file, context=contextvars.Context())
 
     def _apply_config_file(self) -> None:
@@ -109,6 +121,8 @@ class DrainingServer(uvicorn.Server):
                 self.exit_code = EXIT_CANNOT_BIND
                 self.should_exit = True
                 return
+        if self._tls is not None:
+            self._tls.start_watching()
         if self._on_started is not None:
             self._on_started()
 
@@ -158,6 +172,8 @@ class DrainingServer(uvicorn.Server):
         # same grace as HTTP connections, and new calls are refused.
         if self._grpc is not None:
             await self._grpc.stop(0 if self.force_exit else CONNECTION_CLOSE_GRACE_S)
+        if self._tls is not None:
+            await self._tls.stop_watching()
         await super().shutdown(sockets)
 
     def _protocol_class(self) -> type[LimitedHttpToolsProtocol]:
@@ -228,6 +244,13 @@ def _prepare(
     """The models loaded and the server built around them, ready to run; or the exit code of a failed start."""
     # Until the server runs (and reads the config file again on SIGHUP), a SIGHUP must not end the start.
     signal.signal(signal.SIGHUP, _hang_up_unless_serving)
+    files = tls_files(settings)
+    try:
+        # Checked at start by the command (app/cli.py); read here again, in each worker, as they are now.
+        tls = Rotation(files) if files is not None else None
+    except TlsError as exc:
+        log.error("%s", exc)
+        return EXIT_BAD_SETTINGS
     registry = None
     if not engine_sockets:
         # torch and the models: only in a process that computes (a front of an engine process never imports them).
@@ -274,8 +297,20 @@ def _prepare(
         **uvicorn_options(settings),
     )
     state = app.state.service
-    grpc_server = GrpcServer(state, settings.host, settings.grpc_port) if settings.grpc else None
-    server = DrainingServer(config, state.engine, on_started=on_ready, grpc_server=grpc_server)
+    credentials = None
+    if tls is not None:
+        from app.grpc.tls import server_credentials
+
+        # uvicorn builds its context in load(): loaded here, and its context replaced by the rotation's
+        # first, whose SNI callback moves each new handshake on every HTTP socket onto the latest pair's.
+        config.load()
+        config.ssl = tls.context
+        credentials = server_credentials(tls) if settings.grpc else None
+        state.control.register(TLS_RELOAD, _reload_command(tls))
+    grpc_server = GrpcServer(state, settings.host, settings.grpc_port, credentials) if settings.grpc else None
+    server = DrainingServer(
+        config, state.engine, on_started=on_ready, grpc_server=grpc_server, tls=tls, tls_on_hang_up=control is None
+    )
     # Everything loaded so far (torch, the app, the weights: some 200,000 objects) lives as long
     # as the process. Frozen, the garbage collector's full passes skip it: unfrozen, each one
     # paused the event loop for over 100 ms every second or two under load (docs/benchmarks.md).
@@ -298,6 +333,15 @@ def set_switch_interval(microseconds: int) -> None:
     interval: with the model thread idle, nothing changes.
     """
     sys.setswitchinterval(microseconds / 1e6)
+
+
+def _reload_command(tls: Rotation) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """TLS_RELOAD's handler: the files read again in this process; whether the new pair is served."""
+
+    async def reload(args: dict[str, Any]) -> dict[str, Any]:
+        return {"served": tls.reload(str(args.get("why", "SIGHUP")))}
+
+    return reload
 
 
 def _hang_up_unless_serving(sig: int, frame: FrameType | None) -> None:

@@ -290,6 +290,21 @@ class Settings(BaseSettings):
         description="If set, every route but the probes (health, model readiness) needs Bearer auth; "
         "visible ASCII, no spaces, at most half of max_header_bytes.",
     )
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description="TLS: the server's certificate (PEM, the chain after it). With tls_key_file, the HTTP port (and "
+        "the metrics port) serves HTTPS only and the gRPC port TLS only, TLS 1.2 at the least. Checked at start; "
+        "read again on SIGHUP or when the file changes.",
+    )
+    tls_key_file: Path | None = Field(
+        default=None,
+        description="TLS: the private key of tls_cert_file (PEM, unencrypted); set both or neither.",
+    )
+    tls_client_ca_file: Path | None = Field(
+        default=None,
+        description="Mutual TLS: every client (HTTP, gRPC and metrics) must present a certificate signed by a CA in "
+        "this PEM file; one without is refused in the handshake. Needs tls_cert_file and tls_key_file.",
+    )
     cors_origins: list[str] = Field(default_factory=list, description="Origins allowed by CORS; none by default.")
     torch_threads: int = Field(
         default=0,
@@ -393,6 +408,18 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"grpc_port must differ from port and metrics_port (it is {self.grpc_port}): {GRPC_PORT_FIX}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> Settings:
+        # One of the pair alone would serve cleartext without a word; a client CA without a certificate too.
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file") if self.tls_key_file is None else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(f"{given} is set but {missing} is not: set both to serve TLS, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file: mutual TLS is TLS first")
         return self
 
     @field_validator("model_repository")

@@ -26,7 +26,7 @@ Each worker loads its models, warms up, and only then accepts connections, telli
   workers then exit at once).
 - SIGHUP goes to one ready worker, which reads the config file again and loads, reloads or
   unloads what changed in every worker (app/control.py carries it); the workers started later
-  replay those loads.
+  replay those loads. With TLS, every front is also told to read the certificate and key again.
 - If the parent dies, each worker sees its pipe close and drains and exits by itself.
 - Metrics: the workers write theirs in one folder (prometheus_client's multiprocess mode): a fresh
   one removed at exit, or `metrics_dir` (app/metrics_folder.py); a dead worker's gauges are
@@ -65,6 +65,7 @@ from app.metrics_folder import metrics_folder
 from app.relay import Relay
 from app.settings import Settings
 from app.starting import Starting, StartStopped
+from app.tls import TLS_RELOAD
 
 log = logging.getLogger("ffn_serve.supervisor")
 
@@ -408,6 +409,10 @@ class Supervisor:
         """SIGHUP: one worker applies the config file for all (its loads are broadcast to every worker)."""
         if self._stop_deadline is not None:
             return
+        if self.settings.tls_cert_file is not None:
+            # Every front serves TLS from the same files, so every one reads them again (app/server.py's TLS_RELOAD).
+            reached = self._relay.tell(TLS_RELOAD, {"why": "SIGHUP"})
+            log.info("received SIGHUP: %d front(s) read the TLS certificate and key again", reached)
         # One process applies the config file for all: its loads are broadcast to every worker, or, with
         # a shared engine, to every engine process.
         candidates = self._engines or self._slots

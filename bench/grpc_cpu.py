@@ -3,6 +3,7 @@
     python3 -m bench.grpc_cpu                                     # this checkout
     git worktree add /tmp/before <commit>
     python3 -m bench.grpc_cpu --against /tmp/before --repeat 4    # alternating rounds, old and new
+    python3 -m bench.grpc_cpu --tls --repeat 4                     # and this checkout over TLS (this+tls)
 
 The gRPC twin of bench/cpu.py: the server pinned to core 0 with one torch thread (the built-in
 demo model), this process sending prebuilt ModelInferRequests (raw_input_contents, one row, as
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from bench.gpu.service import tree_cpu_seconds
+from bench.gpu.service import BenchTls, tree_cpu_seconds
 from bench.serve import pinned, server_env
 from ffn_client.testing import ServerProcess, start_server
 
@@ -34,13 +36,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 D_MODEL = 512  # the demo model's
 
 
-async def _measure(server: ServerProcess, calls: int, clients: int, rows: int) -> tuple[float, float, float]:
-    """(server CPU µs per call, p50 ms, calls/s) over `calls` calls from `clients` concurrent callers."""
+async def _measure(
+    server: ServerProcess, calls: int, clients: int, rows: int, tls: BenchTls | None = None
+) -> tuple[float, float, float]:
+    """(server CPU µs per call, p50 ms, calls/s) over `calls` calls from `clients` concurrent callers; over
+    TLS on one channel (one handshake) when `tls` is given."""
     x = np.random.default_rng(0).standard_normal((rows, D_MODEL)).astype(np.float32)
     request = pb.ModelInferRequest(model_name="demo", raw_input_contents=[x.tobytes()])
     request.inputs.add(name="input", datatype="FP32", shape=[rows, D_MODEL])
     latencies: list[float] = []
-    async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+    channel = (
+        grpc.aio.secure_channel(server.grpc_target, grpc.ssl_channel_credentials(tls.ca.read_bytes()))
+        if tls is not None
+        else grpc.aio.insecure_channel(server.grpc_target)
+    )
+    async with channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(200):
             await stub.ModelInfer(request)
@@ -58,10 +68,13 @@ async def _measure(server: ServerProcess, calls: int, clients: int, rows: int) -
     return cpu / done * 1e6, statistics.median(latencies) * 1e3, done / elapsed
 
 
-def measure(checkout: Path, calls: int, clients: int, rows: int) -> tuple[float, float, float]:
-    env = {**server_env(max_wait_ms=0, max_batch_rows=1024), "FFN_WARMUP": "1"}
-    with start_server(env=env, cwd=checkout, prefix=pinned(0)) as server:
-        return asyncio.run(_measure(server, calls, clients, rows))
+def measure(
+    checkout: Path, calls: int, clients: int, rows: int, tls: BenchTls | None = None
+) -> tuple[float, float, float]:
+    env = {**server_env(max_wait_ms=0, max_batch_rows=1024), "FFN_WARMUP": "1", **(tls.env() if tls else {})}
+    verify = None if tls is None else tls.ca
+    with start_server(env=env, cwd=checkout, prefix=pinned(0), verify=verify) as server:
+        return asyncio.run(_measure(server, calls, clients, rows, tls))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000, help="measured calls per cell")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16], help="concurrent callers, one cell each")
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--tls", action="store_true", help="also this checkout over TLS (this+tls), in each round")
     args = parser.parse_args(argv)
     checkouts = {"this": REPO_ROOT, **({"other": args.against.resolve()} if args.against else {})}
+    if args.tls:
+        checkouts["this+tls"] = REPO_ROOT
     found: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
-    for round_ in range(args.repeat):
-        for name, checkout in checkouts.items():
-            for clients in args.clients:
-                cell = measure(checkout, args.calls, clients, args.rows)
-                found.setdefault((name, clients), []).append(cell)
-                print(
-                    f"round {round_ + 1}: {name} C={clients}: {cell[0]:,.0f} us/call, p50 {cell[1]:.2f} ms", flush=True
-                )
+    with tempfile.TemporaryDirectory() as folder:
+        tls = BenchTls.made_in(Path(folder)) if args.tls else None
+        for round_ in range(args.repeat):
+            for name, checkout in checkouts.items():
+                for clients in args.clients:
+                    cell = measure(checkout, args.calls, clients, args.rows, tls if name.endswith("+tls") else None)
+                    found.setdefault((name, clients), []).append(cell)
+                    print(
+                        f"round {round_ + 1}: {name} C={clients}: {cell[0]:,.0f} us/call, p50 {cell[1]:.2f} ms",
+                        flush=True,
+                    )
     print()
     print("| checkout | C | server CPU µs/call, median | least | p50 ms | calls/s |")
     print("|---|---|---|---|---|---|")

@@ -6,6 +6,7 @@
     python -m bench.transport --against ../before    # another checkout's service in the same run
     python -m bench.transport --shared-engine        # also one front and one engine process (issue 30)
                                                      # (with --against, the other checkout's too)
+    python -m bench.transport --tls                  # also the echo and each model over HTTPS (issue 42)
 
 In front of a GPU the FFN costs microseconds, so what limits the service there is everything
 around the model. That is measured here on the CPU: ffn-serve with a near-free model (d_model
@@ -63,6 +64,7 @@ class Server:
     model: str | None = None  # a MODELS key for ffn-serve
     checkout: Path = REPO_ROOT
     shared_engine: bool = False  # one front and one engine process (FFN_SHARED_ENGINE) instead of one process
+    tls: bool = False  # HTTPS (a certificate the run makes); its column ends in "+tls", compared with "echo+tls"
 
 
 @dataclass
@@ -107,6 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="each model also as one front and one engine process (MODEL+engine), in turn with the single process",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also the echo and each model over HTTPS (MODEL+tls, echo+tls), each +tls row compared with echo+tls",
+    )
     p.add_argument("--profile", action="store_true", help="py-spy: the near-free model's CPU by stage")
     p.add_argument(
         "--profile-cells",
@@ -128,11 +135,14 @@ def cores(spec: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def running(server: Server, configs: dict[str, Path], server_cores: list[int]) -> Iterator[ServerProcess]:
-    """The server started, pinned to the server cores, and ready; stopped after the block."""
+def running(
+    server: Server, configs: dict[str, Path], server_cores: list[int], tls: service.BenchTls | None = None
+) -> Iterator[ServerProcess]:
+    """The server started, pinned to the server cores, and ready; stopped after the block. `tls`: for a +tls server."""
     prefix = pinned(",".join(map(str, server_cores)))
-    if server.name == "echo":
-        with service.serving("echo", 1, server_cores, configs["near-free"], 1) as process:
+    served_tls = tls if server.tls else None
+    if server.name in ("echo", "echo+tls"):
+        with service.serving("echo", 1, server_cores, configs["near-free"], 1, served_tls) as process:
             yield process
     elif server.name == "echo+protocol":
         command = [sys.executable, "-m", "bench.protocol_echo"]
@@ -143,8 +153,15 @@ def running(server: Server, configs: dict[str, Path], server_cores: list[int]) -
         env = server_env(max_wait_ms=0.0, max_batch_rows=1024) | {"FFN_LOG_LEVEL": "warning"}
         if server.shared_engine:  # the supervisor, one front and the engine, all on the server cores
             env |= {"FFN_SHARED_ENGINE": "true"}
+        if served_tls is not None:
+            env |= served_tls.env()
         with start_server(
-            env, configs[server.model], prefix=prefix, cwd=server.checkout, ready_timeout=300.0
+            env,
+            configs[server.model],
+            prefix=prefix,
+            cwd=server.checkout,
+            ready_timeout=300.0,
+            verify=None if served_tls is None else served_tls.ca,
         ) as process:
             yield process
 
@@ -155,10 +172,11 @@ def measure(
     """Every server at every cell, `args.repeat` rounds, the servers in turn within a round."""
     server_cores, client_cores = cores(args.server_cpus), cores(args.client_cpus)
     found: dict[tuple[str, int, int], list[service.ServiceCell]] = {}
+    tls = service.BenchTls.made_in(folder) if any(server.tls for server in servers) else None
     for round_ in range(args.repeat):
         for server in servers:
             kind = "ffn" if server.model else "echo"
-            with running(server, configs, server_cores) as process:
+            with running(server, configs, server_cores, tls) as process:
                 for rows in args.rows:
                     for concurrency in args.concurrency:
                         cell = service.measure_cell(
@@ -172,6 +190,7 @@ def measure(
                             folder,
                             client_cores,
                             args.generator,
+                            tls.ca if tls is not None and server.tls else None,
                         )
                         found.setdefault((server.name, rows, concurrency), []).append(cell)
                         print(
@@ -234,8 +253,9 @@ def summarise(
 
 
 def table(cells: list[Cell], servers: list[Server]) -> str:
-    """One row per (r, C) and server, with the ratios against the plain echo in the same row."""
-    echo = {(c.rows, c.concurrency): c for c in cells if c.server == "echo"}
+    """One row per (r, C) and server, with the ratios against the echo in the same row: the plain echo,
+    or for a +tls server the echo over HTTPS."""
+    echoes = {(c.server, c.rows, c.concurrency): c for c in cells if c.server in ("echo", "echo+tls")}
     lines = [
         "| r | C | server | rows/s | MB/s | of echo | p50 ms | p50 − echo | p99 ms | CPU ms/req | × echo "
         "| rows/batch | model ms/req |",
@@ -243,7 +263,7 @@ def table(cells: list[Cell], servers: list[Server]) -> str:
     ]
     order = {s.name: i for i, s in enumerate(servers)}
     for c in sorted(cells, key=lambda c: (c.rows, c.concurrency, order[c.server])):
-        e = echo.get((c.rows, c.concurrency))
+        e = echoes.get(("echo+tls" if c.server.endswith("+tls") else "echo", c.rows, c.concurrency))
         ratio = f"{c.bytes_per_s / e.bytes_per_s:.0%}" if e and e.bytes_per_s else "-"
         extra = f"{c.p50_ms - e.p50_ms:+.2f}" if e else "-"
         times = f"{c.cpu_ms_per_request / e.cpu_ms_per_request:.1f}" if e and e.cpu_ms_per_request else "-"
@@ -306,6 +326,25 @@ def goals(cells: list[Cell], server: str = "near-free") -> list[Goal]:
                 )
             )
     return found
+
+
+def tls_cost(cells: list[Cell]) -> list[str]:
+    """What HTTPS adds per request, in server CPU and p50, to the echo and to each model, at each (r, C)."""
+    by = {(c.server, c.rows, c.concurrency): c for c in cells}
+    lines = [
+        "| r | C | server | CPU ms/req, HTTP | HTTPS | TLS adds | p50 ms, HTTP | HTTPS | rows/s, HTTPS of HTTP |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in sorted((c for c in cells if c.server.endswith("+tls")), key=lambda c: (c.rows, c.concurrency, c.server)):
+        plain = by.get((c.server.removesuffix("+tls"), c.rows, c.concurrency))
+        if plain is None:
+            continue
+        lines.append(
+            f"| {c.rows} | {c.concurrency} | {plain.server} | {plain.cpu_ms_per_request:.3f} "
+            f"| {c.cpu_ms_per_request:.3f} | {c.cpu_ms_per_request - plain.cpu_ms_per_request:+.3f} "
+            f"| {plain.p50_ms:.2f} | {c.p50_ms:.2f} | {c.rows_per_s / plain.rows_per_s:.0%} |"
+        )
+    return lines
 
 
 def prediction(cells: list[Cell], server: str = "near-free") -> list[str]:
@@ -402,10 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     load_average = os.getloadavg()[0]
     models = {}
     servers = [Server("echo"), Server("echo+protocol")]
+    if args.tls:
+        servers.append(Server("echo+tls", tls=True))
     for name in args.models:
         torch.manual_seed(0)
         models[name] = build_ffn(FFNConfig(D_MODEL, MODELS[name], "gelu")).requires_grad_(False)
         servers.append(Server(name, name))
+        if args.tls:
+            servers.append(Server(f"{name}+tls", name, tls=True))
         if args.shared_engine:
             servers.append(Server(f"{name}+engine", name, shared_engine=True))
         if args.against:
@@ -444,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {g.goal} | {g.measured} | {'-' if g.met is None else 'met' if g.met else 'missed'} |")
         print()
         print("\n".join(prediction(cells)))
+    if args.tls:
+        print()
+        print("\n".join(tls_cost(cells)))
     if profiled:
         print()
         print(profile_table(profiled))

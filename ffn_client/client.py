@@ -5,6 +5,8 @@
         y = client.transform("demo", x, encoding="v2-json", dtype="bfloat16")
         r = client.monte_carlo("demo", x, passes=32, seed=7, dropout=0.1)  # r.mean, r.std
 
+    with Client("https://host:8000", verify="ca.pem", cert=("client.pem", "client.key")) as client: ...
+
 Every route of the HTTP API has a method (docs/client.md lists them); the two clients build the
 same requests (`ffn_client.encodings`, `ffn_client.montecarlo`, `ffn_client.calls`) and differ
 only in how they send them. Server errors raise the typed exceptions of `ffn_client.errors`; a
@@ -15,9 +17,11 @@ only in how they send them. Server errors raise the typed exceptions of `ffn_cli
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -36,6 +40,7 @@ from ffn_client.calls import (
 from ffn_client.encodings import EncodedRequest, decode_response, encode_request
 from ffn_client.errors import FFNError, Overloaded, Timeout, TransportError, error_from_response
 from ffn_client.montecarlo import MonteCarloResult, decode_mc_response, encode_mc_request
+from ffn_client.tls import CertFiles, client_context
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -64,7 +69,11 @@ class _Base:
         max_retry_wait: float = 10.0,
         retry_backoff: float = 0.1,
         max_connections: int = 16,
+        verify: str | Path | ssl.SSLContext | bool = True,
+        cert: CertFiles | None = None,
     ) -> None:
+        """`verify`, `cert`: for an https URL, the CA to trust and the client certificate (mutual TLS), as httpx's
+        (`ffn_client.tls`)."""
         if max_retries < 0 or max_retry_wait < 0 or retry_backoff < 0:
             raise ValueError("max_retries, max_retry_wait and retry_backoff must be >= 0")
         self.url = url.rstrip("/")
@@ -77,6 +86,7 @@ class _Base:
             "limits": httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             # Identity, not httpx's default gzip and deflate: float tensors barely compress (raw float32
             # about 8 %), and compressing costs the server several times the answer's encoding.
+            "verify": client_context(verify, cert),
             "headers": {**({"Authorization": f"Bearer {api_key}"} if api_key else {}), "Accept-Encoding": "identity"},
         }
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -25,6 +26,9 @@ from tritonclient.grpc import service_pb2 as pb
 from ffn_client.encodings import V2_DATATYPES, V2_INPUT, float32_to_bf16
 from ffn_client.report import CONNECT_ERROR, TIMEOUT, TRANSPORT_ERROR
 from ffn_client.senders import note_failure
+
+if TYPE_CHECKING:  # load.py imports this module when a run is over gRPC
+    from ffn_client.load import LoadConfig
 
 SERVICE = "/inference.GRPCInferenceService/"
 ERROR_TYPE_KEY = "ffn-error-type"
@@ -62,8 +66,18 @@ HTTP_STATUS_OF_CODE = {
 
 
 def target_of(url: str) -> str:
-    """host:port of a grpc://host:port URL (or of a bare host:port)."""
-    return url.removeprefix("grpc://").rstrip("/")
+    """host:port of a grpc://host:port or grpcs://host:port URL (or of a bare host:port)."""
+    return url.removeprefix("grpc://").removeprefix("grpcs://").rstrip("/")
+
+
+def channel_tls(config: LoadConfig) -> grpc.ChannelCredentials:
+    """TLS credentials from the load's CA (None: grpc's own roots) and client certificate and key, read once."""
+    root = Path(config.cacert).read_bytes() if config.cacert else None
+    if config.cert is None:
+        return grpc.ssl_channel_credentials(root_certificates=root)
+    chain = Path(config.cert).read_bytes()
+    key = Path(config.key).read_bytes() if config.key else chain  # one PEM file may hold both, as curl's --cert
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=chain)
 
 
 def infer_request(model: str, array: np.ndarray, dtype: str, timeout_ms: float | None) -> bytes:
@@ -83,15 +97,19 @@ def metadata_of(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def _channel(target: str) -> grpc.aio.Channel:
+def _channel(target: str, tls: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
     # Answers of any size (as tritonclient), and a connection of its own (not one shared by channels).
     options = [("grpc.max_receive_message_length", 2**31 - 1), ("grpc.use_local_subchannel_pool", 1)]
+    if tls is not None:
+        return grpc.aio.secure_channel(target, tls, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 
 
-async def discover_d_model(target: str, model: str, api_key: str | None, timeout: float) -> int:
+async def discover_d_model(
+    target: str, model: str, api_key: str | None, timeout: float, tls: grpc.ChannelCredentials | None = None
+) -> int:
     """The model's d_model from its gRPC ModelMetadata; LookupError or ConnectionError saying what went wrong."""
-    async with _channel(target) as channel:
+    async with _channel(target, tls) as channel:
         call = channel.unary_unary(
             SERVICE + "ModelMetadata",
             request_serializer=pb.ModelMetadataRequest.SerializeToString,
@@ -128,8 +146,8 @@ def _status(error: grpc.aio.AioRpcError, causes: dict[int, str]) -> int:
 class _Channels:
     """Enough channels for `calls` concurrent calls, `CALLS_PER_CHANNEL` each, used in turn."""
 
-    def __init__(self, target: str, calls: int) -> None:
-        self.channels = [_channel(target) for _ in range(max(1, math.ceil(calls / CALLS_PER_CHANNEL)))]
+    def __init__(self, target: str, calls: int, tls: grpc.ChannelCredentials | None) -> None:
+        self.channels = [_channel(target, tls) for _ in range(max(1, math.ceil(calls / CALLS_PER_CHANNEL)))]
         self._next = 0
 
     def next(self) -> grpc.aio.Channel:
@@ -141,10 +159,17 @@ class _Channels:
 
 
 class GrpcSender:
-    """Unary ModelInfer calls; a prepared request is its serialized bytes."""
+    """Unary ModelInfer calls; a prepared request is its serialized bytes. `tls`: credentials, else cleartext."""
 
-    def __init__(self, url: str, connections: int, timeout: float, api_key: str | None) -> None:
-        self._channels = _Channels(target_of(url), connections)
+    def __init__(
+        self,
+        url: str,
+        connections: int,
+        timeout: float,
+        api_key: str | None,
+        tls: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._channels = _Channels(target_of(url), connections, tls)
         self._calls = [channel.unary_unary(SERVICE + "ModelInfer") for channel in self._channels.channels]
         self._turn = 0
         self._timeout = timeout
@@ -187,8 +212,15 @@ class _StreamAnswer:
 class GrpcStreamSender:
     """ModelStreamInfer: each request on a stream with nothing else outstanding, at most `connections` streams."""
 
-    def __init__(self, url: str, connections: int, timeout: float, api_key: str | None) -> None:
-        self._channels = _Channels(target_of(url), connections)
+    def __init__(
+        self,
+        url: str,
+        connections: int,
+        timeout: float,
+        api_key: str | None,
+        tls: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self._channels = _Channels(target_of(url), connections, tls)
         self._metadata = metadata_of(api_key)
         self._idle: list[_Stream] = []
         self._streams: list[_Stream] = []

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -40,6 +41,7 @@ from ffn_client.report import (
 )
 from ffn_client.senders import ENGINES, Sender, note_failure
 from ffn_client.server_metrics import MetricsWindow
+from ffn_client.tls import client_context
 
 DEFAULT_DURATION_S = 10.0
 DEFAULT_OPEN_LOOP_CONNECTIONS = 64
@@ -73,6 +75,12 @@ class LoadConfig:
     # http: `encoding` over HTTP; grpc: unary ModelInfer calls; grpc-stream: ModelStreamInfer
     # (grpc_load.py). Over gRPC, `url` is grpc://host:port and tensors go as raw_input_contents.
     protocol: str = "http"
+    # TLS: the CA that signed the server's certificate (None: the system's), and a client certificate and
+    # its key for mutual TLS (`cert` may hold both). Over HTTP an https URL; over gRPC, grpcs://host:port,
+    # or grpc:// with any of these.
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
 
     def __post_init__(self) -> None:
         if self.duration is None and self.requests is None:
@@ -82,8 +90,8 @@ class LoadConfig:
         if self.protocol not in PROTOCOLS:
             problems.append(f"protocol must be one of {', '.join(PROTOCOLS)}")
         elif self.over_grpc:
-            if parts.scheme != "grpc" or not parts.hostname or not parts.port or parts.path.strip("/"):
-                problems.append(f"url must be grpc://host:port over gRPC, got {self.url!r}")
+            if parts.scheme not in ("grpc", "grpcs") or not parts.hostname or not parts.port or parts.path.strip("/"):
+                problems.append(f"url must be grpc://host:port (grpcs:// for TLS) over gRPC, got {self.url!r}")
             if self.dtype not in DTYPES:
                 problems.append(f"dtype must be one of {', '.join(DTYPES)}")
         elif parts.scheme not in ("http", "https") or not parts.hostname:
@@ -96,6 +104,10 @@ class LoadConfig:
             problems.append(
                 f"encoding {self.encoding} carries {', '.join(SUPPORTED_DTYPES[self.encoding])}, not {self.dtype}"
             )
+        if self.key is not None and self.cert is None:
+            problems.append("key needs cert: the client certificate it belongs to")
+        if not self.over_grpc and parts.scheme == "http" and (self.cacert or self.cert):
+            problems.append(f"cacert and cert are for TLS: use an https URL, not {self.url!r}")
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}")
         if self.concurrency < 1:
@@ -118,6 +130,18 @@ class LoadConfig:
         return self.protocol in GRPC_PROTOCOLS
 
     @property
+    def tls(self) -> bool:
+        """Whether the requests go over TLS."""
+        if self.over_grpc:
+            return urlsplit(self.url).scheme == "grpcs" or self.cacert is not None or self.cert is not None
+        return urlsplit(self.url).scheme == "https"
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """httpx's `verify` for these settings: the CA and client certificate as one context, or True."""
+        cert = None if self.cert is None else self.cert if self.key is None else (self.cert, self.key)
+        return client_context(self.cacert or True, cert)
+
+    @property
     def metrics_page(self) -> str | None:
         """The /metrics URL to read, or None when the server breakdown is off.
 
@@ -125,7 +149,8 @@ class LoadConfig:
         """
         if self.metrics_url is None:
             if self.over_grpc:
-                return f"http://{urlsplit(self.url).hostname}:{DEFAULT_HTTP_PORT}/metrics"
+                scheme = "https" if self.tls else "http"  # the server's two doors serve TLS alike
+                return f"{scheme}://{urlsplit(self.url).hostname}:{DEFAULT_HTTP_PORT}/metrics"
             return self.url.rstrip("/") + "/metrics"
         return self.metrics_url or None
 
@@ -296,14 +321,14 @@ def _grpc() -> Any:
     return grpc_load
 
 
-def _sender(config: LoadConfig, headers: dict[str, str]) -> Sender[Any]:
-    if config.protocol == "grpc":
-        sender: Sender[Any] = _grpc().GrpcSender(config.url, config.concurrency, config.timeout, config.api_key)
+def _sender(config: LoadConfig, headers: dict[str, str], verify: ssl.SSLContext | bool) -> Sender[Any]:
+    if config.over_grpc:
+        grpc_load = _grpc()
+        tls = grpc_load.channel_tls(config) if config.tls else None
+        kind = grpc_load.GrpcSender if config.protocol == "grpc" else grpc_load.GrpcStreamSender
+        sender: Sender[Any] = kind(config.url, config.concurrency, config.timeout, config.api_key, tls)
         return sender
-    if config.protocol == "grpc-stream":
-        sender = _grpc().GrpcStreamSender(config.url, config.concurrency, config.timeout, config.api_key)
-        return sender
-    return ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers)
+    return ENGINES[config.engine](config.url, config.concurrency, config.timeout, headers, verify)
 
 
 async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | None = None) -> Report:
@@ -314,16 +339,23 @@ async def run_load(config: LoadConfig, progress: Callable[[Progress], None] | No
         "Accept-Encoding": "identity",
     }
     base = config.metrics_page or "" if config.over_grpc else config.url
-    async with httpx.AsyncClient(base_url=base, timeout=config.timeout, headers=headers, trust_env=False) as http:
+    verify = config.ssl_context()
+    async with httpx.AsyncClient(
+        base_url=base, timeout=config.timeout, headers=headers, trust_env=False, verify=verify
+    ) as http:
         if config.d_model is not None:
             d_model = config.d_model
         elif config.over_grpc:
             d_model = await _grpc().discover_d_model(
-                _grpc().target_of(config.url), config.model, config.api_key, config.timeout
+                _grpc().target_of(config.url),
+                config.model,
+                config.api_key,
+                config.timeout,
+                _grpc().channel_tls(config) if config.tls else None,
             )
         else:
             d_model = await discover_d_model(http, config.model)
-        sender = _sender(config, headers)
+        sender = _sender(config, headers, verify)
         payloads = [
             (sender.prepare(path, body, extra), rows) for path, body, extra, rows in make_payloads(config, d_model)
         ]

@@ -110,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--api-key", default=os.environ.get("FFN_API_KEY"), help="Bearer key (default $FFN_API_KEY)")
     target.add_argument("--d-model", type=int, help="skip asking the server for the model's d_model")
     target.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="TLS: the CA (PEM) that signed the server's certificate (default: the system's); over gRPC it turns "
+        "TLS on, as a grpcs:// URL does",
+    )
+    target.add_argument(
+        "--cert", metavar="FILE", help="mutual TLS: the client certificate (PEM; it may hold the key too, as curl's)"
+    )
+    target.add_argument("--key", metavar="FILE", help="mutual TLS: the client certificate's key (PEM)")
+    target.add_argument(
         "--metrics-url", help="Prometheus page for the server breakdown (default URL/metrics; '' = none)"
     )
     load = parser.add_argument_group("load (one run)")
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             engine=args.engine,
             metrics_url=args.metrics_url,
+            cacert=args.cacert,
+            cert=args.cert,
+            key=args.key,
         )
     except ValueError as exc:
         return _problem(str(exc), EXIT_USAGE)

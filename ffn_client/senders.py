@@ -42,9 +42,12 @@ class Sender(Protocol[RequestT]):
 class HttpxSender:
     """One httpx.AsyncClient whose pool holds `connections`; a prepared request is an httpx.Request."""
 
-    def __init__(self, url: str, connections: int, timeout: float, headers: dict[str, str]) -> None:
+    def __init__(
+        self, url: str, connections: int, timeout: float, headers: dict[str, str], verify: ssl.SSLContext | bool = True
+    ) -> None:
+        """`verify`: for an https URL, the context (CA, client certificate) from ffn_client.tls."""
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=headers)
+        self._http = httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout, headers=headers, verify=verify)
         self._timeout = timeout
         self.causes: dict[int, str] = {}
 
@@ -75,13 +78,23 @@ class HttpxSender:
 class RawSender:
     """Keep-alive HTTP/1.1 over asyncio streams, at most `connections` in use; a prepared request is bytes."""
 
-    def __init__(self, url: str, connections: int, timeout: float, headers: dict[str, str]) -> None:
+    def __init__(
+        self, url: str, connections: int, timeout: float, headers: dict[str, str], verify: ssl.SSLContext | bool = True
+    ) -> None:
+        """`verify`: for an https URL, the context (CA, client certificate) from ffn_client.tls; True, the system's CAs."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"URL must be http(s)://host[:port][/prefix], got {url!r}")
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
-        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        if parts.scheme != "https":
+            self._ssl: ssl.SSLContext | None = None
+        elif isinstance(verify, ssl.SSLContext):
+            self._ssl = verify
+        elif verify:
+            self._ssl = ssl.create_default_context()
+        else:
+            raise ValueError("an https URL is verified: give a CA (--cacert) rather than turning verification off")
         self._prefix = parts.path.rstrip("/")
         self._authority = parts.netloc.rsplit("@", 1)[-1]
         self._headers = headers
@@ -160,4 +173,7 @@ def note_failure(causes: dict[int, str], status: int, cause: BaseException | str
 
 
 # Each engine is built as engine(url, connections, timeout, headers).
-ENGINES: dict[str, Callable[[str, int, float, dict[str, str]], Sender[Any]]] = {"raw": RawSender, "httpx": HttpxSender}
+ENGINES: dict[str, Callable[[str, int, float, dict[str, str], ssl.SSLContext | bool], Sender[Any]]] = {
+    "raw": RawSender,
+    "httpx": HttpxSender,
+}

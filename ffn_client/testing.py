@@ -32,6 +32,7 @@ import httpx
 
 from ffn_client.client import Client
 from ffn_client.http1 import Response, build_request, read_response
+from ffn_client.tls import CertFiles
 
 HOST = "127.0.0.1"
 SERVE_COMMAND = (sys.executable, "-m", "app.cli")
@@ -206,10 +207,11 @@ class ServerProcess:
     log_path: Path
     returncode: int | None = field(default=None)  # set once it has exited and been waited for
     grpc_port: int | None = field(default=None)  # None: started with gRPC turned off
+    scheme: str = field(default="http")  # https: started with TLS (start_server's `verify`)
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{self.scheme}://{HOST}:{self.port}"
 
     @property
     def grpc_target(self) -> str:
@@ -283,6 +285,8 @@ def start_server(
     command: Sequence[str] = SERVE_COMMAND,
     cwd: str | Path | None = None,
     ready_timeout: float = 90.0,
+    verify: str | Path | None = None,
+    cert: CertFiles | None = None,
 ) -> ServerProcess:
     """Start `*prefix *command --host 127.0.0.1 --port <free> [--config F] *args` and return once ready.
 
@@ -292,7 +296,9 @@ def start_server(
     unless given; FFN_GRPC_PORT a free port unless given). prefix: a wrapper such as `taskset -c 0`. command: another way to run the
     server, such as the installed `ffn-serve` script. Ready is GET /v2/health/ready answering
     200; a server that exits first, or is not ready within `ready_timeout` seconds of its CPU time
-    (its worker processes' included; see StartPatience), raises ServerFailed.
+    (its worker processes' included; see StartPatience), raises ServerFailed. verify: a server
+    started with TLS (its FFN_TLS_* in `env`): the CA its readiness is asked over HTTPS with, and
+    `cert` the client certificate where it requires one; `url` is then https.
     """
     # A free gRPC port too: two servers on the default 8001 would refuse to start.
     port, free_grpc_port = free_ports(2)
@@ -308,9 +314,11 @@ def start_server(
     log_fd, log_name = tempfile.mkstemp(prefix=f"ffn-serve-{port}-", suffix=".log")
     os.close(log_fd)
     proc = _launcher(argv, child_env, cwd, Path(log_name))
-    server = ServerProcess(proc, port, Path(log_name), grpc_port=grpc_port)
+    server = ServerProcess(
+        proc, port, Path(log_name), grpc_port=grpc_port, scheme="http" if verify is None else "https"
+    )
     try:
-        _wait_ready(server, ready_timeout)
+        _wait_ready(server, ready_timeout, verify, cert)
     except BaseException:
         if proc.poll() is None:
             proc.kill()
@@ -319,11 +327,13 @@ def start_server(
     return server
 
 
-def _wait_ready(server: ServerProcess, timeout: float) -> None:
+def _wait_ready(server: ServerProcess, timeout: float, verify: str | Path | None, cert: CertFiles | None) -> None:
     patience = StartPatience(lambda: tree_cpu_seconds(server.pid), timeout)
     # A probe that times out is asked again, not counted against the start: on a loaded machine a
     # server still importing holds connections in its listening socket's backlog unanswered.
-    with Client(server.url, timeout=PROBE_TIMEOUT_S, max_retries=0) as client:
+    with Client(
+        server.url, timeout=PROBE_TIMEOUT_S, max_retries=0, verify=True if verify is None else verify, cert=cert
+    ) as client:
         while True:
             if server.proc.poll() is not None:
                 raise ServerFailed(f"server exited with {server.proc.returncode} while starting; log:\n{server.logs()}")

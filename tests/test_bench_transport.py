@@ -118,3 +118,26 @@ def test_each_sample_goes_to_the_stage_of_its_innermost_named_frame():
     assert list(spread) == [stage for stage in stages.ORDER if samples[stage]]
     assert spread["compute"] == pytest.approx((7 / 47, 400.0 * 7 / 47))
     assert sum(micros for _, micros in spread.values()) == pytest.approx(400.0)
+
+
+def test_tls_rows_are_compared_with_the_echo_over_https_and_their_cost_is_the_difference():
+    cells = [
+        _cell("echo", 1, 16, 20_000, 0.5, 0.050),
+        _cell("echo+tls", 1, 16, 15_000, 0.6, 0.070),
+        _cell("near-free", 1, 16, 5_000, 1.0, 0.200),
+        _cell("near-free+tls", 1, 16, 4_000, 1.2, 0.250),
+    ]
+    servers = [
+        transport.Server("echo"),
+        transport.Server("echo+tls", tls=True),
+        transport.Server("near-free", "near-free"),
+        transport.Server("near-free+tls", "near-free", tls=True),
+    ]
+    rows = {line.split(" | ")[2]: line for line in transport.table(cells, servers).splitlines()[2:]}
+    assert "| 27% |" in rows["near-free+tls"] and "| 3.6 |" in rows["near-free+tls"]  # of echo+tls: 4,000 / 15,000
+    assert "| 25% |" in rows["near-free"]  # of the plain echo
+    cost = transport.tls_cost(cells)[2:]
+    assert cost == [
+        "| 1 | 16 | echo | 0.050 | 0.070 | +0.020 | 0.50 | 0.60 | 75% |",
+        "| 1 | 16 | near-free | 0.200 | 0.250 | +0.050 | 1.00 | 1.20 | 80% |",
+    ]

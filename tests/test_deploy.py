@@ -549,7 +549,7 @@ def test_kubernetes_manifests_validate_against_the_kubernetes_schemas() -> None:
 def test_kubernetes_probes_hit_health_paths_on_the_served_port() -> None:
     pod_specs = [(p, d["spec"]["template"]["spec"]) for p, d in deployments()]
     kserve = [(p, d["spec"]["predictor"]) for p, d in manifests() if d["kind"] == "InferenceService"]
-    assert len(pod_specs) == 2 and len(kserve) == 1
+    assert len(pod_specs) == 3 and len(kserve) == 1  # CPU, GPU, TLS
     for path, pod in pod_specs + kserve:
         (container,) = pod["containers"]
         port = int(env_of(container).get("FFN_PORT", SERVICE_PORT))
@@ -610,8 +610,8 @@ def test_kubernetes_env_sets_only_real_settings_with_valid_values(monkeypatch: p
 
 def test_kubernetes_service_selects_the_pods_and_targets_their_port() -> None:
     (service,) = [d for _, d in manifests() if d["kind"] == "Service"]
-    (_, cpu), (_, gpu) = sorted(deployments(), key=lambda pd: str(pd[0]))
-    for deployment in (cpu, gpu):
+    (_, cpu), (_, gpu), (_, tls) = sorted(deployments(), key=lambda pd: str(pd[0]))
+    for deployment in (cpu, gpu, tls):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert service["spec"]["selector"].items() <= labels.items()
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -696,3 +696,24 @@ def test_docs_name_only_files_that_exist() -> None:
         assert (ROOT / name).exists(), f"docs/deployment.md names {name}, which does not exist"
     for section in ("How these files were checked", "Kubernetes", "KServe", "docker compose"):
         assert section in docs()
+
+
+def test_kubernetes_tls_variant_mounts_the_secret_and_probes_over_https() -> None:
+    (_, cpu), (_, tls) = [(p, d) for p, d in deployments() if p.parent.name in ("k8s", "tls")]
+    pod = tls["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = env_of(container)
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert mount["readOnly"] is True and volume["secret"]["secretName"] == "ffn-serve-tls"
+    assert env["FFN_TLS_CERT_FILE"] == mount["mountPath"] + "/tls.crt"
+    assert env["FFN_TLS_KEY_FILE"] == mount["mountPath"] + "/tls.key"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # the key readable
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    assert tls["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    # Otherwise the CPU deployment: the same name, image, resources and settings.
+    (plain,) = cpu["spec"]["template"]["spec"]["containers"]
+    assert tls["metadata"] == cpu["metadata"] and container["image"] == plain["image"]
+    assert container["resources"] == plain["resources"]
+    assert {k: v for k, v in env.items() if not k.startswith("FFN_TLS_")} == env_of(plain)

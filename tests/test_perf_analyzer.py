@@ -85,3 +85,62 @@ def test_a_shared_memory_run_ends_clean(command: list[str], server: ServerProces
     # What it registered it unregistered, system regions and (none) CUDA ones alike.
     assert httpx.get(f"{server.url}/v2/systemsharedmemory/status").json() == []
     assert httpx.get(f"{server.url}/v2/cudasharedmemory/status").json() == []
+
+
+def test_its_ssl_options_infer_over_mutual_tls_on_both_doors(command: list[str], tmp_path: Path) -> None:
+    """perf_analyzer's build has SSL options (--ssl-grpc-*, --ssl-https-*): both doors over mutual TLS (issue 42)."""
+    import trustme
+
+    ca = trustme.CA()
+    server_pair, client_pair = ca.issue_cert("127.0.0.1"), ca.issue_cert("perf-analyzer")
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key", "client-cert", "client-key")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    server_pair.cert_chain_pems[0].write_to_path(str(files["cert"]))
+    server_pair.private_key_pem.write_to_path(str(files["key"]))
+    client_pair.cert_chain_pems[0].write_to_path(str(files["client-cert"]))
+    client_pair.private_key_pem.write_to_path(str(files["client-key"]))
+    env = {
+        "FFN_TLS_CERT_FILE": str(files["cert"]),
+        "FFN_TLS_KEY_FILE": str(files["key"]),
+        "FFN_TLS_CLIENT_CA_FILE": str(files["ca"]),
+        "FFN_WARMUP": "0",
+        "FFN_LOG_LEVEL": "warning",
+    }
+    client_pem = tmp_path / "client.pem"
+    client_pem.write_bytes(files["client-key"].read_bytes() + files["client-cert"].read_bytes())
+    ssl = {
+        "grpc": [
+            *("--ssl-grpc-use-ssl", "true", "--ssl-grpc-root-certifications-file", str(files["ca"])),
+            *("--ssl-grpc-private-key-file", str(files["client-key"])),
+            *("--ssl-grpc-certificate-chain-file", str(files["client-cert"])),
+        ],
+        "http": [
+            *("--ssl-https-verify-peer", "1", "--ssl-https-verify-host", "2"),
+            *("--ssl-https-ca-certificates-file", str(files["ca"])),
+            *("--ssl-https-client-certificate-file", str(files["client-cert"])),
+            *("--ssl-https-client-certificate-type", "PEM"),
+            *("--ssl-https-private-key-file", str(files["client-key"]), "--ssl-https-private-key-type", "PEM"),
+        ],
+    }
+    with start_server(env=env, verify=files["ca"], cert=client_pem) as server:
+        for protocol in ("grpc", "http"):
+            address = f"127.0.0.1:{server.grpc_port}" if protocol == "grpc" else f"https://127.0.0.1:{server.port}"
+            argv = [
+                *command,
+                *("-m", "demo", "-u", address, "-i", protocol, *ssl[protocol]),
+                *("--input-data", "zero", "--shape", "input:1,512"),
+                *("--concurrency-range", "1", "--request-count", str(REQUESTS)),
+            ]
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            output = run.stdout + run.stderr
+            assert run.returncode == 0, output
+            read = re.search(r"Successful request count: (\d+)", output)
+            assert read is not None and REQUESTS - 2 <= int(read.group(1)) <= REQUESTS, output
+        # Without its client certificate the gRPC door refuses it in the handshake.
+        refused = subprocess.run(
+            [*command, "-m", "demo", "-u", f"127.0.0.1:{server.grpc_port}", "-i", "grpc", *ssl["grpc"][:4]],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode != 0 or "failed to connect" in refused.stdout + refused.stderr

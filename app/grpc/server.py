@@ -41,8 +41,12 @@ log = logging.getLogger("ffn_serve")
 class GrpcServer:
     """Start and stop the gRPC door of one serving process on host:port."""
 
-    def __init__(self, state: ServiceState, host: str, port: int) -> None:
+    def __init__(
+        self, state: ServiceState, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+    ) -> None:
+        """`credentials`: serve TLS only (app/grpc/tls.py); None, cleartext."""
         self._state = state
+        self._credentials = credentials
         self._address = target(host, port)
         self._server: grpc.aio.Server | None = None
 
@@ -88,7 +92,12 @@ class GrpcServer:
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
         reflection.enable(server, (INFERENCE_SERVICE, HEALTH_SERVICE))
-        server.add_insecure_port(self._address)  # RuntimeError when it cannot bind
+        # RuntimeError when it cannot bind. With credentials the port speaks TLS only: a cleartext
+        # client's preface fails the handshake and the connection closes unanswered.
+        if self._credentials is not None:
+            server.add_secure_port(self._address, self._credentials)
+        else:
+            server.add_insecure_port(self._address)
         await server.start()
         self._server = server
 

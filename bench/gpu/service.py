@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,31 @@ from ffn_client.testing import ServerProcess, metric_value, start_server
 LUA = Path(__file__).resolve().parents[1] / "wrk" / "post.lua"
 MODEL = "ffn"
 SHARED = "ffn+engine"  # the server kind of issue 30's layout: fronts and one engine process
+
+
+@dataclass(frozen=True)
+class BenchTls:
+    """A CA and a certificate and key for 127.0.0.1 it signed: servers serve HTTPS with them, loads trust the CA."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def made_in(cls, folder: Path) -> BenchTls:
+        import trustme  # the test extra's; only where TLS is measured
+
+        ca = trustme.CA()
+        leaf = ca.issue_cert("127.0.0.1", "localhost")
+        tls = cls(folder / "bench-ca.pem", folder / "bench-cert.pem", folder / "bench-key.pem")
+        ca.cert_pem.write_to_path(str(tls.ca))
+        leaf.cert_chain_pems[0].write_to_path(str(tls.cert))
+        leaf.private_key_pem.write_to_path(str(tls.key))
+        return tls
+
+    def env(self) -> dict[str, str]:
+        """ffn-serve's settings for it."""
+        return {"FFN_TLS_CERT_FILE": str(self.cert), "FFN_TLS_KEY_FILE": str(self.key)}
 
 
 @dataclass
@@ -105,11 +131,14 @@ def model_config(folder: Path, weights: str, dtype: str) -> Path:
 
 
 @contextlib.contextmanager
-def serving(server: str, workers: int, cores: list[int], config: Path, torch_threads: int) -> Iterator[ServerProcess]:
+def serving(
+    server: str, workers: int, cores: list[int], config: Path, torch_threads: int, tls: BenchTls | None = None
+) -> Iterator[ServerProcess]:
     """A ready server of `server` kind with `workers` processes, pinned to `cores`.
 
     "ffn": `workers` copies of the service; "ffn+engine": `workers` fronts and one engine process
-    (FFN_SHARED_ENGINE), the engine with the torch threads of all the cores; "echo": the baseline."""
+    (FFN_SHARED_ENGINE), the engine with the torch threads of all the cores; "echo": the baseline.
+    `tls`: the echo serves HTTPS with it (uvicorn's own SSL options)."""
     if server in ("ffn", SHARED):
         env = {
             "FFN_WORKERS": str(workers),
@@ -138,8 +167,18 @@ def serving(server: str, workers: int, cores: list[int], config: Path, torch_thr
             "--log-level",
             "warning",
         ]
+        if tls is not None:
+            command += ["--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)]
         root = Path(__file__).resolve().parents[2]  # `python -m` imports bench.gpu.echo from the working folder
-        with start_server({}, None, prefix=pinned(cores), command=command, cwd=root, ready_timeout=120.0) as process:
+        with start_server(
+            {},
+            None,
+            prefix=pinned(cores),
+            command=command,
+            cwd=root,
+            ready_timeout=120.0,
+            verify=None if tls is None else tls.ca,
+        ) as process:
             yield process
 
 
@@ -162,11 +201,14 @@ def load(
     concurrency: int,
     seconds: float,
     cores: list[int],
+    cacert: Path | None = None,
 ) -> LoadResult:
-    """Closed-loop load for `seconds` with `concurrency` connections, from `cores`, by wrk or ffn-loadtest."""
+    """Closed-loop load for `seconds` with `concurrency` connections, from `cores`, by wrk or ffn-loadtest.
+
+    An https `url`: wrk speaks TLS without checking the certificate; ffn-loadtest checks it against `cacert`."""
     if generator == "wrk":
         return _wrk(url, body, headers, concurrency, seconds, cores)
-    return _loadtest(url, rows, d_model, concurrency, seconds, cores)
+    return _loadtest(url, rows, d_model, concurrency, seconds, cores, cacert)
 
 
 def _wrk(
@@ -198,7 +240,9 @@ def _wrk(
     )
 
 
-def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: float, cores: list[int]) -> LoadResult:
+def _loadtest(
+    url: str, rows: int, d_model: int, concurrency: int, seconds: float, cores: list[int], cacert: Path | None = None
+) -> LoadResult:
     """ffn-loadtest, one process a client core (each a single-threaded asyncio loop), summed."""
     processes = max(1, min(len(cores), concurrency))
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
@@ -232,6 +276,7 @@ def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: floa
                 "--json",
                 "-",
                 "--quiet",
+                *(["--cacert", str(cacert)] if cacert is not None else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -256,10 +301,11 @@ def _loadtest(url: str, rows: int, d_model: int, concurrency: int, seconds: floa
     )
 
 
-def batch_counts(url: str) -> tuple[float, float]:
+def batch_counts(url: str, cacert: Path | None = None) -> tuple[float, float]:
     """(rows, batches) the ffn model ran so far, from /metrics; NaNs where they cannot be read."""
+    verify = ssl.create_default_context(cafile=str(cacert)) if cacert is not None else True
     try:
-        page = httpx.get(f"{url}/metrics", timeout=10).text
+        page = httpx.get(f"{url}/metrics", timeout=10, verify=verify).text
     except httpx.HTTPError:
         return math.nan, math.nan
     return metric_value(page, "ffn_batch_rows_sum", model=MODEL), metric_value(
@@ -283,15 +329,17 @@ def measure_cell(
     folder: Path,
     client_cores: list[int],
     generator: str,
+    cacert: Path | None = None,
 ) -> ServiceCell:
+    """One cell's load and the server's CPU over it; `cacert`: the CA of a server that serves HTTPS."""
     body, headers, nbytes = prepared_body(rows, d_model, folder)
     send = functools.partial(load, generator, process.url, body, headers, rows, d_model, concurrency)
-    send(warm_up_seconds(seconds), client_cores)  # not counted
-    before_rows, before_batches = batch_counts(process.url) if server != "echo" else (math.nan, math.nan)
+    send(warm_up_seconds(seconds), client_cores, cacert)  # not counted
+    before_rows, before_batches = batch_counts(process.url, cacert) if server != "echo" else (math.nan, math.nan)
     cpu_before = tree_cpu_seconds(process.pid)
-    result = send(seconds, client_cores)
+    result = send(seconds, client_cores, cacert)
     cpu = tree_cpu_seconds(process.pid) - cpu_before
-    after_rows, after_batches = batch_counts(process.url) if server != "echo" else (math.nan, math.nan)
+    after_rows, after_batches = batch_counts(process.url, cacert) if server != "echo" else (math.nan, math.nan)
     ok = result.requests - result.errors
     batches = after_batches - before_batches
     per_s = ok / result.seconds
