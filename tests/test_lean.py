@@ -172,7 +172,7 @@ NO_KEY: dict[str, Case] = {  # sent without the key (the rest carry it)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0"}
+    env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0", "FFN_ACCESS_LOG": "true"}
     with start_server(env=env) as lean_server, start_server(env={**env, "FFN_LEAN_PATH": "false"}) as full_server:
         yield lean_server, full_server
 
@@ -201,6 +201,17 @@ async def test_the_lean_path_asks_for_the_key_as_fastapi_does(servers, case: str
     lean_answer, full_answer = await _both(servers, NO_KEY[case], key=False)
     assert lean_answer.status == 401
     _assert_alike(lean_answer, full_answer)
+
+
+async def test_the_access_log_has_the_same_line_for_a_lean_request(servers) -> None:
+    path, headers, body = CASES["raw"]
+    for server in servers:
+        sent = {**AUTH, **headers, "X-Request-Id": "access-line-1"}
+        answer = await raw_request(server.port, http_request("POST", path, sent, body, close=False))
+        assert answer.status == 200
+    for server in servers:
+        lines = [line for line in server.logs().splitlines() if "access-line-1" in line]
+        assert len(lines) == 1 and f'"POST {V1} HTTP/1.1" 200' in lines[0], server.logs()[-2000:]
 
 
 async def test_a_hostile_case_leaves_the_lean_server_serving_right(servers) -> None:

@@ -79,8 +79,11 @@ class LeanProtocol(Protocol):
     url: bytes
     headers: list[tuple[bytes, bytes]]
     server: tuple[str, int | None] | None
+    client: tuple[str, int] | None
     server_state: Any
     expect_100_continue: bool
+    access_log: bool
+    access_logger: logging.Logger
 
     def on_response_complete(self) -> None: ...
 
@@ -362,6 +365,11 @@ class LeanRequest:
         self.disconnected = False
         self.scope: dict[str, Any] = {}  # the protocol marks a refusal here (REFUSED)
         self.chunks: list[bytes] = []
+        # uvicorn's access line, when its log is on: what it says of the request, read before a
+        # pipelined request's head replaces the protocol's url.
+        self.logged = (
+            (protocol.url.decode("ascii"), protocol.parser.get_http_version()) if protocol.access_log else None
+        )
         self.decoded: DecodedInput | None = None
         self.call: infer_step.InferCall | None = None
         self.served: Any = None
@@ -490,6 +498,11 @@ class LeanRequest:
         self._forget()
         transport = self.transport
         door = self.door
+        if self.logged is not None:  # as uvicorn logs an answer it starts (app/logs.py reads these five args)
+            client = self.protocol.client
+            path, version = self.logged
+            address = f"{client[0]}:{client[1]}" if client else ""
+            self.protocol.access_logger.info('%s - "%s %s HTTP/%s" %d', address, "POST", path, version, status)
         if not transport.is_closing():
             lines += b"x-request-id: " + self.request_id + b"\r\n"
             head = door.head(self.protocol, status, lines, len(body), self.keep_alive)

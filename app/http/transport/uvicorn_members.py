@@ -57,6 +57,8 @@ PROTOCOL_STATE = (
     "server",
     "client",
     "scheme",
+    "access_log",
+    "access_logger",
 )
 FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
 SERVER_STATE = ("default_headers",)
