@@ -214,7 +214,7 @@ async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered
 
 def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> None:
     front = Arena.create(slots=2, slot_bytes=64)
-    engine = Arena.attach(front.name, 2, 64)
+    engine = Arena.attach(os.dup(front.fd), 2, 64)  # as the engine receives it: a descriptor of its own
     try:
         slot = front.take()
         assert slot is not None
