@@ -263,7 +263,7 @@ def _prepare(
         try:  # the hand-off's memory now, or one line and the start stopped: never a front that cannot get ready
             for k, client in enumerate(clients):
                 client.reserve(
-                    f"the hand-off's {settings.handoff_slots} slots" + (f" to engine process {k}" if k else "")
+                    f"the hand-off's {settings.handoff_slots:,} slots" + (f" to engine process {k}" if k else "")
                 )
         except NoRoom as exc:
             log.error("%s", exc)

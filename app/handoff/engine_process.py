@@ -135,6 +135,7 @@ async def serve(
         task.add_done_callback(rereads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, reread)
+    log.info("engine ready: listening on %s", path)
     if on_ready is not None:
         on_ready()
     await stop.wait()
@@ -187,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     ready_fd = int(args[1]) if len(args) == 2 else None
 
     def ready() -> None:
-        log.info("engine ready: listening on %s", args[0])
         if ready_fd is not None:
             os.write(ready_fd, b"1")
             os.close(ready_fd)

@@ -65,12 +65,9 @@ class Block:
 
 def create(size: int, what: str) -> Block:
     """A new block of `size` bytes, every page reserved; NoRoom (naming `what`, the size and the remedy) if it does not fit."""
-    room = headroom()
-    if room is not None and size > room * HEADROOM_SHARE:
-        raise NoRoom(
-            f"no room for {what}: {_mib(size)} of shared memory, with {_mib(room)} of memory left to this "
-            f"service (a block may take half): {REMEDY}"
-        )
+    problem = shortage(size, what)
+    if problem is not None:
+        raise NoRoom(problem)
     fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
@@ -85,6 +82,17 @@ def create(size: int, what: str) -> Block:
         if exc.errno not in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
             raise
         raise NoRoom(f"no room for {what}: {_mib(size)} of shared memory ({exc.strerror}): {REMEDY}") from None
+
+
+def shortage(size: int, what: str) -> str | None:
+    """Why `size` bytes of shared memory for `what` do not fit the headroom (one line, with the remedy), or None."""
+    room = headroom()
+    if room is None or size <= room * HEADROOM_SHARE:
+        return None
+    return (
+        f"no room for {what}: {_mib(size)} of shared memory, with {_mib(room)} of memory left to this "
+        f"service (the hand-off may take half): {REMEDY}"
+    )
 
 
 def attach(fd: int, size: int) -> Block:
