@@ -111,14 +111,16 @@ def _start(settings: Settings, starting: Starting) -> int:
         print(f"ffn-serve: {mismatch}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
     # Before torch (seconds to import) and the models: a port in use, a weights file missing, in a moment.
+    from app.preflight import handoff_shortage, unreadable_weights
     from app.preflight import listeners as bind_listeners
-    from app.preflight import unreadable_weights
 
     listeners = bind_listeners(settings)
     if listeners is None:
         return EXIT_CANNOT_BIND
     try:
         problems = unreadable_weights(settings)
+        if (shortage := handoff_shortage(settings)) is not None:
+            problems.append(shortage)
         if problems:
             for problem in problems:
                 log.error("%s", problem)

@@ -1,4 +1,5 @@
-"""What ffn-serve checks before it imports torch: its ports can be bound, its weights files read.
+"""What ffn-serve checks before it imports torch: its ports can be bound, its weights files read, and
+with shared_engine, the host has the memory the hand-off's slots reserve.
 
 torch alone takes seconds to import (a minute on a loaded machine), and the models longer to
 load: a port in use or a weights file that is missing was reported only after both. Checked
@@ -108,3 +109,21 @@ def _unreadable(path: str) -> str | None:
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
+
+
+def handoff_shortage(settings: Settings) -> str | None:
+    """shared_engine: why the memory every front reserves for its slots in every engine is not there
+    (one line naming the size and how to raise it), or None. Each front reserves its own at its start too."""
+    if not settings.shared_engine:
+        return None
+    from app.handoff.arena import Arena
+    from app.handoff.front import SLOT_BYTES
+    from app.handoff.memory import shortage
+
+    engines = max(1, len(settings.devices))
+    block = Arena.size_of(settings.handoff_slots, SLOT_BYTES)
+    what = (
+        f"the hand-off's slots ({settings.workers} front{'s' if settings.workers > 1 else ''} x {engines} engine process{'es' if engines > 1 else ''} x "
+        f"{settings.handoff_slots:,} slots of {SLOT_BYTES >> 20} MiB)"
+    )
+    return shortage(settings.workers * engines * block, what)

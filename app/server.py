@@ -279,10 +279,20 @@ def _prepare(
     remote = None
     if engine_sockets:
         from app.handoff.front import EngineClient
+        from app.handoff.memory import NoRoom
         from app.handoff.remote import RemoteEngine
 
+        clients = [EngineClient(path, settings.handoff_slots) for path in engine_sockets]
+        try:  # the hand-off's memory now, or one line and the start stopped: never a front that cannot get ready
+            for k, client in enumerate(clients):
+                client.reserve(
+                    f"the hand-off's {settings.handoff_slots:,} slots" + (f" to engine process {k}" if k else "")
+                )
+        except NoRoom as exc:
+            log.error("%s", exc)
+            return EXIT_START_FAILED
         beat = control.heartbeat if control is not None else None
-        remote = (RemoteEngine([EngineClient(path) for path in engine_sockets], settings, beat), metrics)
+        remote = (RemoteEngine(clients, settings, beat), metrics)
     app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control, engine=remote)
     config = uvicorn.Config(
         app,

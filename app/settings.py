@@ -195,6 +195,13 @@ class Settings(BaseSettings):
         "(cpu, cuda, cuda:N; a device may be named twice), and the fronts send each request to the engine "
         "with the fewest rows in flight. Empty: one engine, each model on its own device.",
     )
+    handoff_slots: int = Field(
+        default=64,
+        ge=1,
+        le=1 << 20,
+        description="With shared_engine: requests of up to 1 MiB each that a front may have in each engine at once "
+        "(429 past them; larger ones travel in the message), each slot 1 MiB of memory reserved at the front's start.",
+    )
     metrics_dir: Path | None = Field(
         default=None,
         description="Workers > 1: the folder where they keep their metrics, e.g. a tmpfs under a read-only root; "

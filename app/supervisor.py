@@ -374,11 +374,15 @@ class Supervisor:
             os.kill(process.pid, signal.SIGTERM)
             self._orphans[process.pid] = _start_time(process.pid)
         if self._stop_deadline is not None:
-            self._stop_engine_after_fronts()
             stopped_cleanly = code == 0 or (not slot.ready and code == -signal.SIGTERM)
+            if stopped_cleanly and self._engines:
+                log.info("%s (pid %d) stopped", self._named(slot), process.pid)
             if not stopped_cleanly:
                 log.warning("%s (pid %d) %s while stopping", self._named(slot), process.pid, how)
                 self._exit_code = EXIT_START_FAILED
+            self._stop_engine_after_fronts()
+            if self._engines and not any(other.process for other in self._slots):
+                log.info("stopped: every front and engine process has exited")
             return
         if not self._serving:
             log.error("%s (pid %d) %s while starting: stopping the service", self._named(slot), process.pid, how)
@@ -429,7 +433,15 @@ class Supervisor:
     def _stop(self, sig: int | None) -> None:
         """Pass a stop on to every worker; the first one starts the countdown to killing them."""
         if self._stop_deadline is None:
-            if sig is not None:
+            if sig is not None and self._engines:  # each phase of the layout's stop has its line
+                fronts = len(self._slots) - len(self._engines)
+                log.info(
+                    "received %s: stopping %d fronts, then %s",
+                    signal.Signals(sig).name,
+                    fronts,
+                    engines_named(self.settings),
+                )
+            elif sig is not None:
                 log.info("received %s: stopping %d workers", signal.Signals(sig).name, len(self._slots))
             self._stop_deadline = time.monotonic() + drain_allowance_s(self.settings)
             self.listeners.close()  # the workers hold their own copies until they have drained
@@ -447,6 +459,7 @@ class Supervisor:
         if any(slot.process is not None for slot in self._slots if slot not in self._engines):
             return
         self._engines_stopped = True
+        log.info("every front has stopped: stopping %s", engines_named(self.settings))
         for engine in self._engines:
             if engine.process is not None and engine.process.is_alive():
                 engine.process.terminate()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,7 +26,9 @@ from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
 from app.handoff.engine_process import launch
+from app.handoff.frames import LENGTH
 from app.handoff.front import EngineClient
+from app.handoff.messages import HELLO
 from app.metrics import Metrics
 from app.settings import load_settings
 from ffn_core import load_ffn
@@ -214,7 +218,7 @@ async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered
 
 def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> None:
     front = Arena.create(slots=2, slot_bytes=64)
-    engine = Arena.attach(front.name, 2, 64)
+    engine = Arena.attach(os.dup(front.fd), 2, 64)  # as the engine receives it: a descriptor of its own
     try:
         slot = front.take()
         assert slot is not None
@@ -235,6 +239,49 @@ def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> Non
     finally:
         engine.close()
         front.close()
+
+
+async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_still_served(
+    served: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine maps only what a front hands over as it connects: a first byte without a descriptor, or
+    a descriptor of something that is not a sealed block of the size HELLO names, ends that connection."""
+    loop = asyncio.get_running_loop()
+
+    async def ended(first: bytes, fd: int | None, hello: tuple[Any, ...] | None = None) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, str(served))
+        if fd is None:
+            await loop.sock_sendall(sock, first)
+        else:
+            socket.send_fds(sock, [first], [fd])
+        if hello is not None:
+            body = pickle.dumps([hello])
+            await loop.sock_sendall(sock, LENGTH.pack(len(body)) + body)
+        try:
+            while True:  # a TABLE may come first (after a HELLO), then the end
+                if not await asyncio.wait_for(loop.sock_recv(sock, 65536), 30):
+                    return True
+        finally:
+            sock.close()
+
+    assert await ended(b"M", None)  # no descriptor
+    other = os.memfd_create("not-a-block", os.MFD_CLOEXEC)  # unsealed
+    os.ftruncate(other, Arena.size_of(2, 64))
+    assert await ended(b"M", other, (HELLO, 2, 64))
+    block = Arena.create(slots=2, slot_bytes=64)
+    assert await ended(b"M", block.fd, (HELLO, 4, 64))  # a size other than the block's
+    os.close(other)
+    block.close()
+    assert "a front's connection began without its shared memory" in caplog.text
+    assert "not a" in caplog.text
+    client = EngineClient(served, slots=2)  # the engine serves on
+    try:
+        x = rows(2, 5)
+        assert_close(await client.infer("demo", None, x, F32, deadline=None), demo_reference(x))
+    finally:
+        await client.close()
 
 
 # ----- an engine of its own process ------------------------------------------------------------------

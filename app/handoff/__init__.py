@@ -4,7 +4,10 @@ A front runs the doors and the protocol core and imports no torch; an engine own
 batches across every front. Between them:
 
 - an arena (arena.py): shared memory a front creates for one connection to an engine, cut into
-  slots of a fixed size. A request's rows are copied once from its body into a slot, and the
+  slots of a fixed size. The memory is anonymous (memory.py: a memfd, every page reserved when it
+  is made, sealed at its size), its descriptor handed to the engine over the Unix socket as the
+  connection begins (frames.py): no name in /dev/shm, none a client could register as a region,
+  and nothing left once both processes have unmapped it, however either ended. A request's rows are copied once from its body into a slot, and the
   engine writes the answer back into the same slot; rows or answers too large for a slot travel
   in the message instead. Each slot carries a generation number, renewed every time the slot is
   taken, which the engine writes beside the answer and the front checks before it reads it.

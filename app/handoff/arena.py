@@ -1,4 +1,4 @@
-"""Arena: one shared-memory block cut into slots, each with a generation number.
+"""Arena: one block of anonymous shared memory (memory.py) cut into slots, each with a generation number.
 
 Slot i starts at i * (HEADER + slot_bytes). Its header is two little-endian uint64s: the
 generation of the request whose answer follows, and that answer's length in bytes. The front
@@ -6,24 +6,24 @@ renews a slot's generation when it takes the slot for a request; the engine writ
 then the header. The front reads an answer only where the header names the generation it gave
 that request: anything else in the slot is not this request's answer.
 
-The front creates the arena (and unlinks it when done); the engine attaches by name.
+The front creates the arena and hands its descriptor to the engine with the connection
+(`handed_over` then closes the front's); the engine attaches the descriptor it received. Each
+unmaps it when the connection ends, and the memory is gone with the last mapping.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from app.handoff import memory
+from app.handoff.memory import NoRoom
+
 HEADER = struct.Struct("<QQ")  # generation, answer bytes
-_CREATED_HERE: set[str] = set()  # blocks this process created (a front and an engine in one process: tests)
 
-
-class NoRoom(Exception):
-    """/dev/shm cannot hold a new arena."""
+__all__ = ["HEADER", "Arena", "NoRoom", "Slot"]
 
 
 @dataclass
@@ -36,53 +36,41 @@ class Slot:
 class Arena:
     """`slots` slots of `slot_bytes` each, in a block of shared memory this process created or attached."""
 
-    def __init__(self, memory: shared_memory.SharedMemory, slots: int, slot_bytes: int, *, owner: bool) -> None:
+    def __init__(self, block: memory.Block, slots: int, slot_bytes: int, *, owner: bool) -> None:
         if slots < 1 or slot_bytes < 1:
             raise ValueError("an arena has at least one slot of at least one byte")
-        if memory.size < slots * (HEADER.size + slot_bytes):
-            raise ValueError(f"shared memory {memory.name} holds {memory.size} bytes, fewer than its slots need")
-        self.memory = memory
-        assert memory.buf is not None, "an open block has a buffer"
-        self._buf: memoryview = memory.buf
+        if block.size < slots * (HEADER.size + slot_bytes):
+            raise ValueError(f"a block of {block.size} bytes holds fewer than its slots need")
+        self.block = block
+        self._buf = memoryview(block.mapping)
         self.slot_bytes = slot_bytes
         self.owner = owner
         self.slots = [Slot(i) for i in range(slots)]
         self._free = list(reversed(range(slots)))
 
-    @classmethod
-    def create(cls, slots: int, slot_bytes: int) -> Arena:
-        """A new block, its room reserved now: NoRoom if /dev/shm cannot hold it.
-
-        A shared-memory file holds no pages until they are written, and a write past what its
-        tmpfs has left (Docker gives /dev/shm 64 MiB unless told otherwise) kills the writer with
-        SIGBUS, whichever process it is. Reserved at creation, a full /dev/shm is an error here,
-        once, instead of a crash under load."""
-        size = slots * (HEADER.size + slot_bytes)
-        memory = shared_memory.SharedMemory(create=True, size=size)
-        try:
-            os.posix_fallocate(memory._fd, 0, size)  # type: ignore[attr-defined]
-        except OSError as exc:
-            memory.close()
-            memory.unlink()
-            raise NoRoom(
-                f"no room in /dev/shm for the hand-off's {size / 2**20:.0f} MiB of shared memory "
-                f"({exc.strerror}): give the container more (docker run --shm-size, compose shm_size)"
-            ) from None
-        _CREATED_HERE.add(memory.name)
-        return cls(memory, slots, slot_bytes, owner=True)
+    @staticmethod
+    def size_of(slots: int, slot_bytes: int) -> int:
+        return slots * (HEADER.size + slot_bytes)
 
     @classmethod
-    def attach(cls, name: str, slots: int, slot_bytes: int) -> Arena:
-        memory = shared_memory.SharedMemory(name=name)
-        if name not in _CREATED_HERE:
-            # Python's resource tracker would unlink a block it saw attached when this process
-            # ends: the front that created it does that (bpo-39959; Python 3.13's track=False).
-            resource_tracker.unregister(memory._name, "shared_memory")  # type: ignore[attr-defined]
-        return cls(memory, slots, slot_bytes, owner=False)
+    def create(cls, slots: int, slot_bytes: int, what: str = "the hand-off's slots") -> Arena:
+        """A new arena, its memory reserved now: NoRoom (naming `what`, the size and the remedy) if it does not fit."""
+        return cls(memory.create(cls.size_of(slots, slot_bytes), what), slots, slot_bytes, owner=True)
+
+    @classmethod
+    def attach(cls, fd: int, slots: int, slot_bytes: int) -> Arena:
+        """The arena whose descriptor a front handed over (this takes the descriptor); ValueError if it does not fit."""
+        return cls(memory.attach(fd, cls.size_of(slots, slot_bytes)), slots, slot_bytes, owner=False)
 
     @property
-    def name(self) -> str:
-        return self.memory.name
+    def fd(self) -> int:
+        """The descriptor to hand over (the creating front's, until `handed_over`)."""
+        assert self.block.fd is not None, "an arena's descriptor is handed over once; this is a bug"
+        return self.block.fd
+
+    def handed_over(self) -> None:
+        """The engine has its own descriptor now: the front keeps only its mapping."""
+        self.block.close_fd()
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
@@ -141,20 +129,13 @@ class Arena:
         return True
 
     def close(self) -> None:
-        """Unlink the block (the front that created it) and unmap it, unless a view into it is still
-        alive (rows a batch still holds after their request was cancelled): the mapping then goes
-        with the last view."""
+        """Unmap the block, unless a view into it is still alive (rows a batch still holds after their
+        request was cancelled): the mapping then goes with the last view."""
         self._buf.release()
         try:
-            self.memory.close()
+            self.block.close()
         except BufferError:
-            pass  # unmapped when the last view is collected; the name is unlinked below all the same
-        if self.owner:
-            _CREATED_HERE.discard(self.memory.name)
-            try:
-                self.memory.unlink()
-            except FileNotFoundError:
-                pass  # unlinked already: closing twice is harmless
+            pass  # unmapped when the last view is collected
 
     def _offset(self, index: int) -> int:
         return index * (HEADER.size + self.slot_bytes)

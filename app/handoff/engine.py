@@ -1,6 +1,7 @@
 """EngineServer: the engine process's side of the hand-off, on the engine (app/engine/service.py).
 
-It listens on a Unix socket. Each front that connects says which arena is its own (HELLO); each
+It listens on a Unix socket. Each front that connects hands over its arena's memory as the
+connection begins (its descriptor, frames.py's `receive_memory`) and says how it is cut (HELLO); each
 SUBMIT is then queued with the named model (`infer_soon`; `infer_monte_carlo` in a task) on the
 request's rows, copied out of the arena (or read from the message), in the turn its frame arrived:
 no task and no coroutine per request, so that the engine's work per request stays small beside the
@@ -32,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +46,7 @@ from app.engine.errors import EngineError, NotTogether
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.service import Engine, ServedModel
 from app.handoff.arena import Arena
-from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame
+from app.handoff.frames import FrameTooLarge, FrameWriter, Message, read_frame, receive_memory
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_as_data
 from app.protocol.identity import CURRENT, RequestContext, RequestGroup
 from ffn_core.dtypes import DTYPES
@@ -55,6 +58,10 @@ log = logging.getLogger("ffn_serve.handoff")
 
 # A frame's requests for one model are queued as one entry up to this many rows; past it, as several.
 GROUP_ROWS = 1024
+# A front hands over its memory as soon as it has connected; a connection that has not within this
+# long (no front of ours: the socket's folder is the service user's alone) is closed.
+MEMORY_WITHIN_S = 10.0
+BACKLOG = 64
 
 
 # How often the engine looks for a change of its table (a model warm, draining, loaded, unloaded) to
@@ -85,7 +92,8 @@ class EngineServer:
         self.engine = engine
         self.path = path
         self._tracing = tracing
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._fronts: set[FrameWriter] = set()  # each connected front's, for the table
         self._table: dict[str, Any] | None = None  # as last sent
@@ -94,7 +102,16 @@ class EngineServer:
         self._controls: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._connected, path=str(self.path))
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            listener.listen(BACKLOG)
+        except BaseException:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self._listener = listener
+        self._accepting = asyncio.create_task(self._accept(listener), name="handoff-accept")
         self._watching = asyncio.create_task(self._watch_table(), name="handoff-table")
 
     async def close(self) -> None:
@@ -103,18 +120,52 @@ class EngineServer:
             self._watching.cancel()
         for control in list(self._controls):
             control.cancel()
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors, ...: the fronts try again; the log says why
+                log.error("hand-off: cannot accept a front's connection: %s", exc.strerror or exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            task = asyncio.create_task(self._front(sock), name="handoff-front")
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _front(self, sock: socket.socket) -> None:
+        """One front's connection: its memory received on the raw socket, then its frames through streams."""
+        try:
+            async with asyncio.timeout(MEMORY_WITHIN_S):
+                fd = await receive_memory(sock)
+        except (ConnectionError, TimeoutError, ValueError) as exc:
+            sock.close()
+            if not isinstance(exc, ConnectionError):  # a front that connected and left at once said nothing
+                log.error("hand-off: a connection closed: %s", exc or "no shared memory handed over in time")
+            return
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            os.close(fd)
+            sock.close()
+            raise
+        await self._connected(reader, writer, fd)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fd: int | None) -> None:
+        """Serve one front; `fd`: its memory, until its HELLO says how it is cut and it is mapped (or closed)."""
         frames = FrameWriter(writer)
         arena: Arena | None = None
         calls: Calls = {}
@@ -129,8 +180,9 @@ class EngineServer:
                         cancels.append(message[1])
                     elif message[0] == CONTROL:
                         self._control(frames, message)
-                    elif message[0] == HELLO and arena is None:
-                        arena = Arena.attach(message[1], message[2], message[3])
+                    elif message[0] == HELLO and arena is None and fd is not None:
+                        handed, fd = fd, None  # attach takes it, and closes it if it is not an arena
+                        arena = Arena.attach(handed, message[1], message[2])
                         frames.send((TABLE, self._current_table()))
                         if self._gpus:
                             frames.send((GPUS, self._gpus))
@@ -154,9 +206,10 @@ class EngineServer:
             # writes into the arena after it is unmapped.
             await asyncio.gather(*pending, return_exceptions=True)
             writer.close()
+            if fd is not None:
+                os.close(fd)
             if arena is not None:
                 arena.close()
-            self._connections.discard(task)
 
     def _current_table(self) -> dict[str, Any]:
         self._table = engine_table(self.engine)

@@ -1,9 +1,10 @@
 """An engine process: the configured models, served to fronts through the hand-off's Unix socket.
 
-    python -m app.handoff.engine_process SOCKET     # settings as the server reads them (FFN_*, --config)
+    python -m app.handoff.engine_process SOCKET [READY_FD]  # settings as the server reads them (FFN_*)
 
 It loads and warms the models, then listens on SOCKET, removing a socket file a dead engine left
-there. "engine ready" on stderr says it listens; SIGTERM or SIGINT drains the models (what was
+there. Its log line "engine ready" (in the log format) says it listens, and so does a byte written
+to READY_FD (a pipe of the process that started it: `launch`) before that descriptor is closed; SIGTERM or SIGINT drains the models (what was
 accepted is answered) and stops it; SIGHUP reads the config file's [[models]] again and applies
 what changed (the fronts get the new table). Metrics go where PROMETHEUS_MULTIPROC_DIR says, as a
 worker's do, so that the fronts' /metrics and statistics read the engine's model series. This is
@@ -17,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,26 +45,41 @@ from app.tracing.config import traces_export
 
 log = logging.getLogger("ffn_serve.engine")
 
-READY_LINE = b"engine ready"
-
 
 def launch(path: Path, env: dict[str, str], prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """Start an engine process listening on `path` with environment `env` (its FFN_* settings), and
     return once it listens; RuntimeError with what it said if it exits first. `prefix`: a command
     to run it under (taskset)."""
-    proc = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "app.handoff.engine_process", str(path)], env=env, stderr=subprocess.PIPE
-    )
+    ready_read, ready_write = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "app.handoff.engine_process", str(path), str(ready_write)],
+            env=env,
+            stderr=subprocess.PIPE,
+            pass_fds=[ready_write],
+        )
+    finally:
+        os.close(ready_write)
     assert proc.stderr is not None
-    said = []
-    for line in proc.stderr:  # the models load first: its line says it listens
-        if READY_LINE in line:
-            # What it logs from now on goes on to this process's stderr: a pipe nobody read would
-            # fill and stop the engine at its next log line.
-            threading.Thread(target=_pass_on, args=(proc.stderr,), name="engine-stderr", daemon=True).start()
-            return proc
-        said.append(line.decode(errors="replace"))
-    raise RuntimeError(f"the engine process exited ({proc.wait(30)}) before it was ready: {''.join(said)[-2000:]}")
+    said = bytearray()
+    try:
+        while True:  # the models load first; what it logs meanwhile is kept, to tell why if it exits
+            readable, _, _ = select.select([ready_read, proc.stderr.fileno()], [], [])
+            if ready_read in readable:
+                if os.read(ready_read, 1):
+                    break
+                raise RuntimeError(
+                    f"the engine process exited ({proc.wait(30)}) before it was ready: "
+                    f"{said.decode(errors='replace')[-2000:]}"
+                )
+            said += os.read(proc.stderr.fileno(), 65536)
+    finally:
+        os.close(ready_read)
+    sys.stderr.write(said.decode(errors="replace"))
+    # What it logs from now on goes on to this process's stderr: a pipe nobody read would fill and stop
+    # the engine at its next log line.
+    threading.Thread(target=_pass_on, args=(proc.stderr,), name="engine-stderr", daemon=True).start()
+    return proc
 
 
 def _pass_on(stream: IO[bytes]) -> None:
@@ -118,15 +135,17 @@ async def serve(
         task.add_done_callback(rereads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, reread)
-    print(READY_LINE.decode(), file=sys.stderr, flush=True)
+    log.info("engine ready: listening on %s", path)
     if on_ready is not None:
         on_ready()
     await stop.wait()
+    log.info("stopping: draining the models")
     await engine.drain()
     await server.close()
     await engine.stop()
     if tracing is not None:
         await tracing.shutdown()  # what is still collected is sent now
+    log.info("stopped")
 
 
 def engine_main(
@@ -163,10 +182,17 @@ def engine_main(
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m app.handoff.engine_process SOCKET", file=sys.stderr)
+    if len(args) not in (1, 2) or not all(arg.isdigit() for arg in args[1:]):
+        print("usage: python -m app.handoff.engine_process SOCKET [READY_FD]", file=sys.stderr)
         return 2
-    run_on_served_loop(serve(Path(args[0])))
+    ready_fd = int(args[1]) if len(args) == 2 else None
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"1")
+            os.close(ready_fd)
+
+    run_on_served_loop(serve(Path(args[0]), on_ready=ready))
     return 0
 
 

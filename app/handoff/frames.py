@@ -9,12 +9,20 @@ ends the connection all the same (a bug, never a client, could make one).
 FrameWriter gathers what a turn sends and writes it in one frame at the end of that turn
 (`loop.call_soon`): a front answering a batch of 64 requests, or an engine answering them, pays
 one system call and one pickle, not 64.
+
+Before its first frame, a connection carries the front's shared memory (memory.py): one byte,
+MEMORY_BYTE, with the block's descriptor attached (SCM_RIGHTS). It is sent and received on the raw
+socket, before asyncio's streams wrap it: they carry bytes, never descriptors. A descriptor cannot
+be named or opened by another process; it crosses only this socket, in a folder only the service's
+user can open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import socket
 import struct
 from typing import Any
 
@@ -22,6 +30,8 @@ LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
 
 Message = tuple[Any, ...]
+
+MEMORY_BYTE = b"M"  # the byte the shared memory's descriptor rides on
 
 
 class FrameTooLarge(Exception):
@@ -59,3 +69,38 @@ class FrameWriter:
     async def drain(self) -> None:
         """Wait while the socket's buffer is over its high-water mark (the peer is slow to read)."""
         await self._writer.drain()
+
+
+def send_memory(sock: socket.socket, fd: int) -> None:
+    """Hand the descriptor `fd` to the peer of a just-connected socket (a few bytes: its buffer is empty)."""
+    if socket.send_fds(sock, [MEMORY_BYTE], [fd]) != len(MEMORY_BYTE):
+        raise ConnectionError("the shared memory's descriptor could not be sent")
+
+
+async def receive_memory(sock: socket.socket) -> int:
+    """The descriptor a front handed over on a just-accepted non-blocking socket; ConnectionError if the
+    connection ends first, ValueError if its first byte carries no descriptor."""
+    loop = asyncio.get_running_loop()
+    while True:
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(sock.fileno(), _set_once, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, len(MEMORY_BYTE), 1)
+        except BlockingIOError:
+            continue
+        if not data:
+            raise ConnectionError("the front closed its connection before it handed over its memory")
+        if data != MEMORY_BYTE or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError("a front's connection began without its shared memory")
+        return fds[0]
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a reader's callback runs at each turn while the socket is readable
+        future.set_result(None)

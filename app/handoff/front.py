@@ -3,7 +3,9 @@
 `infer` and `infer_monte_carlo` take what the engine facade's models take (app/engine/facade.py)
 and answer the same, or raise the engine's error as the engine raised it. The first call
 connects; a connection the engine ended (it died, or is restarting) fails what it had in flight
-Unavailable at once, and the next call connects again, with a new arena.
+Unavailable at once, and the next call connects again, with a new arena. Each arena's memory is
+reserved before its connection is made (`reserve`: at a front's start, so that a host without the
+memory stops the start at once), and handed to the engine over the socket as the connection begins.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ import numpy as np
 from app.engine.errors import Overloaded, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
-from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame
+from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame, send_memory
 from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_from_data
 from app.protocol.identity import RequestContext
 from ffn_core.dtypes import DType
@@ -64,7 +67,14 @@ class EngineClient:
         self.on_table = on_table
         self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (GPUS)
         self._link: _Link | None = None
+        self._arena: Arena | None = None  # reserved for the next connection
         self._connecting = asyncio.Lock()
+
+    def reserve(self, what: str = "the hand-off's slots") -> None:
+        """Reserve the next connection's memory now, if it is not yet: NoRoom (naming `what`, the size and the
+        remedy) if the host or the container has not got it."""
+        if self._arena is None:
+            self._arena = Arena.create(self.slots, self.slot_bytes, what)
 
     async def linked(self) -> asyncio.Event:
         """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
@@ -131,6 +141,9 @@ class EngineClient:
         if self._link is not None:
             await self._link.close()
             self._link = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     async def _connected(self) -> _Link:
         link = self._link
@@ -138,7 +151,17 @@ class EngineClient:
             return link
         async with self._connecting:
             if self._link is None or self._link.closed:
-                self._link = await _Link.open(self.path, self.slots, self.slot_bytes, self.on_table, self._took_gpus)
+                try:
+                    self.reserve()
+                except NoRoom as exc:
+                    raise Unavailable(str(exc)) from None
+                assert self._arena is not None
+                try:
+                    self._link = await _Link.open(self.path, self._arena, self.on_table, self._took_gpus)
+                finally:
+                    # Handed over, the arena is the link's; kept for the next try if nothing listened.
+                    if self._arena.block.fd is None:
+                        self._arena = None
             return self._link
 
 
@@ -164,27 +187,36 @@ class _Link:
         self._writer = writer
         self._frames = FrameWriter(writer)
         self._ids = itertools.count(1)
-        self._frames.send((HELLO, arena.name, len(arena.slots), arena.slot_bytes))
+        self._frames.send((HELLO, len(arena.slots), arena.slot_bytes))
         self._reading = asyncio.create_task(self._read(reader), name="handoff-answers")
 
     @classmethod
     async def open(
         cls,
         path: Path,
-        slots: int,
-        slot_bytes: int,
+        arena: Arena,
         on_table: Callable[[dict[str, Any]], None] | None,
         on_gpus: Callable[[list[GpuReading]], None],
     ) -> _Link:
+        """Connect and hand `arena`'s memory to the engine; EngineNotRunning (the arena untouched) if nothing listens."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(path))
+            await asyncio.get_running_loop().sock_connect(sock, str(path))
+            send_memory(sock, arena.fd)
         except OSError as exc:
-            raise EngineNotRunning(f"the engine is not running (it may be restarting): {exc.strerror}") from None
+            sock.close()
+            raise EngineNotRunning(f"the engine is not running (it may be restarting): {exc.strerror or exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        arena.handed_over()
         try:
-            arena = Arena.create(slots, slot_bytes)
-        except NoRoom as exc:
-            writer.close()
-            raise Unavailable(str(exc)) from None
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            arena.close()
+            raise
         return cls(reader, writer, arena, on_table, on_gpus)
 
     async def control(self, what: str, arguments: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The control messages between a front and an engine, and the engine's errors as data.
 
 Front to engine:
-- (HELLO, arena name, slots, slot bytes): the first message of a connection.
+- (HELLO, slots, slot bytes): the first message of a connection: how the memory it handed over as it
+  began (frames.py's `send_memory`) is cut into slots.
 - (SUBMIT, id, slot, generation, model, version, shape, rows dtype, answer dtype, deadline,
   monte carlo, inline rows, request id, trace): one request. `slot` is -1 when the rows travel
   inline (bytes); `deadline` is time.monotonic() seconds (one clock for every process of a host) or

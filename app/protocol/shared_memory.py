@@ -10,7 +10,10 @@ stops. Bytes move with pread/pwrite on that descriptor at offsets checked agains
 - an object the client shrinks after registering gives a short read, answered 400, where a
   mapping would have faulted (SIGBUS) and killed the process;
 - an input is copied into the server's own memory as it is read: the client cannot change the
-  bytes under a batch that is running.
+  bytes under a batch that is running;
+- no object of the server's own memory is ever a region: the hand-off's has no name to give
+  (app/handoff/memory.py), and an object that is memory this process holds or maps is refused all
+  the same (own_memory.py), whatever the layout.
 
 All of it runs on the event loop, as the routes do, so a region is never closed while a request
 of this process is moving bytes through it; one unregistered while a request waits for its batch
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.protocol import own_memory
 from app.protocol.errors import InvalidInput, RegionNotFound, UnsupportedExtension
 from app.protocol.limits import MAX_REGIONS
 
@@ -188,6 +192,8 @@ class SharedMemoryRegions:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise InvalidInput(f"{path} is not a shared memory object (not a regular file)")
+            if own_memory.is_own(info):
+                raise InvalidInput(f"shared memory object {key!r} is this server's own memory, never a client's region")
             if offset + byte_size > info.st_size:
                 raise InvalidInput(
                     f"region {name!r} ({byte_size} bytes at offset {offset}) does not fit in shared memory "
