@@ -3,7 +3,8 @@
 The differential test sends each case of the suite's bad-input catalogues (tests/test_hostile.py)
 and a set of the protocol's own (negotiation, auth, limits, framing, escapes, Monte Carlo,
 compression) to two real servers, one serving plain tensor requests below ASGI (the default) and
-one with `FFN_LEAN_PATH=false`, where FastAPI answers everything; status, error body and the
+one with `FFN_LEAN_PATH=false`, where FastAPI answers everything, in both layouts (one process, and
+a front with the engine process); status, error body and the
 headers that carry meaning must be equal. The in-process tests prove that the lean path is the one
 answering, that its answers are right (numpy's FFN), and that a client hanging up gives back what
 its request held.
@@ -170,9 +171,12 @@ NO_KEY: dict[str, Case] = {  # sent without the key (the rest carry it)
 }
 
 
-@pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
+@pytest.fixture(scope="module", params=["one process", "a front and the engine"])
+def servers(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A server with the lean path and one without; one process each, or one front and an engine process each."""
     env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0", "FFN_ACCESS_LOG": "true"}
+    if request.param == "a front and the engine":
+        env |= {"FFN_SHARED_ENGINE": "true", "FFN_WORKERS": "1"}
     with start_server(env=env) as lean_server, start_server(env={**env, "FFN_LEAN_PATH": "false"}) as full_server:
         yield lean_server, full_server
 

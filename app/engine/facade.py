@@ -14,6 +14,7 @@ Errors are app/engine/errors.py's kinds, statuses app/engine/status.py's.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -105,6 +106,13 @@ class ModelFacade(ListedModel, Protocol):
 
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
         """The FFN of `rows` as an array carrying `answer_dtype`; `deadline` in loop.time() seconds."""
+        ...
+
+    def infer_soon(
+        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+    ) -> asyncio.Future[np.ndarray]:
+        """`infer` without a coroutine: refused (raising) or sent now; the answer's future, which a caller
+        with no task per request waits on (the HTTP door's lean path). Cancelling it withdraws the rows."""
         ...
 
     async def infer_monte_carlo(

@@ -42,11 +42,12 @@ class EngineNotRunning(Unavailable):
 
 @dataclass
 class Pending:
-    answer: asyncio.Future[list[np.ndarray]]
+    answer: asyncio.Future[Any]  # list[np.ndarray], or the one np.ndarray when `single`
     slot: Slot | None
     dtype: DType
     parts: int  # 1, or 2 for a Monte Carlo request's mean and std
     context: RequestContext | None  # the request's: told which model copy computed it (and a trace, what it rode in)
+    single: bool = False  # answered its one array itself, not a list of them (infer_soon)
 
 
 class EngineClient:
@@ -108,6 +109,28 @@ class EngineClient:
         link = await self._connected()
         (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
         return answer
+
+    def infer_soon(
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+        context: RequestContext | None = None,
+    ) -> asyncio.Future[np.ndarray]:
+        """`infer` without a coroutine where the link is up: sent now, the answer's future (cancelling it
+        withdraws the request). While there is no link yet, a task that waits for one, as `infer` does."""
+        link = self._link
+        if link is None or link.closed:
+            return asyncio.ensure_future(
+                self.infer(model, version, rows, answer_dtype, deadline=deadline, context=context)
+            )
+        future: asyncio.Future[np.ndarray] = link.ask_soon(
+            model, version, rows, answer_dtype, deadline, None, context, single=True
+        )
+        return future
 
     async def infer_monte_carlo(
         self,
@@ -242,6 +265,27 @@ class _Link:
         monte_carlo: MonteCarloRequest | None,
         context: RequestContext | None,
     ) -> list[np.ndarray]:
+        answer: list[np.ndarray] = await self.ask_soon(
+            model, version, rows, answer_dtype, deadline, monte_carlo, context
+        )
+        return answer
+
+    def ask_soon(
+        self,
+        model: str,
+        version: str | None,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        deadline: float | None,
+        monte_carlo: MonteCarloRequest | None,
+        context: RequestContext | None,
+        *,
+        single: bool = False,
+    ) -> asyncio.Future[Any]:
+        """Send the request now; the future of its answer (`single`: the array itself, else a list of them).
+
+        Cancelling the future withdraws the request: the engine is told, and its slot stays taken
+        until the engine answers for it (see app/handoff/engine.py)."""
         slot = None
         if self.arena.fits(rows.nbytes):
             slot = self.arena.take()
@@ -255,7 +299,7 @@ class _Link:
         ask = next(self._ids)
         loop = asyncio.get_running_loop()
         trace = None if context is None else context.trace
-        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, context)
+        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, context, single)
         self.pending[ask] = pending
         self._frames.send(
             (
@@ -277,15 +321,14 @@ class _Link:
         )
         load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
         self.rows_in_flight += load
-        try:
-            return await pending.answer
-        except asyncio.CancelledError:
-            if ask in self.pending and not self.closed:
-                # Its slot stays taken until the engine answers for it (see app/handoff/engine.py).
-                self._frames.send((CANCEL, ask))
-            raise
-        finally:
-            self.rows_in_flight -= load
+        pending.answer.add_done_callback(lambda answer: self._asked(ask, load, answer))
+        return pending.answer
+
+    def _asked(self, ask: int, load: int, answer: asyncio.Future[Any]) -> None:
+        """A request's answer came, failed, or was given up: its rows leave the count; given up, the engine is told."""
+        self.rows_in_flight -= load
+        if answer.cancelled() and ask in self.pending and not self.closed:
+            self._frames.send((CANCEL, ask))
 
     async def close(self) -> None:
         self._reading.cancel()
@@ -327,7 +370,8 @@ class _Link:
             if kind == FAILED:
                 pending.answer.set_exception(error_from_data(message[3], message[4], message[5]))
             elif kind == DONE:
-                pending.answer.set_result(self._arrays(pending, message[3], message[4]))
+                arrays = self._arrays(pending, message[3], message[4])
+                pending.answer.set_result(arrays[0] if pending.single else arrays)
                 context = pending.context
                 if context is not None:
                     context.computed_by = message[6]

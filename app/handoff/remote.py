@@ -135,8 +135,15 @@ class RemoteModel:
         return min(clients[first:] + clients[:first], key=lambda client: client.rows_in_flight)
 
     async def infer(self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None) -> np.ndarray:
+        return await self.infer_soon(rows, answer_dtype, deadline=deadline)
+
+    def infer_soon(
+        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+    ) -> asyncio.Future[np.ndarray]:
+        """`infer` without a coroutine (the HTTP door's lean path): sent to the least loaded engine now, the
+        answer's future; cancelling it withdraws the request. The current request's context crosses with it."""
         client = self._least_loaded()
-        return await client.infer(self.name, None, rows, answer_dtype, deadline=deadline, context=current())
+        return client.infer_soon(self.name, None, rows, answer_dtype, deadline=deadline, context=current())
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None

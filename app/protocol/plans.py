@@ -23,7 +23,6 @@ import numpy as np
 
 from app.engine.facade import ModelFacade
 from app.protocol import native as codec
-from app.protocol.digest import DIGEST_HEADER
 from app.protocol.tensors import check_finite_output, raw_bytes
 from ffn_core.dtypes import DType
 
@@ -41,7 +40,8 @@ class NativePlan:
     encoding_in: codec.Encoding
     encoding_out: codec.Encoding
     raw: codec.RawLayout | None  # a raw body's layout, from X-Shape and X-Dtype
-    answer_headers: tuple[tuple[str, str], ...]  # the answer's headers that no body changes (raw: all of them)
+    # The answer's headers that no body changes (raw: all but the digest, which names the copy that computed it).
+    answer_headers: tuple[tuple[str, str], ...]
 
     def decode(self, body: bytes | bytearray, max_rows: int) -> codec.DecodedInput:
         """The body's rows, refused exactly as the full path refuses them (400, 406), checked answerable."""
@@ -90,7 +90,6 @@ def native_plan(
         if encoding_out == "raw":
             headers["x-shape"] = ",".join(map(str, raw.shape))
             headers["x-dtype"] = raw.dtype.name
-    headers[DIGEST_HEADER] = model.digest
     return NativePlan(
         model.name, model.d_model, weakref.ref(model), encoding_in, encoding_out, raw, tuple(headers.items())
     )

@@ -20,7 +20,7 @@ time in ffn_http_request_seconds. The door takes only what it can answer exactly
 would, and leaves everything else to it (`admit` returns None): a head the full path would refuse
 (its answer is then the full path's own), a compressed body or answer, a traced server, a CORS
 request, a pipelined request behind another, a chunked body, `Expect: 100-continue`, a query
-string (native Monte Carlo), a path with escapes, a model served by another process.
+string (native Monte Carlo), a path with escapes.
 tests/test_lean.py sends the suite's bad-input and hostile cases through both and compares them.
 """
 
@@ -41,6 +41,7 @@ from app.http.errors import error_body
 from app.metrics import observe_many
 from app.protocol import kserve_v1
 from app.protocol.admission import Hold, deadline_from
+from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import INTERNAL, ClientDisconnected, error_type_of, kind_of, message_of
 from app.protocol.fields import answer_coding
 from app.protocol.identity import CURRENT, RequestContext, bearer_matches, request_id_from
@@ -253,8 +254,6 @@ class LeanDoor:
     @staticmethod
     def _predict_head(served: Any, planned: Sequence[bytes | None]) -> bool:
         """Whether the lean path takes a KServe V1 predict head (else the full path answers it); its 415 raised."""
-        if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
-            return False
         content_type, accept_encoding = planned[0], planned[4]
         kserve_v1.check_content(None if content_type is None else content_type.decode("latin-1"))
         return answer_coding(None if accept_encoding is None else accept_encoding.decode("latin-1")) is None
@@ -262,8 +261,6 @@ class LeanDoor:
     @staticmethod
     def _v2_head(served: Any, planned: Sequence[bytes | None]) -> bool:
         """Whether the lean path takes a V2 infer head (else the full path answers it); its 415 raised."""
-        if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
-            return False
         content_type, accept_encoding, header_length = planned[0], planned[4], planned[5]
         if header_length is None:  # with the binary extension the body is not JSON, whatever its Content-Type
             v2_codec.check_content(None if content_type is None else content_type.decode("latin-1"))
@@ -274,8 +271,6 @@ class LeanDoor:
         key = (name, *planned[:5])
         plan = self._plans.get(key)
         if plan is None or not plan.core.is_for(served):
-            if not hasattr(served, "infer_soon"):  # a front's model (another process batches): the full path
-                return None
             content_type, shape, dtype, accept, accept_encoding, _ = (
                 None if value is None else value.decode("latin-1") for value in planned
             )
@@ -414,7 +409,7 @@ class LeanRequest:
         del body  # binary rows are a view of it: those bytes stay held, and counted
         if plan.encoding_in == "json":  # the body is gone, parsed into an array of its own
             self.hold.resize(decoded.rows.nbytes)
-        self.decoded = decoded
+        self.decoded, self.served = decoded, served
         future: asyncio.Future[np.ndarray] = served.infer_soon(
             decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline
         )
@@ -465,6 +460,8 @@ class LeanRequest:
         if self.plan is not None:
             assert self.decoded is not None, "a computed native request was decoded; this is a bug."
             body, extra = self.plan.core.encode(answer, self.decoded)
+            # The digest of the copy that computed it: a front's model names the engine's copy (a reload may race).
+            extra += ((DIGEST_HEADER, self.served.digest),)
             return body, self.plan.fixed_head + b"".join(_header_line(name, value) for name, value in extra)
         if self.route == PREDICT_ROUTE:
             assert self.decoded is not None, "a computed KServe V1 request was decoded; this is a bug."
