@@ -268,7 +268,8 @@ class Settings(BaseSettings):
         default=1024,
         ge=1,
         description="Open HTTP connections per process: at the cap the one idle longest is closed for a new one, "
-        "and with none idle the new one gets 503; at most half may be still sending their request. Also the most "
+        "else the one whose head has been arriving longest, and with neither the new one gets 503; at most half may "
+        "be still sending their request (past it, the oldest incomplete head makes room, else 503). Also the most "
         "gRPC connections, and gRPC calls in flight, per process (past it, RESOURCE_EXHAUSTED; the probes, which "
         "need no key, have as many of their own). The process's file descriptor limit is "
         "raised to fit it, or it is lowered with a log line.",

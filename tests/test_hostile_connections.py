@@ -304,3 +304,69 @@ async def test_pipelined_model_requests_are_each_answered_right_in_order(server:
             assert_close(np.array(r.json()["outputs"], dtype=np.float32), demo_reference(x), rtol=1e-4)
     finally:
         writer.close()
+
+
+TRICKLERS = 600  # issue 40's count: more than the half of the default cap (1024) kept for clients still sending
+
+
+async def _trickle(port: int, stop: asyncio.Event) -> None:
+    """A request line, then one header line every 1.5 s, never a whole head; again on a new connection once closed."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(HOST, port)
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        try:
+            writer.write(b"POST /v1/models/demo/transform HTTP/1.1\r\nHost: x\r\n")
+            while not stop.is_set():
+                try:
+                    if await asyncio.wait_for(reader.read(1024), 1.5) == b"":
+                        break  # closed to make room (or timed out): come back
+                except TimeoutError:
+                    writer.write(b"X-Trickle: 1\r\n")
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+async def _good_request(port: int, seed: int, split: bool) -> None:
+    """A whole request on a new connection, its head and body in one write or (`split`) in two reads."""
+    x = np.random.default_rng(seed).standard_normal((2, 512)).astype(np.float32)
+    headers = {
+        **AUTH,
+        "content-type": "application/octet-stream",
+        "x-shape": "2,512",
+        "accept": "application/octet-stream",
+    }
+    data = http_request("POST", V1, headers, x.tobytes())
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        if split:
+            writer.write(data[: -x.nbytes])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(data[-x.nbytes :] if split else data)
+        r = await asyncio.wait_for(read_response(reader), 60)
+    finally:
+        writer.close()
+    assert r.status == 200, r.body[:300]
+    assert_close(np.frombuffer(r.body, np.float32).reshape(2, 512), demo_reference(x))
+
+
+async def test_head_tricklers_at_the_default_cap_never_cost_a_whole_request() -> None:
+    # Issue 40, class 5: some 600 connections trickling a header line every 1.5 s filled the half of
+    # the cap kept for clients still sending, and good POSTs on new connections got 503 (15 of 77).
+    # Now the oldest incomplete head makes room: every good request is answered, and right.
+    with start_server(env={"FFN_WARMUP": "0", "FFN_API_KEY": KEY}) as served:
+        stop = asyncio.Event()
+        tricklers = [asyncio.create_task(_trickle(served.port, stop)) for _ in range(TRICKLERS)]
+        try:
+            await asyncio.sleep(3)  # every trickler connected and a line or two in
+            for seed in range(60):
+                await _good_request(served.port, seed, split=bool(seed % 2))
+        finally:
+            stop.set()
+            await asyncio.gather(*tricklers, return_exceptions=True)
+        assert "too_many_connections" not in served.logs()

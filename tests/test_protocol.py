@@ -495,15 +495,36 @@ async def test_at_the_cap_with_no_idle_connection_a_new_one_gets_503_then_is_ser
 
 
 async def test_connections_still_sending_their_request_hold_half_the_cap_at_most() -> None:
+    # Issue 40, class 5: heads trickled in filled the receiving half, and a client whose request came
+    # in two reads was refused 503. Now the slowest head (the oldest still incomplete) makes room.
     async with serving(limits_with(max_connections=8)) as served:
         tricklers = [await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
         await until(lambda: served.budget.receiving == 4, "half the cap receiving")
-        reader, writer = await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
-        assert "still sending" in json_error(await answer(reader), 503, "too_many_connections")["error"]
+        # A request whose head and body come in two reads: its head is whole, so it never makes room...
+        reader, writer = await served.connect(request("POST", "/split", b"0123456789")[:-10])
+        assert await until_closed(tricklers[0][0]) == b""  # ... the oldest trickled head does, closed
+        assert served.budget.receiving == 4
+        writer.write(b"0123456789")
+        assert (await answer(reader)).json() == {"path": "/split", "body_bytes": 10}
         # A request that arrives whole is served beside them.
         good_reader, good_writer = await served.connect(request("GET", "/good"))
         assert (await answer(good_reader)).json() == {"path": "/good", "body_bytes": 0}
-        for _, other in [*tricklers, (reader, writer), (good_reader, good_writer)]:
+        # Tricklers take the place of the oldest trickler left, never of the answered clients.
+        late = [await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n") for _ in range(2)]
+        assert await until_closed(tricklers[1][0]) == b""
+        assert served.budget.receiving == 4
+        for _, other in [*tricklers, *late, (reader, writer), (good_reader, good_writer)]:
+            other.close()
+
+
+async def test_with_every_receiving_place_taken_by_a_body_a_newcomer_still_sending_gets_503() -> None:
+    # Bodies are bounded by min_body_rate, not made to yield: only incomplete heads make room.
+    async with serving(limits_with(max_connections=8)) as served:
+        uploads = [await served.connect(request("POST", "/up", b"x" * 10, Content_Length="1000")) for _ in range(4)]
+        await until(lambda: served.budget.receiving == 4, "half the cap receiving")
+        reader, writer = await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n")
+        assert "still sending" in json_error(await answer(reader), 503, "too_many_connections")["error"]
+        for _, other in [*uploads, (reader, writer)]:
             other.close()
 
 
@@ -512,13 +533,14 @@ async def test_a_request_refused_while_its_body_is_coming_never_enters_the_app()
     # whole stack (for a client that reconnects the moment it is refused, most of the server's time).
     app = EchoApp()
     async with serving(limits_with(max_connections=8), app) as served:
-        tricklers = [await served.connect(b"GET /slow HTTP/1.1\r\nHost: x\r\n") for _ in range(4)]
+        # Bodies hold every receiving place (heads would make room): the next one is refused.
+        tricklers = [await served.connect(request("POST", "/up", b"x" * 10, Content_Length="1000")) for _ in range(4)]
         await until(lambda: served.budget.receiving == 4, "half the cap receiving")
         reader, writer = await served.connect(request("POST", "/refused", b"0123456789", Content_Length="1000"))
         assert "still sending" in json_error(await answer(reader), 503, "too_many_connections")["error"]
         good_reader, good_writer = await served.connect(request("GET", "/good"))
         assert (await answer(good_reader)).json() == {"path": "/good", "body_bytes": 0}
-        assert app.started == 1 and [seen.path for seen in app.seen] == ["/good"]
+        assert [seen.path for seen in app.seen] == ["/good"]
         for _, other in [*tricklers, (reader, writer), (good_reader, good_writer)]:
             other.close()
 
@@ -529,11 +551,29 @@ def test_the_budget_closes_the_connection_idle_longest_and_counts_receivers() ->
     budget.busy("a")
     budget.idle("b")  # b is now the most recently idle; c the longest
     assert budget.opened("d") == (True, "c")
-    assert budget.still_receiving("b") is True  # one receiver: max_receiving is 3 // 2 = 1
-    assert budget.still_receiving("d") is False
-    assert budget.opened("e") == (False, None)  # a busy, b receiving, d refused: none idle
+    assert budget.still_receiving("b", in_head=False) == (True, None)  # one receiver: max_receiving is 3 // 2 = 1
+    assert budget.still_receiving("d", in_head=False) == (False, None)  # b sends a body: it does not make room
+    assert budget.opened("e") == (False, None)  # a busy, b receiving, d refused: none idle, no head arriving
     budget.closed("a")
     assert budget.opened("e") == (True, None)
+
+
+def test_the_budget_closes_the_oldest_incomplete_head_for_room() -> None:
+    budget: ConnectionBudget[str] = ConnectionBudget(max_connections=4)  # two may be receiving
+    assert [budget.opened(name) for name in "abcd"] == [(True, None)] * 4
+    assert budget.still_receiving("a", in_head=True) == (True, None)
+    assert budget.still_receiving("b", in_head=True) == (True, None)
+    assert budget.still_receiving("a", in_head=True) == (True, None)  # more of its head: still the oldest
+    assert budget.still_receiving("c", in_head=False) == (True, "a")  # a whole head waits for its body
+    assert budget.still_receiving("b", in_head=False) == (True, None)  # b's head is whole now
+    assert budget.still_receiving("d", in_head=True) == (False, None)  # no head left to close: refused
+    budget.busy("c")
+    budget.busy("d")
+    assert budget.opened("e") == (True, None)  # a is gone: room
+    assert budget.still_receiving("e", in_head=True) == (True, None)
+    assert budget.opened("f") == (True, "e")  # at the cap, none idle: the oldest incomplete head goes
+    budget.busy("f")
+    assert budget.opened("g") == (False, None)  # none idle, no head arriving
 
 
 # ----- every byte that is not body data counts, in slices cut where messages may end (issue 20) -----

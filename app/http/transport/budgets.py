@@ -8,8 +8,15 @@ to hold, and are bounded here besides:
 - idle ones (nothing unanswered, no byte of a next request yet): at the cap, a new connection
   closes the one idle longest instead of being refused (as a keep-alive timeout would, only sooner);
 - receiving ones (a request begun whose head or body has not all arrived, when a read ends):
-  at most half the cap. A request that arrives in one read, the common case, never counts; a
-  client trickling its request in must wait its turn, so tricklers cannot keep everyone out.
+  at most half the cap. A request that arrives in one read, the common case, never counts.
+
+Slow heads make room; complete requests never do. Among the receiving connections, those whose
+head is still incomplete are kept in the order their heads began: when a connection needs a
+receiving place and none is left, or a new connection finds the cap reached and none idle, the
+connection whose head began longest ago and is still not whole (the one whose head has made the
+least progress) is closed for it. A head that trickles in a line every second or two is that one;
+a client's head arrives in microseconds. Only when no head is incomplete (every receiving
+connection is sending a body, which `min_body_rate` bounds) is the newcomer refused with 503.
 
 What is left holding the cap is work the server itself does (a request in the queue, an answer
 being sent), which the queue, the deadlines and the send timeout bound. Pure bookkeeping: no
@@ -50,6 +57,7 @@ class ConnectionBudget(Generic[Connection]):
         self._open: set[Connection] = set()
         self._idle: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._receiving: set[Connection] = set()
+        self._heads: OrderedDict[Connection, None] = OrderedDict()  # receiving, head incomplete: oldest head first
 
     @property
     def open(self) -> int:
@@ -60,12 +68,16 @@ class ConnectionBudget(Generic[Connection]):
         return len(self._receiving)
 
     def opened(self, connection: Connection) -> tuple[bool, Connection | None]:
-        """A new connection: (admitted, the idle connection to close to make room for it, if any)."""
+        """A new connection: (admitted, the connection to close to make room for it, if any): the one idle
+        longest, else the oldest incomplete head; with neither, it is not admitted."""
         victim = None
         if len(self._open) >= self.max_connections:
-            if not self._idle:
+            if self._idle:
+                victim, _ = self._idle.popitem(last=False)
+            elif self._heads:
+                victim, _ = self._heads.popitem(last=False)
+            else:
                 return False, None
-            victim, _ = self._idle.popitem(last=False)
             self._forget(victim)
         self._open.add(connection)
         self._idle[connection] = None
@@ -75,6 +87,7 @@ class ConnectionBudget(Generic[Connection]):
         """Nothing unanswered and no byte of a next request: the first to go when room is needed."""
         if connection in self._open:
             self._receiving.discard(connection)
+            self._heads.pop(connection, None)
             self._idle[connection] = None
             self._idle.move_to_end(connection)
 
@@ -82,16 +95,26 @@ class ConnectionBudget(Generic[Connection]):
         """A request is in the server's hands (queued, computed, or its answer being sent)."""
         self._idle.pop(connection, None)
         self._receiving.discard(connection)
+        self._heads.pop(connection, None)
 
-    def still_receiving(self, connection: Connection) -> bool:
-        """A read ended inside a request: True if it may wait for the rest, False if too many already do."""
+    def still_receiving(self, connection: Connection, *, in_head: bool) -> tuple[bool, Connection | None]:
+        """A read ended inside a request (`in_head`: its head is not whole yet): (whether it may wait for the
+        rest, the connection to close to make room for it, if any: the oldest incomplete head)."""
         self._idle.pop(connection, None)
         if connection in self._receiving:
-            return True
+            if not in_head:
+                self._heads.pop(connection, None)  # its head is whole now: never the one closed for room
+            return True, None
+        victim = None
         if len(self._receiving) >= self.max_receiving:
-            return False
+            victim = next((head for head in self._heads if head is not connection), None)
+            if victim is None:
+                return False, None
+            self._forget(victim)
         self._receiving.add(connection)
-        return True
+        if in_head:
+            self._heads[connection] = None
+        return True, victim
 
     def closed(self, connection: Connection) -> None:
         self._forget(connection)
@@ -100,6 +123,7 @@ class ConnectionBudget(Generic[Connection]):
         self._open.discard(connection)
         self._idle.pop(connection, None)
         self._receiving.discard(connection)
+        self._heads.pop(connection, None)
 
 
 class TakesTurns(Protocol):

@@ -253,11 +253,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.flow = HeldFlowControl(transport)
         self._lean_door = getattr(self.config.loaded_app, "lean_door", None)
         self.app = _unless_refused(self.app)
-        self._admitted, idle = self.budget.opened(self)
-        if idle is not None:
-            idle.transport.close()  # room for this one: idle, it loses nothing a retry cannot give back
+        self._admitted, victim = self.budget.opened(self)
+        if victim is not None:
+            # Room for this one: the connection idle longest (it loses nothing a retry cannot give
+            # back), or else the slowest head still arriving (it has sent no whole request).
+            victim.transport.close()
         if not self._admitted:  # answered 503 once its head arrives (_account), then closed
-            self._warn_cap(f"{self.budget.open} connections open, none idle: refusing new ones with 503")
+            self._warn_cap(
+                f"{self.budget.open} connections open, none idle and no head arriving: refusing new ones with 503"
+            )
         self._idle_since = self.loop.time()
         self._arm_head_timer()
         if self.closing:
@@ -459,7 +463,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(TooManyConnections("the server holds its maximum of open connections; retry shortly"))
             return
         if self._overhead or self._in_body:
-            if not self.budget.still_receiving(self):
+            # A head in progress behind requests not yet answered is never one to close: those are whole.
+            in_head = not self._in_body and not self._unanswered
+            admitted, victim = self.budget.still_receiving(self, in_head=in_head)
+            if victim is not None:  # the slowest head still arriving makes room for this request
+                victim.transport.close()
+            if not admitted:
                 self._warn_cap(
                     f"{self.budget.receiving} connections still sending their requests: refusing more with 503"
                 )
