@@ -27,16 +27,16 @@ MEASURABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 class PeakMemory:
-    """Samples a server's resident size every 20 ms while a block runs: `growth` is peak minus before."""
+    """Samples a server's resident size (its whole process tree's) every 20 ms while a block runs: `growth` is peak minus before."""
 
     def __init__(self, server: ServerProcess) -> None:
         self.server = server
-        self.before = self.peak = server.rss_bytes()
+        self.before = self.peak = server.tree_rss_bytes()
         self._task: asyncio.Task[None] | None = None
 
     async def _sample(self) -> None:
         while True:
-            self.peak = max(self.peak, self.server.rss_bytes())
+            self.peak = max(self.peak, self.server.tree_rss_bytes())
             await asyncio.sleep(0.02)
 
     async def __aenter__(self) -> PeakMemory:
@@ -46,7 +46,7 @@ class PeakMemory:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        self.peak = max(self.peak, self.server.rss_bytes())
+        self.peak = max(self.peak, self.server.tree_rss_bytes())
 
     @property
     def growth(self) -> int:

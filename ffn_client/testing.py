@@ -231,6 +231,17 @@ class ServerProcess:
         """The process's resident memory now. With a command prefix, the prefix's process: use one that execs."""
         return read_rss(self.proc.pid)
 
+    def tree_rss_bytes(self) -> int:
+        """The resident memory of the process and its descendants now (the fronts and engines of a layout):
+        shared pages counted in each process that maps them, so an upper bound of what the tree holds."""
+        total = 0
+        for pid in process_tree(self.proc.pid):
+            try:
+                total += read_rss(pid)
+            except (OSError, RuntimeError):  # exited meanwhile, or a zombie: it holds nothing
+                continue
+        return total
+
     def worker_pids(self) -> set[int]:
         """A supervisor's worker (and engine) processes, not its fork server or resource tracker.
 

@@ -20,6 +20,7 @@ from ffn_client.testing import ServerProcess, metric_value, start_server, wait_f
 from tests.grpc_helpers import D_MODEL, infer_request, output_of, stub, trailers
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
+from tests.test_hostile import LAYOUTS
 from tests.test_overload import SlowRequest, metrics
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -29,9 +30,11 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, D_MODEL)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with start_server(env={"FFN_LOG_LEVEL": "warning", "FFN_MAX_CONNECTIONS": "48"}) as srv:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Every case against both layouts: one process, and a front with the engine process (issue 40)."""
+    env = {"FFN_LOG_LEVEL": "warning", "FFN_MAX_CONNECTIONS": "48", **LAYOUTS[request.param]}
+    with start_server(env=env) as srv:
         yield srv
 
 

@@ -31,9 +31,13 @@ JSON = {"Content-Type": "application/json"}
 ZEROS = ", ".join(["0.0"] * (D_MODEL - 1))  # the rest of a row after its first value
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0"}
+LAYOUTS = {"one process": {}, "a front and the engine": {"FFN_SHARED_ENGINE": "true", "FFN_WORKERS": "1"}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Every case against both layouts: one process, and a front with the engine process (issue 40)."""
+    env = {"FFN_API_KEY": KEY, "FFN_MAX_BODY_BYTES": str(BODY_LIMIT), "FFN_WARMUP": "0", **LAYOUTS[request.param]}
     with start_server(env=env) as srv:
         yield srv
 

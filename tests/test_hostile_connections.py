@@ -31,6 +31,7 @@ from bench.hostile_clients import (
 from ffn_client.http1 import Response, read_response
 from ffn_client.testing import HOST, ServerProcess, http_request, metric_value, raw_request, start_server
 from tests.reference import assert_close, demo_reference
+from tests.test_hostile import LAYOUTS
 from tests.wire import demo_answers_right
 
 KEY = "connections-test-key-41c2"
@@ -49,8 +50,9 @@ MiB = 1 << 20
 PROBE_BOUND_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Against both layouts: one process, and a front with the engine process (issue 40)."""
     env = {
         "FFN_API_KEY": KEY,
         "FFN_CORS_ORIGINS": f'["{ORIGIN}"]',
@@ -61,7 +63,7 @@ def server() -> Iterator[ServerProcess]:
         "FFN_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
         **MEASURABLE_MALLOC,
     }
-    with start_server(env=env) as srv:
+    with start_server(env={**env, **LAYOUTS[request.param]}) as srv:
         yield srv
 
 
@@ -241,7 +243,7 @@ async def test_answers_nobody_reads_are_dropped_not_kept(server: ServerProcess) 
     request = unread_request(headers=AUTH)
     for _ in range(2):  # read normally first: the allocator's and torch's caches at this size are not a leak
         assert (await raw_request(server.port, request)).status == 200
-    before = server.rss_bytes()
+    before = server.tree_rss_bytes()
 
     drops = server.logs().count("dropping a connection that read none")
     sockets = [await request_and_never_read(server.port, request) for _ in range(8)]
@@ -254,7 +256,7 @@ async def test_answers_nobody_reads_are_dropped_not_kept(server: ServerProcess) 
             await asyncio.sleep(0.1)
         # The clients are still connected: only the drops can free the answers. The memory goes
         # back a moment after each drop (the request's task ends, the allocator returns the pages).
-        while (after := server.rss_bytes()) - before >= 16 * MiB and loop.time() < give_up:
+        while (after := server.tree_rss_bytes()) - before >= 16 * MiB and loop.time() < give_up:
             await asyncio.sleep(0.1)
     finally:
         for sock in sockets:

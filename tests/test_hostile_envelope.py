@@ -28,6 +28,7 @@ from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_for
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
 from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.reference import assert_close, demo_reference
+from tests.test_hostile import LAYOUTS
 
 pytestmark = pytest.mark.server
 
@@ -39,9 +40,12 @@ ROW = np.linspace(-1, 1, D_MODEL, dtype=np.float32).reshape(1, D_MODEL)
 NUMBERS = b"[" + b",".join([b"1.5"] * MILLIONS) + b"]"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with start_server(env={**MEASURABLE_MALLOC, "FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning"}) as srv:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Against both layouts: one process, and a front with the engine process (issue 40)."""
+    with start_server(
+        env={**MEASURABLE_MALLOC, "FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning", **LAYOUTS[request.param]}
+    ) as srv:
         yield srv
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_pipelined, flood_trailers, trickle_body
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from tests.test_hostile import LAYOUTS
 from tests.wire import demo_answers_right
 
 KEY = "floods-test-key-7d1e"
@@ -25,8 +26,9 @@ MiB = 1 << 20
 FLAT = 50 * MiB  # the issue's bound on RSS growth under a flood
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """Against both layouts: one process, and a front with the engine process (issue 40)."""
     env = {
         "FFN_API_KEY": KEY,
         "FFN_WARMUP": "0",
@@ -36,7 +38,7 @@ def server() -> Iterator[ServerProcess]:
         "FFN_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
         **MEASURABLE_MALLOC,
     }
-    with start_server(env=env) as srv:
+    with start_server(env={**env, **LAYOUTS[request.param]}) as srv:
         yield srv
 
 
