@@ -159,5 +159,14 @@ def _reason(item: Mapping[str, Any]) -> str:
 
 
 def _quote(value: object) -> str:
-    text = repr(value)
+    text = without_credentials(repr(value))
     return text if len(text) <= LONGEST_VALUE else text[: LONGEST_VALUE - 3] + "..."
+
+
+# A URL's user information (`scheme://user:password@host`): never echoed, whatever else is wrong with the URL.
+_USERINFO = re.compile(r"(?<=//)[^/?#@\s]*@")
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the user and password of every URL in it replaced by `***` (a refused URL is shown, its secret never)."""
+    return _USERINFO.sub("***@", text)

@@ -84,6 +84,18 @@ def test_the_command_stops_with_one_line_per_problem(
     assert "--otlp-endpoint" in capsys.readouterr().err
 
 
+def test_an_endpoint_with_credentials_is_refused_without_echoing_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 41: the refusal printed the password it refused to log.
+    assert main(["--otlp-endpoint", "http://tracer:s3cr3t-pw@collector:4318"]) == 2
+    err = capsys.readouterr().err
+    assert "credentials" in err and "s3cr3t-pw" not in err and "tracer" not in err and "collector:4318" in err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "https://tracer:s3cr3t-pw@collector:4318")
+    (line,) = problems(None, dict(os.environ))
+    assert "credentials" in line and "s3cr3t-pw" not in line and "tracer" not in line and "***@collector" in line
+
+
 def _sdk_loaded_after_create_app(env: dict[str, str]) -> bool:
     code = (
         "import sys, json\n"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.settings_problems import url_problem
+from app.settings_problems import url_problem, without_credentials
 
 # The samplers OpenTelemetry's SDK environment specification names and the Python SDK implements.
 SAMPLERS = (
@@ -79,7 +79,7 @@ def problems(otlp_endpoint: str | None, environ: Mapping[str, str]) -> list[str]
         named = environ[export.named_by].strip()
         problem = endpoint_problem(named, base=export.named_by == "OTEL_EXPORTER_OTLP_ENDPOINT")
         if problem is not None:
-            found.append(f"{export.named_by}={named!r} {problem}")
+            found.append(f"{export.named_by}={without_credentials(repr(named))} {problem}")
     for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = environ.get(variable, "").strip()
         if protocol and protocol != PROTOCOL:
