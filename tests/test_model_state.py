@@ -162,3 +162,13 @@ def test_a_control_that_reached_no_process_is_unavailable_not_a_crash() -> None:
     # pipe by then; reading the version from the first reply raised IndexError (a 500).
     with pytest.raises(Unavailable, match="load of model 'm' reached no serving process"):
         _outcome("m", "load", [])
+
+
+async def test_an_unknown_models_404_names_the_nearest_served_one(start_app) -> None:
+    # Issue 41: a typo got "is not served here" and nothing more.
+    client = (await start_app(Settings(max_batch_rows=8))).client
+    typo = await client.post("/v1/models/dmeo/transform", json={"inputs": [[0.0] * 512]})
+    assert typo.status_code == 404
+    assert typo.json()["error"].startswith("model 'dmeo' is not served here; did you mean 'demo'?")
+    far = await client.get("/v2/models/bert-large")
+    assert far.status_code == 404 and "did you mean" not in far.json()["error"]

@@ -99,7 +99,8 @@ class Engine:
         """The model served as `name` (and `version`, where a path names one); ModelNotFound (404) if none."""
         served = self._registry.models.get(name)
         if served is None:
-            raise not_served_error(name, version, None, unloaded=name in self._registry.unloaded)
+            models = self._registry.models
+            raise not_served_error(name, version, None, unloaded=name in self._registry.unloaded, served=models.keys())
         if version is not None and version != str(served.version):
             raise not_served_error(name, version, served.version, unloaded=False)
         return served

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from app.engine.errors import EngineError, ModelNotFound, Unavailable
@@ -11,17 +13,27 @@ if TYPE_CHECKING:
     from app.engine.registry import ServedModel
 
 
-def not_served_error(name: str, version: str | None, served_version: int | None, *, unloaded: bool) -> ModelNotFound:
-    """Why `name` (at `version`) cannot be looked up: not served (or unloaded), or served at another version."""
+def not_served_error(
+    name: str, version: str | None, served_version: int | None, *, unloaded: bool, served: Collection[str] = ()
+) -> ModelNotFound:
+    """Why `name` (at `version`) cannot be looked up: not served (or unloaded), or served at another version.
+
+    `served`: the names served, for a hint: the nearest one, when one is close."""
     if served_version is None:
         if unloaded:
             return unloaded_error(name)
-        return ModelNotFound(f"model {name[:100]!r} is not served here", name=name)
+        return ModelNotFound(f"model {name[:100]!r} is not served here{_hint(name, served)}", name=name)
     return ModelNotFound(
         f"model {name[:100]!r} has no version {str(version)[:32]!r}; the version served is {served_version}",
         name=name,
         version=version,
     )
+
+
+def _hint(name: str, served: Collection[str]) -> str:
+    """'; did you mean X?' with the served name closest to `name`, if one is close (the door's hint lists them all)."""
+    close = difflib.get_close_matches(name[:100], list(served), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def not_ready_error(name: str, status: ModelStatus) -> EngineError:

@@ -265,7 +265,7 @@ class RemoteEngine:
     def model(self, name: str, version: str | None = None) -> RemoteModel:
         served = self._models.get(name)
         if served is None:
-            raise not_served_error(name, version, None, unloaded=name in self._unloaded)
+            raise not_served_error(name, version, None, unloaded=name in self._unloaded, served=self._models.keys())
         if version is not None and version != str(served.version):
             raise not_served_error(name, version, served.version, unloaded=False)
         return served
