@@ -186,11 +186,13 @@ class LeanDoor:
             elif field == b"content-length":
                 length = value if length is None else b"twice"  # two: not digits, so the full way
             elif field == b"authorization":
-                authorization = value if authorization is None else authorization
+                if authorization is None:  # the first, as the guard reads it
+                    authorization = value
             elif field == b"x-request-id":
                 request_ids.append(value)
             elif field == b"x-timeout-ms":
-                timeout = value if timeout is None else timeout
+                if timeout is None:
+                    timeout = value
             elif field in (b"transfer-encoding", b"content-encoding") or (self._cors and field == b"origin"):
                 return None
         if size > self._max_header_bytes:
@@ -341,7 +343,8 @@ class LeanRequest:
         version: str | None = None,
         header_length: str | None = None,
     ) -> None:
-        """`plan`: a native transform's (with its `deadline`); None for a V2 infer (`version`, `header_length`)."""
+        """`plan`: a native transform's (with its `deadline`); None for KServe V1 (with its `deadline`) and V2 infer
+        (`version`, `header_length`; its deadline is in its body)."""
         self.door = door
         self.protocol = protocol
         self.transport = protocol.transport
