@@ -573,13 +573,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._slice_body += len(body)
         if self._body_left is not None:
             self._body_left -= len(body)
-        if self.cycle is self._lean:
-            self._lean.body(body)  # type: ignore[union-attr]
+        if self._lean is not None and self.cycle is self._lean:
+            self._lean.body(body)
         else:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if self.cycle is self._lean:
+        if self._lean is not None and self.cycle is self._lean:
             self._lean_ready = self._lean  # served once the parser has returned (_feed), not inside its callback
         else:
             super().on_message_complete()
