@@ -230,6 +230,7 @@ UNSUPPORTED_ROUTES = [
     ("POST", "/v2/models/plain/generate", "generate"),
     ("POST", "/v2/models/plain/generate_stream", "generate"),
     ("POST", "/v2/models/plain/versions/1/generate", "generate"),
+    ("POST", "/v1/models/plain:explain", "explain"),  # KServe V1's explainer (issue 41: it met a bare 405)
 ]
 
 
@@ -295,3 +296,13 @@ async def test_output_std_without_monte_carlo_is_refused(service: InProcessApp) 
 async def test_outputs_named_pick_the_answer_and_an_empty_list_means_all(service: InProcessApp) -> None:
     r = await service.client.post("/v2/models/plain/infer", json={**body(2), "outputs": []})
     assert [o["name"] for o in r.json()["outputs"]] == ["output"]
+
+
+async def test_a_wrong_method_on_a_known_path_names_the_method_to_send(service: InProcessApp) -> None:
+    # Issue 41: GET /v2/repository/index answered "Method Not Allowed" and nothing more.
+    r = await service.client.get("/v2/repository/index")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error_type"] == "method_not_allowed"
+    assert r.json()["error"] == "GET is not served on '/v2/repository/index': send POST"
+    r = await service.client.delete("/v2/models/plain/infer")
+    assert r.status_code == 405 and r.json()["error"] == "DELETE is not served on '/v2/models/plain/infer': send POST"

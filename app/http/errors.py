@@ -24,6 +24,7 @@ from app.protocol.errors import kind_of as protocol_kind_of
 
 log = logging.getLogger("ffn_serve")
 
+MAX_PATH_SHOWN = 100  # a path a 405 names: the client's own, bounded
 # Errors that Starlette and FastAPI raise themselves, by status (unknown route, wrong method, ...).
 FRAMEWORK_ERROR_TYPES = {
     400: "invalid_input",
@@ -77,10 +78,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_service_error(_: Request, exc: Exception) -> Response:
         return error_response(exc)
 
-    async def on_http_error(_: Request, exc: Exception) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException), "handler registered for HTTPException; this is a bug."
         kind = FRAMEWORK_ERROR_TYPES.get(exc.status_code, "http_error")
-        return raw_error_response(exc.status_code, kind, str(exc.detail), dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        message = str(exc.detail)
+        allowed = headers.get("Allow") or headers.get("allow")
+        if exc.status_code == 405 and allowed:  # name the method the path takes, as the Allow header does
+            message = f"{request.method} is not served on {request.url.path[:MAX_PATH_SHOWN]!r}: send {allowed}"
+        return raw_error_response(exc.status_code, kind, message, headers)
 
     async def on_validation_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError), "handler registered for validation errors; this is a bug."

@@ -2,7 +2,7 @@
 
 What each answers is the protocol core's (app/protocol/v2/); the routes of logging, system
 shared memory, trace and model control are their own modules', listed here with the rest. The
-extension this server does not implement (generate) has its routes too, so that a client calling
+extensions this server does not implement (V2's generate, KServe V1's explain) have their routes too, so that a client calling
 one learns which extension it asked for and why it is missing: a 400 `unsupported_extension`, not
 a bare 404.
 """
@@ -66,6 +66,8 @@ _UNSUPPORTED_ROUTES = {
         "POST /v2/models/{name}/versions/{version}/generate",
         "POST /v2/models/{name}/versions/{version}/generate_stream",
     ],
+    # KServe V1's explainer route, beside its :predict (else it met the readiness route's bare 405).
+    "explain": ["POST /v1/models/{name}:explain"],
 }
 
 _TAGS = {"tags": ["v2 extensions"]}

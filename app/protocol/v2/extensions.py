@@ -122,7 +122,10 @@ def repository_models(models: Sequence[ListedModel], ready_only: bool) -> list[R
 
 # The extension this server does not implement, and why: its routes (app/http/v2/extensions.py) and
 # gRPC methods answer this, so that a client learns which extension it asked for and why it is missing.
-UNSUPPORTED = {"generate": "the FFN maps embeddings to embeddings, not text to text; use /infer"}
+UNSUPPORTED = {
+    "generate": "the FFN maps embeddings to embeddings, not text to text; use /infer",
+    "explain": "an FFN has no explainer (KServe V1's :explain); use :predict",  # KServe V1's, beside V2's
+}
 
 
 def unsupported(extension: str) -> UnsupportedExtension:
