@@ -147,11 +147,18 @@ class EncodedRequest:
 
 
 def resolve_dtype(array: np.ndarray, encoding: str, dtype: str | None) -> str:
-    """The wire dtype: `dtype` if given, else float16 for float16 arrays, else float32."""
+    """The wire dtype: `dtype` if given, else float16 for float16 arrays (a ValueError where the encoding has no
+    float16: `json`), else float32."""
     if encoding not in SUPPORTED_DTYPES:
         raise ValueError(f"unknown encoding {encoding!r}; choose one of {', '.join(ENCODINGS)}")
     if dtype is None:
-        dtype = "float16" if array.dtype == np.float16 and "float16" in SUPPORTED_DTYPES[encoding] else "float32"
+        if array.dtype == np.float16 and "float16" not in SUPPORTED_DTYPES[encoding]:
+            # As documented (docs/client.md): never a silent change of type; the caller says float32 if it means it.
+            raise ValueError(
+                f"encoding {encoding!r} carries {', '.join(SUPPORTED_DTYPES[encoding])}, not this float16 array: "
+                "pass dtype='float32' to send it as float32, or use an encoding that carries float16"
+            )
+        dtype = "float16" if array.dtype == np.float16 else "float32"
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if dtype not in SUPPORTED_DTYPES[encoding]:

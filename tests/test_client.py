@@ -413,3 +413,15 @@ def test_tls_options_become_one_context_as_httpx_reads_verify_and_cert(tmp_path)
         client_context(tmp_path / "ca.pem", tmp_path / "client.pem")
     with pytest.raises(ValueError, match="verification on"):
         client_context(False, tmp_path / "both.pem")
+
+
+def test_a_float16_array_in_json_is_refused_before_sending_unless_float32_is_asked_for() -> None:
+    # Issue 41: docs/client.md says so, and the array went out as float32 without a word.
+    from ffn_client.encodings import encode_request
+
+    x = np.ones((1, 512), dtype=np.float16)
+    with pytest.raises(ValueError, match="float16"):
+        encode_request("demo", x, "json")
+    sent = encode_request("demo", x, "json", dtype="float32")
+    assert sent.dtype == "float32" and json.loads(sent.body)["inputs"] == [[1.0] * 512]
+    assert encode_request("demo", x, "binary").dtype == "float16"  # an encoding that carries it keeps it
