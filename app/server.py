@@ -79,6 +79,9 @@ class DrainingServer(uvicorn.Server):
         self.exit_code = EXIT_OK
         self._serving_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # The engine's warm-up has ended once (a worker only starts serving then; a single process
+        # listens while it warms up). Before, a signal stops the start; after, it drains.
+        self._warm = False
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -123,8 +126,18 @@ class DrainingServer(uvicorn.Server):
                 return
         if self._tls is not None:
             self._tls.start_watching()
+        warmed = asyncio.get_running_loop().create_task(self._until_warm(), name="until-warm")
+        self._tasks.add(warmed)
+        warmed.add_done_callback(self._tasks.discard)
         if self._on_started is not None:
             self._on_started()
+
+    async def _until_warm(self) -> None:
+        try:
+            await self._engine.until_warm()
+        except Exception as exc:  # the server goes on, not ready: a signal from now on drains what it holds
+            log.error("the warm-up failed: %s: %s", type(exc).__name__, exc)
+        self._warm = not self._stopping_start
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # The handler runs in the context of the Python code it interrupted, often a request's: its
@@ -135,8 +148,9 @@ class DrainingServer(uvicorn.Server):
         if self._drain_task is not None or self._stopping_start:
             super().handle_exit(sig, frame)  # a second signal: uvicorn's own way
             return
-        if not self.started:
-            # Still starting (a worker warming up before it accepts anything): stop the start, serve nothing.
+        if not self.started or not self._warm:
+            # Still starting: a worker warming up before it accepts anything, or a single process that
+            # listens while it warms up (it has answered probes, never a request): stop the start.
             log.info("received %s while starting: stopped before serving", signal.Signals(sig).name)
             self._stopping_start = True
             self.should_exit = True
