@@ -252,7 +252,7 @@ class Batcher:
         n = rows.shape[0]
         if n > self._ceiling:  # rare: more rows than a batch, answered in pieces as tensors
             computed = self.submit_soon(rows_as_tensor(rows), deadline=deadline)
-            return _as_array(computed, answer)
+            return future_as_array(computed, answer)
         arrived = time.perf_counter()
         self._admit(n, 1, arrived)
         loop = asyncio.get_running_loop()
@@ -675,7 +675,7 @@ def _parts(batch: list[Entry]) -> list[torch.Tensor]:
     return [rows_as_tensor(part) if isinstance(part, np.ndarray) else part for part in rows]
 
 
-def _as_array(computed: asyncio.Future[torch.Tensor], answer: DType) -> asyncio.Future[np.ndarray]:
+def future_as_array(computed: asyncio.Future[torch.Tensor], answer: DType) -> asyncio.Future[np.ndarray]:
     """A future of `computed`'s tensor as an array carrying `answer`; cancelling it cancels `computed`."""
     converted: asyncio.Future[np.ndarray] = computed.get_loop().create_future()
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.engine.batcher import Batcher, _as_array, answer_as_array, rows_as_tensor
+from app.engine.batcher import Batcher, answer_as_array, future_as_array, rows_as_tensor
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile, weights_format, weights_path
@@ -292,7 +292,7 @@ class ServedModel:
         if requests is None:
             return self._batcher.submit_array(rows, answer_dtype, deadline=deadline)
         computed = self._batcher.submit_soon(rows_as_tensor(rows), deadline=deadline, requests=requests)
-        return _as_array(computed, answer_dtype)
+        return future_as_array(computed, answer_dtype)
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None

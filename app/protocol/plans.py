@@ -108,9 +108,3 @@ class PlanCache(Generic[P]):
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan
-
-    def clear(self) -> None:
-        self._plans.clear()
-
-    def __len__(self) -> int:
-        return len(self._plans)
