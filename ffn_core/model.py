@@ -32,13 +32,18 @@ class FeedForward(nn.Module):
         self.layer2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias2)
         self.activation = get_activation(config.activation)
 
+    # The submodules' weights are applied with F.linear and the activation's `forward` called
+    # directly: nn.Module.__call__'s hook dispatch on three submodules was 40 % of a 14-row CPU
+    # forward of a small model (30 against 18 µs), paid on every batch. Hooks on the FFN itself
+    # still run; the submodules are parameter holders (their names are the checkpoint's).
+
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The hidden layer, before dropout and the output projection: (..., d_ff)."""
-        return self.activation(self.layer1(x))
+        return self.activation.forward(F.linear(x, self.layer1.weight, self.layer1.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The FFN of every row of `x`: (..., d_model) -> (..., d_model)."""
-        return self.layer2(self.hidden(x))  # (..., d_model)
+        return F.linear(self.hidden(x), self.layer2.weight, self.layer2.bias)  # (..., d_model)
 
 
 class GatedFeedForward(FeedForward):
@@ -50,7 +55,8 @@ class GatedFeedForward(FeedForward):
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The gated hidden layer, f(x W1 + b1) ⊗ (x V + c): (..., d_ff)."""
-        return self.activation(self.layer1(x)) * self.linear_v(x)  # (..., d_ff)
+        gate = F.linear(x, self.linear_v.weight, self.linear_v.bias)
+        return self.activation.forward(F.linear(x, self.layer1.weight, self.layer1.bias)) * gate  # (..., d_ff)
 
 
 class FusedGatedFeedForward(GatedFeedForward):
@@ -94,7 +100,7 @@ class FusedGatedFeedForward(GatedFeedForward):
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
         a, v = F.linear(x, self._w1v, self._b1v).chunk(2, dim=-1)  # (..., 2 d_ff) -> 2 x (..., d_ff)
-        return self.activation(a) * v  # (..., d_ff)
+        return self.activation.forward(a) * v  # (..., d_ff)
 
     def unfused_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same FFN with W1 and V applied apart (GatedFeedForward's way): the reference for the fused one."""

@@ -24,6 +24,8 @@ FLOW_MODULE = ("FlowControl",)
 PROTOCOL_METHODS = (
     "_should_upgrade",
     "_unset_keepalive_if_required",
+    "_start_asgi_task",
+    "timeout_keep_alive_handler",
     "send_400_response",
     "connection_made",
     "connection_lost",
@@ -59,9 +61,10 @@ PROTOCOL_STATE = (
     "scheme",
     "access_log",
     "access_logger",
+    "timeout_keep_alive",
 )
 FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
-SERVER_STATE = ("default_headers",)
+SERVER_STATE = ("default_headers", "total_requests")
 CYCLE_STATE = (
     "response_started",
     "response_complete",
