@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.protocol.tensors import all_finite
+from app.protocol.errors import NonFiniteOutput
+from app.protocol.tensors import all_finite, check_finite_output
 
 SPECIALS = [np.nan, np.inf, -np.inf]
 
@@ -60,3 +61,25 @@ def test_an_empty_array_and_a_row_of_an_answer_are_checked_as_they_are(dtype):
     answer[3, 0] = np.inf
     carried = as_carried(answer.to({np.float32: torch.float32, np.float16: torch.float16}.get(dtype, torch.bfloat16)))
     assert all_finite(carried[:3]) and not all_finite(carried[3:])  # views of one batch's output
+
+
+def test_an_answer_sliced_from_a_batch_is_refused_only_for_its_own_rows():
+    """check_finite_output checks a batch's output once (its answers are slices of it): a slice of a
+    batch whose other rows overflowed is still judged on its own rows, and no later batch is taken
+    for one checked before."""
+    finite = torch.arange(32, dtype=torch.float32).view(4, 8).numpy()
+    for row in range(4):
+        check_finite_output(finite[row : row + 1])  # the first checks the whole batch, the others find it checked
+    overflowed = torch.arange(32, dtype=torch.float32).view(4, 8).numpy()
+    overflowed[2, 5] = np.inf
+    check_finite_output(overflowed[0:2])
+    check_finite_output(overflowed[3:4])
+    with pytest.raises(NonFiniteOutput):
+        check_finite_output(overflowed[2:3])
+    again = finite.copy()  # the same values in a new array, then one written non-finite: a new base
+    again[1, 1] = np.nan
+    check_finite_output(again[0:1])
+    with pytest.raises(NonFiniteOutput):
+        check_finite_output(again[1:2])
+    with pytest.raises(NonFiniteOutput):
+        check_finite_output(np.full((1, 8), -np.inf, dtype=np.float32))  # an array of its own

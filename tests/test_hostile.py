@@ -10,6 +10,7 @@ test_hostile_properties.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
@@ -600,6 +601,21 @@ async def test_an_overflowing_output_is_422(server: ServerProcess) -> None:
     assert_error(r, 422, "non_finite_output")
     r = await send(server, "POST", V2, JSON, v2_json(data=x.ravel().tolist()))
     assert_error(r, 422, "non_finite_output")
+
+
+async def test_an_overflowing_answer_batched_with_good_ones_harms_none_of_them(server: ServerProcess) -> None:
+    """The answers' finiteness is checked once per batch: one request's overflow is refused alone."""
+    bad = overflowing_row(3e38, np.float32)
+    good = np.random.default_rng(7).standard_normal((15, D_MODEL)).astype(np.float32)
+    for _ in range(3):  # sent together, so that they share batches
+        answers = await asyncio.gather(
+            send(server, "POST", V1, raw_headers("1,512", "float32"), bad.tobytes()),
+            *(send(server, "POST", V1, raw_headers("1,512", "float32"), row.tobytes()) for row in good),
+        )
+        assert_error(answers[0], 422, "non_finite_output")
+        for row, r in zip(good, answers[1:], strict=True):
+            assert r.status == 200, r.body[:300]
+            assert_close(np.frombuffer(r.body, np.float32).reshape(1, D_MODEL), demo_reference(row[None, :]))
 
 
 async def test_an_output_that_overflows_float16_on_the_wire_is_422(server: ServerProcess) -> None:

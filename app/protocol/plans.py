@@ -63,14 +63,11 @@ class NativePlan:
         return codec.answer_dtype(decoded, self.encoding_out)
 
     def encode(
-        self, output: np.ndarray, decoded: codec.DecodedInput, finite: bool = False
+        self, output: np.ndarray, decoded: codec.DecodedInput
     ) -> tuple[bytes | memoryview, tuple[tuple[str, str], ...]]:
-        """The answer's body, and its headers beyond `answer_headers`; 422 if it is not finite.
-
-        `finite`: the caller checked the batch's whole output already (one pass per batch)."""
+        """The answer's body, and its headers beyond `answer_headers`; 422 if it is not finite."""
         if self.raw is not None and self.encoding_out == "raw":
-            if not finite:
-                check_finite_output(output)
+            check_finite_output(output)
             return raw_bytes(output), ()
         body, headers = codec.encode(self.name, output, decoded, self.encoding_out)
         return body, tuple((name, value) for name, value in headers.items() if name != "content-type")

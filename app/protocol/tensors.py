@@ -80,9 +80,35 @@ def check_finite(rows: np.ndarray) -> None:
         raise InvalidInput("inputs must be finite numbers: found NaN or Infinity")
 
 
+class _FiniteBatch:
+    """The last batch output found finite whole, so that its other requests' answers skip the check.
+
+    A batch's answers are slices of one array (the batcher's output, app/engine/batcher.py), and a
+    slice's `base` is that array: the first answer checked checks the whole batch in one pass, and
+    the others find their base already checked, one identity test each. The array is held (not
+    its id), so no later array can be mistaken for it; answers are never written after their batch.
+    """
+
+    checked: np.ndarray | None = None
+
+    @classmethod
+    def covers(cls, output: np.ndarray) -> bool:
+        base = output.base
+        if base is None or not isinstance(base, np.ndarray):
+            return False
+        if base is cls.checked:
+            return True
+        if base.dtype == output.dtype and all_finite(base):
+            cls.checked = base
+            return True
+        return False  # some row of the batch is not finite: this answer is checked on its own
+
+
 def check_finite_output(output: np.ndarray) -> None:
-    """An answer holding inf or NaN (a finite input that overflowed) is refused, never sent as null or inf."""
-    if not all_finite(output):
+    """An answer holding inf or NaN (a finite input that overflowed) is refused, never sent as null or inf.
+
+    Once per batch, not per request, where the answer is a slice of its batch's output."""
+    if not _FiniteBatch.covers(output) and not all_finite(output):
         raise NonFiniteOutput(
             "the output overflowed its dtype (inf or NaN) for these finite inputs; "
             "scale the inputs down or ask for a wider dtype"
