@@ -221,6 +221,14 @@ class Settings(BaseSettings):
         le=1000.0,
         description="How long a batch may wait for more rows after its first entry; 0 = greedy.",
     )
+    batch_linger_ms: float = Field(
+        default=2.0,
+        ge=0.0,
+        le=100.0,
+        description="With max_wait_ms 0: how long a batch of one request may wait for others while waiting "
+        "lately caught some (a gRPC server takes its calls one at a time); tried again now and then "
+        "otherwise. 0 = never.",
+    )
     max_queue_rows: int = Field(default=16384, ge=1, description="Rows that may wait per model before 429.")
     default_timeout_ms: float = Field(
         default=30000.0, gt=0.0, description="Deadline of a request that sets none (X-Timeout-Ms or V2 `timeout`)."

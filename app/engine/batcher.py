@@ -44,6 +44,7 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
+from app.engine.linger import Linger
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
@@ -99,6 +100,7 @@ class Batcher:
         name: str = "model",
         max_batch_rows: int = 1024,
         max_wait_s: float = 0.0,
+        linger_s: float = 0.0,
         max_queue_rows: int = 16384,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
@@ -110,13 +112,18 @@ class Batcher:
         """`launch` (with `forward` kept for reference) lets `max_in_flight` batches overlap; without it, one at a time.
 
         `monte_carlo` starts a Monte Carlo request's passes; without it, such requests are refused.
+        `linger_s`: with `max_wait_s` 0, how long a lone request may wait for others while waiting
+        catches some (app/engine/linger.py); 0, never.
         `instruments`: the model's, bound already (every copy of a name shares them); else `metrics`'.
         """
-        if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or max_in_flight < 1:
-            raise ValueError("max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s >= 0")
+        if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or linger_s < 0 or max_in_flight < 1:
+            raise ValueError(
+                "max_batch_rows, max_queue_rows and max_in_flight must be >= 1, max_wait_s and linger_s >= 0"
+            )
         self.name = name
         self.max_batch_rows = max_batch_rows
         self.max_wait_s = max_wait_s
+        self._linger = Linger(linger_s) if linger_s > 0 and max_wait_s == 0 else None
         self.max_queue_rows = max_queue_rows
         self._forward = forward
         self._launch = launch
@@ -382,6 +389,27 @@ class Batcher:
             except TimeoutError:
                 return
 
+    async def _linger_for_more(self, linger: Linger) -> int:
+        """A lone request waits for others: until the queue holds a full batch, `linger.quiet_s` passes
+        with no arrival, or `linger.cap_s` has passed since it came (never past its deadline). Returns
+        how many requests came meanwhile."""
+        loop = asyncio.get_running_loop()
+        first = self._queue.first_plain()
+        cut_at = first.enqueued_at + linger.cap_s
+        if first.deadline is not None:
+            cut_at = min(cut_at, first.deadline - linger.cap_s)  # a tight deadline is not spent waiting
+        while self._queue.work < self._ceiling:
+            remaining = min(cut_at - loop.time(), linger.quiet_s)
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
+            except TimeoutError:
+                break
+        return self._queue.plain_count() - 1
+
     async def _turns_after_inline_pass(self, entries: int) -> None:
         """The pass held the loop: let it read what arrived meanwhile and the requests reach the queue.
 
@@ -414,6 +442,8 @@ class Batcher:
                 continue
             if self.max_wait_s > 0:
                 await self._wait_for_more()
+            elif self._linger is not None and self._queue.lone_plain() and self._linger.worth_it():
+                self._linger.caught(await self._linger_for_more(self._linger))
             await self._slots.acquire()  # what arrives meanwhile joins this batch
             self._plain_went_last = True
             batch: list[Entry] = []

@@ -102,6 +102,17 @@ class WorkQueue:
     def __bool__(self) -> bool:
         return bool(self._plain) or bool(self._monte_carlo)
 
+    def lone_plain(self) -> bool:
+        """Exactly one plain entry waits, and no Monte Carlo one: a batch now would hold one request."""
+        return len(self._plain) == 1 and not self._monte_carlo
+
+    def first_plain(self) -> Entry:
+        return self._plain[0]
+
+    def plain_count(self) -> int:
+        """Plain entries in the deque (some may be cancelled or expired, not yet skipped)."""
+        return len(self._plain)
+
     def first_enqueued_at(self) -> float:
         return self._plain[0].enqueued_at
 

@@ -417,6 +417,7 @@ class Registry:
             name=spec.name,
             max_batch_rows=s.max_batch_rows,
             max_wait_s=s.max_wait_ms / 1000.0,
+            linger_s=s.batch_linger_ms / 1000.0,
             max_queue_rows=s.max_queue_rows,
             executor=executor,
             instruments=self.instruments(spec.name),
