@@ -376,39 +376,32 @@ class Batcher:
 
     async def _wait_for_more(self) -> None:
         """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
-        loop = asyncio.get_running_loop()
-        cut_at = self._queue.first_enqueued_at() + self.max_wait_s
-        while self._queue.work < self._ceiling:
-            remaining = cut_at - loop.time()
-            if remaining <= 0:
-                return
-            self._arrived.clear()
-            try:
-                async with asyncio.timeout(remaining):
-                    await self._arrived.wait()
-            except TimeoutError:
-                return
+        await self._gather_until(self._queue.first_enqueued_at() + self.max_wait_s, quiet_s=math.inf)
 
     async def _linger_for_more(self, linger: Linger) -> int:
         """A lone request waits for others: until the queue holds a full batch, `linger.quiet_s` passes
         with no arrival, or `linger.cap_s` has passed since it came (never past its deadline). Returns
         how many requests came meanwhile."""
-        loop = asyncio.get_running_loop()
         first = self._queue.first_plain()
         cut_at = first.enqueued_at + linger.cap_s
         if first.deadline is not None:
             cut_at = min(cut_at, first.deadline - linger.cap_s)  # a tight deadline is not spent waiting
+        await self._gather_until(cut_at, quiet_s=linger.quiet_s)
+        return self._queue.plain_count() - 1
+
+    async def _gather_until(self, cut_at: float, *, quiet_s: float) -> None:
+        """Let arrivals join the queue until it holds a full batch, `cut_at` (loop time), or `quiet_s` without one."""
+        loop = asyncio.get_running_loop()
         while self._queue.work < self._ceiling:
-            remaining = min(cut_at - loop.time(), linger.quiet_s)
+            remaining = min(cut_at - loop.time(), quiet_s)
             if remaining <= 0:
-                break
+                return
             self._arrived.clear()
             try:
                 async with asyncio.timeout(remaining):
                     await self._arrived.wait()
             except TimeoutError:
-                break
-        return self._queue.plain_count() - 1
+                return
 
     async def _turns_after_inline_pass(self, entries: int) -> None:
         """The pass held the loop: let it read what arrived meanwhile and the requests reach the queue.

@@ -799,18 +799,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _cancel_timers(self) -> None:
         self._head_deadline = self._keep_alive_deadline = None
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-        if self._quiet_timer is not None:
-            self._quiet_timer.cancel()
-            self._quiet_timer = None
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
+        for timer in (self._watch, self._quiet_timer, self._body_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
+        self._watch = self._quiet_timer = self._body_timer = self._send_timer = None
 
     # ----- answering an error from the protocol ----------------------------------------------
 
