@@ -23,13 +23,13 @@ from tritonclient.grpc import service_pb2 as pb
 
 from app.engine.facade import ModelFacade
 from app.grpc.wire import InferMessage
-from app.protocol import mc_parameters, tensors
+from app.protocol import tensors
 from app.protocol.digest import ANSWER_PARAMETER
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import number_field
 from app.protocol.shared_memory import SharedMemoryRegions, turned_off
 from app.protocol.v2 import codec as v2
-from app.protocol.v2.codec import INPUT_NAME, SHARED_MEMORY_REGION, SharedMemorySpan
+from app.protocol.v2.codec import SHARED_MEMORY_REGION, SharedMemorySpan
 from ffn_core.dtypes import DType
 
 FP32 = "FP32"
@@ -73,14 +73,14 @@ def decode(
     request = message.request
     parameters = parameters_of(request.parameters)
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
-    if len(request.inputs) != 1:
-        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+    v2.check_one_input(len(request.inputs))
     tensor = request.inputs[0]
-    dtype = v2.check_input(tensor.name, tensor.datatype)
-    rows = tensors.check_shape(tensor.shape, d_model)
-    shape = tuple(tensor.shape)
     input_parameters = parameters_of(tensor.parameters)
-    v2.refuse_extensions(parameters, input_parameters)
+    head = v2.check_head(tensor.name, tensor.datatype, tensor.shape, d_model, parameters, input_parameters)
+    dtype, shape, rows = head.dtype, head.shape, head.rows
+    # The outputs before the tensor's data, as the HTTP door checks them (protocol/v2/codec.py).
+    requested = [(output.name, parameters_of(output.parameters)) for output in request.outputs]
+    outputs, in_shared_memory = v2.check_outputs(requested, head, shared_memory)
     typed = not message.raw and SHARED_MEMORY_REGION not in input_parameters
     if SHARED_MEMORY_REGION in input_parameters:
         _check_shared_memory_input(message, tensor, shared_memory)
@@ -91,16 +91,6 @@ def decode(
         values = _typed(tensor, shape, rows, d_model, dtype)
     else:
         values = _raw(message, tensor, shape, rows, d_model, dtype)
-    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
-    output_bytes = rows * d_model * dtype.itemsize
-    outputs: dict[str, None] = {}
-    in_shared_memory: dict[str, SharedMemorySpan] = {}
-    for output in request.outputs:
-        output_parameters = parameters_of(output.parameters)
-        name = v2.check_output(output.name, output_parameters, monte_carlo)
-        outputs[name] = None
-        if SHARED_MEMORY_REGION in output_parameters:
-            in_shared_memory[name] = v2.shared_memory_output_span(name, output_parameters, shared_memory, output_bytes)
     return GrpcInferRequest(
         values, shape, dtype, request.id, tuple(outputs) or None, parameters, timeout_us, typed, in_shared_memory
     )

@@ -14,7 +14,7 @@ request is queued; such an output is described in the answer without data, as in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,20 +104,18 @@ def decode(
     identity.named(request_id)  # from here on, an error answer carries the request's `id` too
     parameters = parameters_field(document, "request")
     timeout_us = number_field(parameters, "timeout", "request parameter", minimum=0)
-    inputs = list_field(document, "inputs", "request")
-    if inputs is None or len(inputs) != 1 or not isinstance(inputs[0], dict):
-        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+    inputs = list_field(document, "inputs", "request") or []
+    check_one_input(len(inputs))
     tensor = inputs[0]
-    dtype = check_input(str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input"))
-    shape = _shape(tensor.get("shape"))
-    rows = tensors.check_shape(shape, d_model)
+    if not isinstance(tensor, dict):
+        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+    name, datatype = str_field(tensor, "name", "input"), str_field(tensor, "datatype", "input")
     input_parameters = parameters_field(tensor, "input")
-    refuse_extensions(parameters, input_parameters)
+    head = check_head(name, datatype, _shape(tensor.get("shape")), d_model, parameters, input_parameters)
+    dtype, shape, rows = head.dtype, head.shape, head.rows
     binary_output = bool_field(parameters, "binary_data_output", "request parameter") or False
-    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
-    output_bytes = rows * d_model * dtype.itemsize
     # Before any tensor data is parsed: every field of the envelope is checked first.
-    outputs, in_shared_memory = _requested_outputs(document, binary_output, monte_carlo, shared_memory, output_bytes)
+    outputs, in_shared_memory = _requested_outputs(document, binary_output, head, shared_memory)
     binary_size = int_field(input_parameters, "binary_data_size", "input parameter", minimum=0)
     if SHARED_MEMORY_REGION in input_parameters:
         if shared_memory is None:  # the extension is named first: nothing else about it matters then
@@ -147,6 +145,40 @@ def decode(
         binary_size is not None,
         in_shared_memory,
     )
+
+
+@dataclass(frozen=True)
+class InputHead:
+    """What the V2 check order settles before any tensor data is read (check_head)."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    rows: int
+    monte_carlo: bool  # the request's parameters ask for Monte Carlo dropout
+    output_bytes: int  # one output's size: rows x d_model of the dtype
+
+
+def check_one_input(count: int) -> None:
+    """The V2 check order's first step (both doors): a request carries exactly one input tensor."""
+    if count != 1:
+        raise InvalidInput(f"expected exactly one input tensor named {INPUT_NAME!r}")
+
+
+def check_head(
+    name: str | None,
+    datatype: str | None,
+    shape: Sequence[int],
+    d_model: int,
+    parameters: Mapping[str, Any],
+    input_parameters: Mapping[str, Any],
+) -> InputHead:
+    """The V2 check order, written once for both doors: after check_one_input, the input's name and
+    datatype, its shape, then no extension asked for; then check_outputs; only then its data."""
+    dtype = check_input(name, datatype)
+    rows = tensors.check_shape(shape, d_model)
+    refuse_extensions(parameters, input_parameters)
+    monte_carlo = bool(parameters) and mc_parameters.asks_for_monte_carlo(parameters)
+    return InputHead(dtype, tuple(shape), rows, monte_carlo, rows * d_model * dtype.itemsize)
 
 
 def check_input(name: str | None, datatype: str | None) -> DType:
@@ -270,30 +302,45 @@ def _json_tensor(
 
 
 def _requested_outputs(
-    document: dict[str, Any],
-    binary_output: bool,
-    monte_carlo: bool,
-    regions: SharedMemoryRegions | None,
-    output_bytes: int,
+    document: dict[str, Any], binary_output: bool, head: InputHead, regions: SharedMemoryRegions | None
 ) -> tuple[dict[str, bool] | None, dict[str, SharedMemorySpan]]:
     """Output name -> binary for each output asked for (its binary_data, else binary_data_output), and
-    the outputs to write to shared memory instead, each span checked to hold `output_bytes`."""
+    the outputs to write to shared memory instead, each span checked to hold one output."""
     outputs = list_field(document, "outputs", "request")
     if not outputs:  # none named: every output, as in Triton
         return None, {}
     if not all(isinstance(o, dict) for o in outputs):
         raise InvalidInput("'outputs' must be a list of objects")
+    named = [(str_field(output, "name", "output"), parameters_field(output, "output")) for output in outputs]
+    return check_outputs(named, head, regions, binary_output=binary_output)
+
+
+def check_outputs(
+    outputs: Sequence[tuple[str | None, dict[str, Any]]],
+    head: InputHead,
+    regions: SharedMemoryRegions | None,
+    *,
+    binary_output: bool | None = None,
+) -> tuple[dict[str, bool], dict[str, SharedMemorySpan]]:
+    """The outputs asked for, in the V2 check order's second step (both doors; before any tensor data).
+
+    Each output's name and extensions (check_output), then, where `binary_output` is given (HTTP:
+    the request's binary_data_output), its `binary_data` choice; then its shared-memory span, checked
+    to hold one output. Returns output name -> binary (False where the door has no such choice),
+    and the outputs to write to shared memory.
+    """
     wanted: dict[str, bool] = {}
     in_shared_memory: dict[str, SharedMemorySpan] = {}
-    for output in outputs:
-        output_parameters = parameters_field(output, "output")
-        name = check_output(str_field(output, "name", "output"), output_parameters, monte_carlo)
-        chosen = bool_field(output_parameters, "binary_data", "output parameter")
+    for given, output_parameters in outputs:
+        name = check_output(given, output_parameters, head.monte_carlo)
+        chosen = None
+        if binary_output is not None:
+            chosen = bool_field(output_parameters, "binary_data", "output parameter")
         if SHARED_MEMORY_REGION in output_parameters:
             if chosen:
                 raise InvalidInput(f"output {name!r} cannot set both shared_memory_region and binary_data")
-            in_shared_memory[name] = shared_memory_output_span(name, output_parameters, regions, output_bytes)
-        wanted[name] = binary_output if chosen is None else chosen
+            in_shared_memory[name] = shared_memory_output_span(name, output_parameters, regions, head.output_bytes)
+        wanted[name] = bool(binary_output) if chosen is None else chosen
     return wanted, in_shared_memory
 
 
