@@ -47,6 +47,7 @@ from app.settings_problems import (
     validation_problems,
 )
 from app.tracing.config import endpoint_problem
+from ffn_core.families import table_problem
 
 ENV_PREFIX = "FFN_"
 
@@ -138,6 +139,24 @@ class ModelSpec(BaseModel):
             raise ValueError("an hf_model is read from its model.safetensors; format 'torch' is for local files")
         if importlib.util.find_spec("huggingface_hub") is None:
             raise ValueError(f"hf_model needs huggingface_hub, which is not installed: {HUB_EXTRA}")
+        return self
+
+    @model_validator(mode="after")
+    def _readable_as_asked(self) -> ModelSpec:
+        # What the loader would refuse whatever the file holds (ffn_core/families.py), said before torch
+        # is imported. The demo reads no file (it ignores format and layer); an hf_model's family is
+        # the one its config.json names, unless a format is given, and every family needs a layer.
+        if self.weights is None and self.hf_model is None:
+            return self
+        if self.hf_model is not None and self.format is None:
+            problem = (
+                None if self.layer is not None else "an hf_model is one layer of its checkpoint family: give layer"
+            )
+        else:
+            problem = table_problem(self.format, self.layer, self.gated)
+        if problem is not None:
+            fix = ": add layer = N to its table, 0 for the first" if self.layer is None else ""
+            raise ValueError(problem + fix)
         return self
 
     @field_validator("name")

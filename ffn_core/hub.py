@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ffn_core.checkpoints import FAMILIES
+from ffn_core.families import FAMILIES
 from ffn_core.layout import WeightsError, brief
 
 HUB_EXTRA = "pip install 'ffn-serve[hub]'"

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from ffn_core.header import looks_like_safetensors
 from ffn_core.layout import Shape, WeightsError, brief
 
 
@@ -138,7 +139,7 @@ def sniff(path: Path) -> str | None:
             head = f.read(9)
     except OSError as exc:
         raise WeightsError(f"{path}: cannot read weights file ({brief(exc)})") from exc
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+    if looks_like_safetensors(head, size):
         return "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
         return "torch"

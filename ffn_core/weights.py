@@ -20,9 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ffn_core.checkpoints import FAMILIES, read_layer
+from ffn_core.checkpoints import read_layer
 from ffn_core.config import FFNConfig
 from ffn_core.dtypes import dtype_named
+from ffn_core.families import FAMILIES, table_problem
 from ffn_core.layout import (
     FileWeights,
     Shape,
@@ -81,8 +82,8 @@ def load_ffn(
     if format in FAMILIES:
         weights = read_layer(path, format, layer, activation, gated)
     else:
-        if layer is not None:
-            raise WeightsError(f"{path}: layer is only for checkpoint families {list(FAMILIES)}, not {format!r}")
+        if (refused := table_problem(format, layer, gated)) is not None:
+            raise WeightsError(f"{path}: {refused}")
         weights = _read_state_dict(path, format, activation, gated)
     return _build(path, weights, torch_dtype, device)
 
