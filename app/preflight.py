@@ -24,8 +24,10 @@ from pathlib import Path
 from app.grpc.ports import reserve
 from app.listeners import Listeners
 from app.settings import GRPC_PORT_FIX, Settings
+from ffn_core.errors import WeightsError
 from ffn_core.families import FAMILIES, find_layers, layer_problem
 from ffn_core.header import safetensors_keys
+from ffn_core.hub import cached_weights, hub_format
 
 ANOTHER_SERVER = "another ffn-serve may be running there"
 # A file that is not a regular one, as ffn_core/readers.py names it (it imports torch: not here).
@@ -92,18 +94,27 @@ def unreadable_weights(settings: Settings) -> list[str]:
 
 def missing_layers(settings: Settings) -> list[str]:
     """One line per checkpoint-family model whose safetensors file has no such layer, from its header alone
-    (the words the loader would say, ffn_core/checkpoints.py). A torch state dict needs torch to be read:
-    its layers are checked as it loads."""
+    (the words the loader would say, ffn_core/checkpoints.py): a local file, or an hf_model's where the cache
+    holds the file a load would read (ffn_core/hub.py). A torch state dict needs torch to be read, and a Hub
+    file not yet fetched is not there: their layers are checked as they load."""
     problems = []
     for spec in settings.served_models():
-        if spec.weights is None or spec.format not in FAMILIES or spec.layer is None:
+        path, format = spec.weights, str(spec.format or "")  # an hf_model's config.json may name it
+        if spec.hf_model is not None:
+            path = cached_weights(spec.hf_model, spec.revision)
+            if path is not None and not format:
+                try:
+                    format = hub_format(path)
+                except WeightsError:  # the loader says why, in full
+                    continue
+        if path is None or format not in FAMILIES or spec.layer is None:
             continue
-        keys = safetensors_keys(spec.weights)
+        keys = safetensors_keys(path)
         if keys is None:
             continue
-        _, layers = find_layers(keys, FAMILIES[spec.format])
-        if (missing := layer_problem(spec.format, spec.layer, layers)) is not None:
-            problems.append(f"model {spec.name!r}: {spec.weights}: {missing}")
+        _, layers = find_layers(keys, FAMILIES[format])
+        if (missing := layer_problem(format, spec.layer, layers)) is not None:
+            problems.append(f"model {spec.name!r}: {path}: {missing}")
     return problems
 
 
