@@ -26,18 +26,11 @@ from app.listeners import Listeners
 from app.settings import GRPC_PORT_FIX, Settings
 from ffn_core.errors import WeightsError
 from ffn_core.families import FAMILIES, find_layers, layer_problem
+from ffn_core.files import file_kind
 from ffn_core.header import safetensors_keys
 from ffn_core.hub import cached_weights, hub_format
 
 ANOTHER_SERVER = "another ffn-serve may be running there"
-# A file that is not a regular one, as ffn_core/readers.py names it (it imports torch: not here).
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -183,8 +176,7 @@ def _unreadable(path: str) -> str | None:
     except OSError as exc:
         return _reason(exc)
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
-        return f"it is {kind}, not a regular file"
+        return f"it is {file_kind(info.st_mode)}, not a regular file"
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:

@@ -48,6 +48,7 @@ from app.settings_problems import (
 )
 from app.tracing.config import endpoint_problem
 from ffn_core.families import table_problem
+from ffn_core.files import file_kind
 
 ENV_PREFIX = "FFN_"
 
@@ -639,25 +640,13 @@ class _ModelTables(BaseModel):
         return unique_names(models)
 
 
-# What a path that is not a regular file is. ffn_core/readers.py has the same table for weight
-# files; settings cannot import it (ffn_core imports torch, which settings never wait for).
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def _config_text(path: Path) -> str:
     try:
         info = os.stat(path)
     except OSError as exc:
         raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
-        raise ConfigFileError(f"config file {path} is {kind}, not a regular file")
+        raise ConfigFileError(f"config file {path} is {file_kind(info.st_mode)}, not a regular file")
     if info.st_size > MAX_CONFIG_BYTES:
         raise ConfigFileError(
             f"config file {path} is {info.st_size} bytes; a config file holds at most {MAX_CONFIG_BYTES}"

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from ffn_core.files import file_kind
 from ffn_core.header import looks_like_safetensors
 from ffn_core.layout import Shape, WeightsError, brief
 
@@ -96,16 +97,6 @@ def open_reader(path: Path, kind: str) -> Reader:
     return READERS[kind](path)
 
 
-# What a path that is not a regular file is, for the message; checked in this order.
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def regular_file_size(path: Path) -> int:
     """The size of the regular file at `path`; anything else is refused before it is opened.
 
@@ -120,11 +111,6 @@ def regular_file_size(path: Path) -> int:
             f"{path}: is {file_kind(info.st_mode)}, not a regular file; weights must be in a regular file"
         )
     return info.st_size
-
-
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular one is, from its `st_mode`: 'a directory', 'a FIFO (named pipe)', ..."""
-    return next((name for is_type, name in _FILE_TYPES if is_type(mode)), "a special file")
 
 
 def sniff(path: Path) -> str | None:

@@ -24,6 +24,7 @@ from ffn_core.checkpoints import read_layer
 from ffn_core.config import FFNConfig
 from ffn_core.dtypes import dtype_named
 from ffn_core.families import FAMILIES, table_problem
+from ffn_core.files import file_kind
 from ffn_core.layout import (
     FileWeights,
     Shape,
@@ -34,7 +35,7 @@ from ffn_core.layout import (
     expected_shapes,
 )
 from ffn_core.model import FeedForward, build_ffn
-from ffn_core.readers import file_kind, open_reader, sniff
+from ffn_core.readers import open_reader, sniff
 from ffn_core.torch_dtypes import TORCH
 
 __all__ = ["CONFIG_KEY", "FORMATS", "FORMAT_TAG", "WeightsError", "expected_shapes", "load_ffn", "save_ffn"]
