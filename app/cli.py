@@ -1,16 +1,19 @@
 """ffn-serve: read the settings, bind the address, then serve until SIGTERM drains it.
 
-The settings are read and checked first, then the ports bound and the weights files found
-readable (app/preflight.py), and the server (with torch, seconds to import) only once all of that
-holds: a mistake is one line per problem, at once. One process (`workers = 1`)
-loads the models and serves (app/server.py); with more, a supervisor (app/supervisor.py) runs
-that many worker processes on the sockets bound here.
+The settings are read and checked first, then every model's table held to its file and this
+torch's build, the ports bound (app/preflight.py), and the server (with torch, seconds to import)
+only once all of that holds. Whatever is refused before the start is one line per problem on
+stderr, `ffn-serve: <what is wrong>` naming the fix where there is one, in a fraction of a second;
+from the banner on, the process is a server and reports in its log (records, text or JSON), as
+its workers do. One process (`workers = 1`) loads the models and serves (app/server.py); with
+more, a supervisor (app/supervisor.py) runs that many worker processes on the sockets bound here.
 
-Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, or the
-server failed while starting; 2 invalid settings or command line (a TLS file missing, unreadable,
-expired or not matching its pair among them), or an installed uvicorn that
-lacks what app/http/transport/protocol.py needs; 3 the address cannot be bound (the port is in use, or not
-allowed).
+Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, the server
+failed while starting, or the host lacks the memory the hand-off's slots reserve; 2 invalid
+settings or command line, or what they name cannot be used as asked (a TLS or weights file
+missing or unreadable, a checkpoint without the layer asked for, a GPU asked of a torch built
+without CUDA), or an installed uvicorn that lacks what app/http/transport/protocol.py needs; 3
+the address cannot be bound (the port is in use, or not allowed).
 """
 
 from __future__ import annotations
@@ -38,30 +41,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = parse_command(sys.argv[1:] if argv is None else argv)
         settings = load_settings(**command.settings)
     except SettingsError as exc:
-        for problem in exc.problems:
-            print(f"ffn-serve: {problem}", file=sys.stderr)
-        return EXIT_BAD_SETTINGS
+        return _refuse(exc.problems, EXIT_BAD_SETTINGS)
     if command.check:
         return check(settings)
     if settings.workers > 1 or settings.shared_engine:
         try:
             check_metrics_dir(settings.metrics_dir)
         except MetricsFolderError as exc:
-            print(f"ffn-serve: invalid setting {exc}", file=sys.stderr)
-            return EXIT_BAD_SETTINGS
+            return _refuse([f"invalid setting {exc}"], EXIT_BAD_SETTINGS)
     if settings.tls_cert_file is not None:
         from app.tls import start_problems  # cryptography: only where TLS is on
 
         tls_problems = start_problems(settings)
-        for problem in tls_problems:
-            print(f"ffn-serve: invalid setting {problem}", file=sys.stderr)
         if tls_problems:
-            return EXIT_BAD_SETTINGS
+            return _refuse([f"invalid setting {problem}" for problem in tls_problems], EXIT_BAD_SETTINGS)
     tracing_problems = tracing_config.problems(settings.otlp_endpoint, os.environ)
-    for problem in tracing_problems:
-        print(f"ffn-serve: {problem}", file=sys.stderr)
     if tracing_problems:
-        return EXIT_BAD_SETTINGS
+        return _refuse(tracing_problems, EXIT_BAD_SETTINGS)
     configure_logging(settings.log_level, settings.log_format)
     for warning in misspelt_variables() + budgets_off(settings):
         log.warning(warning)
@@ -76,9 +72,9 @@ def check(settings: Settings) -> int:
     )
     for warning in misspelt_variables():
         log.warning(warning)
-    from app.preflight import unreadable_weights
+    from app.preflight import refusals
 
-    problems = unreadable_weights(settings)
+    problems = refusals(settings)
     if problems:
         print(f"ffn-serve --check: {problems[0]}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
@@ -108,23 +104,21 @@ def _start(settings: Settings, starting: Starting) -> int:
 
     mismatch = uvicorn_members.mismatch()
     if mismatch is not None:
-        print(f"ffn-serve: {mismatch}", file=sys.stderr)
-        return EXIT_BAD_SETTINGS
-    # Before torch (seconds to import) and the models: a port in use, a weights file missing, in a moment.
-    from app.preflight import handoff_shortage, unreadable_weights
+        return _refuse([mismatch], EXIT_BAD_SETTINGS)
+    # Before torch (seconds to import) and the models: a weights file missing, a layer past the last, a
+    # port in use, in a moment. Every refusal is one `ffn-serve: ...` line, as a settings mistake is.
+    from app.preflight import handoff_shortage, refusals
     from app.preflight import listeners as bind_listeners
 
+    problems = refusals(settings)
+    if problems:
+        return _refuse(problems, EXIT_BAD_SETTINGS)
     listeners = bind_listeners(settings)
-    if listeners is None:
-        return EXIT_CANNOT_BIND
+    if isinstance(listeners, str):
+        return _refuse([listeners], EXIT_CANNOT_BIND)
     try:
-        problems = unreadable_weights(settings)
         if (shortage := handoff_shortage(settings)) is not None:
-            problems.append(shortage)
-        if problems:
-            for problem in problems:
-                log.error("%s", problem)
-            return EXIT_START_FAILED
+            return _refuse([shortage], EXIT_START_FAILED)
         if listeners.grpc is not None:
             # Port 0 is resolved once, here: every worker's gRPC server binds the port held.
             settings = settings.model_copy(update={"grpc_port": listeners.grpc.getsockname()[1]})
@@ -145,6 +139,13 @@ def _start(settings: Settings, starting: Starting) -> int:
         return serve_here(settings, listeners, Metrics(), starting=starting)
     finally:
         listeners.close()
+
+
+def _refuse(problems: Sequence[str], code: int) -> int:
+    """A start refused before anything started: one `ffn-serve: ...` line per problem on stderr, and `code`."""
+    for problem in problems:
+        print(f"ffn-serve: {problem}", file=sys.stderr)
+    return code
 
 
 def _runtime(settings: Settings) -> str:

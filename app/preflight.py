@@ -1,36 +1,36 @@
-"""What ffn-serve checks before it imports torch: its ports can be bound, its weights files read, and
-with shared_engine, the host has the memory the hand-off's slots reserve.
+"""What ffn-serve checks before it imports torch: every configured model can be read as its table asks
+(the weights file there and readable, the layer in it, the device in this torch), its ports can be
+bound, and with shared_engine, the host has the memory the hand-off's slots reserve.
 
 torch alone takes seconds to import (a minute on a loaded machine), and the models longer to
-load: a port in use or a weights file that is missing was reported only after both. Checked
-here first, each is one line in a fraction of a second, with the exit code it always had (3 for
-a port, 1 for a model). What needs torch (a file's contents, a device) is checked as the models
-load (app/engine/registry.py).
+load: a port in use, a weights file missing or a layer past the last was reported only after both.
+Checked here first, each is one line in a fraction of a second. Only what is certain is refused:
+what needs torch to know (a tensor's shape or values, how many GPUs there are) is checked as the
+models load (app/engine/registry.py), and so is anything this cannot read.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
-import logging
+import importlib.util
 import os
 import socket
 import stat
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
 from app.grpc.ports import reserve
 from app.listeners import Listeners
 from app.settings import GRPC_PORT_FIX, Settings
-
-log = logging.getLogger("ffn_serve")
+from ffn_core.errors import WeightsError
+from ffn_core.families import FAMILIES, find_layers, layer_problem
+from ffn_core.files import file_kind
+from ffn_core.header import safetensors_keys
+from ffn_core.hub import cached_weights, hub_format
 
 ANOTHER_SERVER = "another ffn-serve may be running there"
-# A file that is not a regular one, as ffn_core/readers.py names it (it imports torch: not here).
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -47,27 +47,33 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def listeners(settings: Settings) -> Listeners | None:
-    """Every port of the service bound (the gRPC port held), or None with one error line saying which and why."""
-    main = _bind_or_none(settings.host, settings.port, "--port N (FFN_PORT)")
-    if main is None:
-        return None
+def listeners(settings: Settings) -> Listeners | str:
+    """Every port of the service bound (the gRPC port held), or the one line saying which cannot be and why."""
+    main = _bind_or_why(settings.host, settings.port, "--port N (FFN_PORT)")
+    if isinstance(main, str):
+        return main
     bound = Listeners(main)
     if settings.metrics_port is not None:
-        metrics = _bind_or_none(settings.host, settings.metrics_port, "--metrics-port N (FFN_METRICS_PORT)")
-        if metrics is None:
+        metrics = _bind_or_why(settings.host, settings.metrics_port, "--metrics-port N (FFN_METRICS_PORT)")
+        if isinstance(metrics, str):
             bound.close()
-            return None
+            return metrics
         bound.metrics = metrics
     if settings.grpc:
         try:
             bound.grpc = reserve(settings.host, settings.grpc_port)
         except OSError as exc:
-            way_out = f": {ANOTHER_SERVER}; {GRPC_PORT_FIX}" if exc.errno == errno.EADDRINUSE else ""
-            log.error("cannot listen on %s:%d (gRPC): %s%s", settings.host, settings.grpc_port, _reason(exc), way_out)
             bound.close()
-            return None
+            way_out = f": {ANOTHER_SERVER}; {GRPC_PORT_FIX}" if exc.errno == errno.EADDRINUSE else ""
+            return f"cannot listen on {settings.host}:{settings.grpc_port} (gRPC): {_reason(exc)}{way_out}"
     return bound
+
+
+def refusals(settings: Settings) -> list[str]:
+    """One line per reason a configured model cannot be served as its table asks, as far as it shows without
+    torch: a weights file missing or unreadable, a checkpoint without the layer asked for, a GPU asked of a
+    torch built without one."""
+    return unreadable_weights(settings) + missing_layers(settings) + missing_gpus(settings)
 
 
 def unreadable_weights(settings: Settings) -> list[str]:
@@ -79,15 +85,87 @@ def unreadable_weights(settings: Settings) -> list[str]:
     return problems
 
 
-def _bind_or_none(host: str, port: int, flag: str) -> socket.socket | None:
+def missing_layers(settings: Settings) -> list[str]:
+    """One line per checkpoint-family model whose safetensors file has no such layer, from its header alone
+    (the words the loader would say, ffn_core/checkpoints.py): a local file, or an hf_model's where the cache
+    holds the file a load would read (ffn_core/hub.py). A torch state dict needs torch to be read, and a Hub
+    file not yet fetched is not there: their layers are checked as they load."""
+    problems = []
+    for spec in settings.served_models():
+        path, format = spec.weights, str(spec.format or "")  # an hf_model's config.json may name it
+        if spec.hf_model is not None:
+            path = cached_weights(spec.hf_model, spec.revision)
+            if path is not None and not format:
+                try:
+                    format = hub_format(path)
+                except WeightsError:  # the loader says why, in full
+                    continue
+        if path is None or format not in FAMILIES or spec.layer is None:
+            continue
+        keys = safetensors_keys(path)
+        if keys is None:
+            continue
+        _, layers = find_layers(keys, FAMILIES[format])
+        if (missing := layer_problem(format, spec.layer, layers)) is not None:
+            problems.append(f"model {spec.name!r}: {path}: {missing}")
+    return problems
+
+
+def missing_gpus(settings: Settings) -> list[str]:
+    """One line per device setting naming a GPU where the installed torch is built for none (its version.py
+    read, torch not imported). A torch built with CUDA (or ROCm, whose GPUs torch also calls cuda) passes
+    here, GPU or not: a driver's device files can appear only as it first starts, so only torch can tell."""
+    build = torch_build()
+    if build is None or build.gpu:
+        return []
+    if settings.devices:  # shared_engine: each engine places every model on its device
+        asked = [("setting devices", device) for device in settings.devices]
+    else:
+        asked = [(f"model {spec.name!r}", spec.device) for spec in settings.served_models()]
+    fix = 'choose device "cpu" (or "auto": a GPU when there is one), or install a build of torch with CUDA'
+    return [
+        f"{what}: device {device!r} needs CUDA, and torch {build.version} is built without it: {fix}"
+        for what, device in dict.fromkeys(asked)
+        if device.startswith("cuda")
+    ]
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    """What the installed torch was built for, read from its version.py without importing it."""
+
+    version: str
+    gpu: bool  # built with CUDA or ROCm
+
+
+def torch_build() -> TorchBuild | None:
+    """The installed torch's build, or None where it cannot be read with certainty (then nothing is refused)."""
+    try:
+        spec = importlib.util.find_spec("torch")  # finds the package, runs none of it
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        source = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+        values = {
+            target.id: node.value.value
+            for node in ast.parse(source).body
+            if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Constant)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)
+        }
+        version = metadata.version("torch")
+    except (OSError, SyntaxError, ValueError, metadata.PackageNotFoundError):
+        return None
+    if "cuda" not in values or "hip" not in values:  # a version.py of another shape: not certain
+        return None
+    return TorchBuild(version, gpu=values["cuda"] is not None or values["hip"] is not None)
+
+
+def _bind_or_why(host: str, port: int, flag: str) -> socket.socket | str:
     try:
         return bind(host, port)
     except OSError as exc:
         way_out = f": {ANOTHER_SERVER}; stop it, or choose another port with {flag}"
-        log.error(
-            "cannot listen on %s:%d: %s%s", host, port, _reason(exc), way_out if exc.errno == errno.EADDRINUSE else ""
-        )
-        return None
+        return f"cannot listen on {host}:{port}: {_reason(exc)}{way_out if exc.errno == errno.EADDRINUSE else ''}"
 
 
 def _unreadable(path: str) -> str | None:
@@ -98,8 +176,7 @@ def _unreadable(path: str) -> str | None:
     except OSError as exc:
         return _reason(exc)
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
-        return f"it is {kind}, not a regular file"
+        return f"it is {file_kind(info.st_mode)}, not a regular file"
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:

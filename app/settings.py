@@ -47,6 +47,8 @@ from app.settings_problems import (
     validation_problems,
 )
 from app.tracing.config import endpoint_problem
+from ffn_core.families import table_problem
+from ffn_core.files import file_kind
 
 ENV_PREFIX = "FFN_"
 
@@ -138,6 +140,24 @@ class ModelSpec(BaseModel):
             raise ValueError("an hf_model is read from its model.safetensors; format 'torch' is for local files")
         if importlib.util.find_spec("huggingface_hub") is None:
             raise ValueError(f"hf_model needs huggingface_hub, which is not installed: {HUB_EXTRA}")
+        return self
+
+    @model_validator(mode="after")
+    def _readable_as_asked(self) -> ModelSpec:
+        # What the loader would refuse whatever the file holds (ffn_core/families.py), said before torch
+        # is imported. The demo reads no file (it ignores format and layer); an hf_model's family is
+        # the one its config.json names, unless a format is given, and every family needs a layer.
+        if self.weights is None and self.hf_model is None:
+            return self
+        if self.hf_model is not None and self.format is None:
+            problem = (
+                None if self.layer is not None else "an hf_model is one layer of its checkpoint family: give layer"
+            )
+        else:
+            problem = table_problem(self.format, self.layer, self.gated)
+        if problem is not None:
+            fix = ": add layer = N to its table, 0 for the first" if self.layer is None else ""
+            raise ValueError(problem + fix)
         return self
 
     @field_validator("name")
@@ -628,25 +648,13 @@ class _ModelTables(BaseModel):
         return unique_names(models)
 
 
-# What a path that is not a regular file is. ffn_core/readers.py has the same table for weight
-# files; settings cannot import it (ffn_core imports torch, which settings never wait for).
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def _config_text(path: Path) -> str:
     try:
         info = os.stat(path)
     except OSError as exc:
         raise ConfigFileError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for is_type, name in _FILE_TYPES if is_type(info.st_mode)), "a special file")
-        raise ConfigFileError(f"config file {path} is {kind}, not a regular file")
+        raise ConfigFileError(f"config file {path} is {file_kind(info.st_mode)}, not a regular file")
     if info.st_size > MAX_CONFIG_BYTES:
         raise ConfigFileError(
             f"config file {path} is {info.st_size} bytes; a config file holds at most {MAX_CONFIG_BYTES}"

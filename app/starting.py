@@ -10,7 +10,7 @@ and the command, or the worker, exits 0 with a log line. Once uvicorn runs, its 
 over (app/server.py: a signal before it serves stops the start there too, after that it drains).
 
 SIGINT is taken even where it was inherited ignored: uvicorn takes it once serving anyway, and
-README promises that Ctrl-C stops ffn-serve the way `kill` does.
+docs/install.md promises that Ctrl-C stops ffn-serve the way `kill` does.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from ffn_core.activations import ACTIVATIONS
-from ffn_core.checkpoints import FAMILIES
 from ffn_core.dtypes import DTYPE_NAMES
+from ffn_core.families import FAMILIES
 from ffn_core.weights import FORMATS, WeightsError, load_ffn, save_ffn
 
 

@@ -8,18 +8,20 @@ and `HF_HUB_CACHE` for the cache's place and `HF_TOKEN` for private and gated re
 layer is then read as from any local file (ffn_core/checkpoints.py): only its tensors.
 
 `hub_format(weights)` is the checkpoint family that the snapshot's `config.json` names
-(`model_type`), where no format was given. huggingface_hub is an optional dependency
+(`model_type`), where no format was given. `cached_weights` finds the file a load would read,
+without fetching, for the command's checks before torch is imported. No torch here. huggingface_hub is an optional dependency
 (`pip install 'ffn-serve[hub]'`); without it every call says so.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
-from ffn_core.checkpoints import FAMILIES
-from ffn_core.layout import WeightsError, brief
+from ffn_core.errors import WeightsError, brief
+from ffn_core.families import FAMILIES
 
 HUB_EXTRA = "pip install 'ffn-serve[hub]'"
 WEIGHTS_FILE = "model.safetensors"
@@ -27,6 +29,7 @@ SHARD_INDEX = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 # config.json's model_type -> the checkpoint family whose layout that architecture's weights have.
 MODEL_TYPES = {"bert": "bert", "gpt2": "gpt2", "llama": "llama"}
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def hub_weights(repo_id: str, revision: str | None, layer: int | None, format: str | None) -> Path:
@@ -55,6 +58,19 @@ def hub_weights(repo_id: str, revision: str | None, layer: int | None, format: s
         return _fetch(repo_id, _shard_of(index, format, layer, where), revision)
     except _Missing as missing:
         raise WeightsError(f"{where}: {missing.reason}") from None
+
+
+def cached_weights(repo_id: str, revision: str | None) -> Path | None:
+    """`repo_id`'s model.safetensors as the cache holds it, where a load would read that very file: with
+    HF_HUB_OFFLINE set, or at a commit (which never moves). None otherwise; nothing is fetched."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return None
+    if not (constants.HF_HUB_OFFLINE or (revision is not None and _COMMIT.fullmatch(revision))):
+        return None  # a load asks the Hub first: main may have moved past the cached snapshot
+    found = try_to_load_from_cache(repo_id, WEIGHTS_FILE, revision=revision)
+    return Path(found) if isinstance(found, str) else None
 
 
 def hub_format(weights: Path) -> str:

@@ -2,7 +2,8 @@
 
 Native and torch state dicts (`weights`) and checkpoint families (`checkpoints`) are checked
 against this layout, and they and the file readers (`readers`) report through `WeightsError`. So
-both live here, below all three, which import this module and never each other in a circle.
+both are here, below all three, which import this module and never each other in a circle;
+`WeightsError` itself is ffn_core/errors.py's, where the modules that never import torch find it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from pathlib import Path
 import torch
 
 from ffn_core.config import FFNConfig
+from ffn_core.errors import WeightsError, brief
+
+__all__ = ["FileWeights", "Shape", "WeightsError", "brief", "check_shapes", "config_from_keys", "expected_shapes"]
 
 Shape = tuple[int, ...]
-
-
-class WeightsError(ValueError):
-    """A weight file that cannot be loaded as asked; the message names the file and the reason."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,3 @@ def config_from_keys(
         )
     except ValueError as exc:  # sizes or activation the config refuses
         raise WeightsError(f"{path}: {exc}") from exc
-
-
-def brief(exc: BaseException, limit: int = 300) -> str:
-    """An exception in one line of at most `limit` characters, for a WeightsError's reason."""
-    # torch's messages run to many lines of advice, and some quote a file's contents, which a
-    # hostile file makes as long as it likes.
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from ffn_core.files import file_kind
+from ffn_core.header import looks_like_safetensors
 from ffn_core.layout import Shape, WeightsError, brief
 
 
@@ -95,16 +97,6 @@ def open_reader(path: Path, kind: str) -> Reader:
     return READERS[kind](path)
 
 
-# What a path that is not a regular file is, for the message; checked in this order.
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def regular_file_size(path: Path) -> int:
     """The size of the regular file at `path`; anything else is refused before it is opened.
 
@@ -121,11 +113,6 @@ def regular_file_size(path: Path) -> int:
     return info.st_size
 
 
-def file_kind(mode: int) -> str:
-    """What a file that is not a regular one is, from its `st_mode`: 'a directory', 'a FIFO (named pipe)', ..."""
-    return next((name for is_type, name in _FILE_TYPES if is_type(mode)), "a special file")
-
-
 def sniff(path: Path) -> str | None:
     """'safetensors', 'torch' or None (neither), from the first bytes of the file.
 
@@ -138,7 +125,7 @@ def sniff(path: Path) -> str | None:
             head = f.read(9)
     except OSError as exc:
         raise WeightsError(f"{path}: cannot read weights file ({brief(exc)})") from exc
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") <= size - 8:
+    if looks_like_safetensors(head, size):
         return "safetensors"
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
         return "torch"

@@ -20,9 +20,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from ffn_core.checkpoints import FAMILIES, read_layer
+from ffn_core.checkpoints import read_layer
 from ffn_core.config import FFNConfig
 from ffn_core.dtypes import dtype_named
+from ffn_core.families import FAMILIES, table_problem
+from ffn_core.files import file_kind
 from ffn_core.layout import (
     FileWeights,
     Shape,
@@ -33,7 +35,7 @@ from ffn_core.layout import (
     expected_shapes,
 )
 from ffn_core.model import FeedForward, build_ffn
-from ffn_core.readers import file_kind, open_reader, sniff
+from ffn_core.readers import open_reader, sniff
 from ffn_core.torch_dtypes import TORCH
 
 __all__ = ["CONFIG_KEY", "FORMATS", "FORMAT_TAG", "WeightsError", "expected_shapes", "load_ffn", "save_ffn"]
@@ -81,8 +83,8 @@ def load_ffn(
     if format in FAMILIES:
         weights = read_layer(path, format, layer, activation, gated)
     else:
-        if layer is not None:
-            raise WeightsError(f"{path}: layer is only for checkpoint families {list(FAMILIES)}, not {format!r}")
+        if (refused := table_problem(format, layer, gated)) is not None:
+            raise WeightsError(f"{path}: {refused}")
         weights = _read_state_dict(path, format, activation, gated)
     return _build(path, weights, torch_dtype, device)
 

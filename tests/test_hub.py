@@ -12,6 +12,7 @@ model_type, huggingface_hub missing) are one line each, naming the repository an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -224,6 +225,53 @@ def test_what_the_cache_cannot_give_is_refused_naming_the_repository(
     assert fragment in message and "\n" not in message, message
     if "not in the cache" in message:
         assert f"({offline.hub}) and HF_HUB_OFFLINE is set" in message
+
+
+# main() in a real process, which then says whether torch was imported (as tests/test_preflight.py).
+MAIN_THEN_SAY = (
+    "import sys; from app.cli import main; code = main(sys.argv[1:]); "
+    "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)"
+)
+
+
+@pytest.mark.parametrize(
+    ("table", "offline_env"),
+    [("", True), ('revision = "{commit}"', False)],
+    ids=["HF_HUB_OFFLINE", "at a commit"],
+)
+def test_a_layer_the_cached_hub_checkpoint_lacks_is_refused_before_torch(
+    cache: Cache, tmp_path: Path, table: str, offline_env: bool
+) -> None:
+    """Where the cache holds the very file a load would read, its header says there is no layer 6: one
+    line, exit 2, torch never imported. Online at main the Hub may have moved on: left to the load."""
+    config = tmp_path / "ffn.toml"
+    config.write_text(f'[[models]]\nname = "m"\nhf_model = "{REPO}"\nlayer = 6\n{table.format(commit=cache.commit)}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FFN_", "HF_"))} | {"HF_HOME": str(cache.home)}
+    if offline_env:
+        env["HF_HUB_OFFLINE"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", MAIN_THEN_SAY, "--config", str(config), "--port", "0", "--grpc-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "no torch\n", result.stderr
+    weights = cache.hub / f"models--{REPO.replace('/', '--')}" / "snapshots" / cache.commit / "model.safetensors"
+    assert result.stderr.splitlines() == [f"ffn-serve: model 'm': {weights}: no layer 6; the file has 6 layers (0..5)"]
+
+
+def test_an_hf_model_the_cache_may_not_hold_as_loaded_is_left_to_the_load(offline: Cache, monkeypatch) -> None:
+    from app.preflight import missing_layers
+    from app.settings import load_settings
+
+    settings = load_settings(models=[{"name": "m", "hf_model": REPO, "layer": 6}])
+    assert missing_layers(settings) != []  # offline: the cache is what loads
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    assert missing_layers(settings) == []  # online at main: the Hub may hold another file by now
+    sharded = load_settings(models=[{"name": "m", "hf_model": SHARDED, "layer": 9}])
+    assert missing_layers(sharded) == []  # no model.safetensors: a shard is chosen as it loads
 
 
 def test_a_model_type_of_no_known_family_asks_for_the_format(offline: Cache, tmp_path: Path) -> None:

@@ -238,12 +238,17 @@ def test_a_zero_body_rate_starts_with_a_line_saying_the_rate_bound_is_off() -> N
             [*CLI, "--port", port, "--log-format", "json"], capture_output=True, text=True, timeout=60
         )
     assert result.returncode == default.returncode == 3
-    warnings = [r["message"] for r in map(json.loads, result.stderr.splitlines()) if r["level"] == "warning"]
+    warnings = [r["message"] for r in log_records(result.stderr) if r["level"] == "warning"]
     assert warnings == [
         "min_body_rate is 0: the bound on a body's rate is off; a body may take any time as long as it never "
         "pauses for read_timeout_s (7 s)"
     ]
-    assert not [r for r in map(json.loads, default.stderr.splitlines()) if r["level"] == "warning"]
+    assert not [r for r in log_records(default.stderr) if r["level"] == "warning"]
+
+
+def log_records(stderr: str) -> list[dict[str, str]]:
+    """The JSON log records of `stderr`, less the refused start's own `ffn-serve: ...` line."""
+    return [json.loads(line) for line in stderr.splitlines() if not line.startswith("ffn-serve: ")]
 
 
 @pytest.mark.parametrize(
