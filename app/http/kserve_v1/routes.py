@@ -7,41 +7,45 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.http.endpoints import TIMEOUT_HEADER, Endpoint, compressed, read_body, service_state, unless_disconnected
+from app.engine.facade import ModelFacade
+from app.http import tensor_route
+from app.http.endpoints import Endpoint, service_state
 from app.http.openapi import error_responses
+from app.http.tensor_route import TensorCall
 from app.protocol import identity, kserve_v1
-from app.protocol.admission import deadline_from
-from app.protocol.fields import answer_coding, request_coding
+from app.protocol.state import ServiceState
 
 READY_PATH = "/v1/models/{name}"  # probes: the guard lets them through without a key
 LIVE_PATH = "/"
 _ALIVE = b'{"status":"alive"}'
 
 
+class _Predict:
+    """KServe V1 predict as app/http/tensor_route.py serves it: the content type, then the instances."""
+
+    reads_timeout_header = True
+
+    def head(self, request: Request, state: ServiceState, served: ModelFacade) -> None:
+        kserve_v1.check_content(request.headers.get("content-type"))
+
+    def decode(
+        self, body: bytes | bytearray, head: None, state: ServiceState, served: ModelFacade, deadline: float | None
+    ) -> TensorCall[Any]:
+        decoded = kserve_v1.decode(body, served.d_model, state.settings.max_queue_rows)
+        identity.decoded(decoded.shape, decoded.dtype.name)
+        return TensorCall(
+            served.infer(decoded.rows, decoded.dtype, deadline=deadline),
+            lambda output: (kserve_v1.encode(output, decoded), {"content-type": kserve_v1.MEDIA_TYPE}),
+            decoded.rows.nbytes,  # the body is gone, parsed into an array of its own
+        )
+
+
+_PREDICT = _Predict()
+
+
 async def predict(name: str, request: Request) -> Response:
     # Only `request` and the path, as the other tensor routes (app/http/native/routes.py says why).
-    state = service_state(request)
-    served = state.engine.model(name)
-    with state.outcomes.count(name):
-        served.check_serving()
-        headers = request.headers
-        kserve_v1.check_content(headers.get("content-type"))
-        coding_in = request_coding(headers.get("content-encoding"))
-        coding_out = answer_coding(headers.get("accept-encoding"))
-        deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
-            # Looked up again: a reload may have swapped the copy while the body arrived.
-            served = state.engine.model(name)
-            decoded = kserve_v1.decode(body, served.d_model, state.settings.max_queue_rows)
-            del body
-            hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into an array of its own
-            identity.decoded(decoded.shape, decoded.dtype.name)
-            output = await unless_disconnected(request, served.infer(decoded.rows, decoded.dtype, deadline=deadline))
-            content, headers_out = await compressed(
-                kserve_v1.encode(output, decoded), {"content-type": kserve_v1.MEDIA_TYPE}, coding_out
-            )
-        return Response(content, headers=headers_out)
+    return await tensor_route.serve(_PREDICT, request, name)
 
 
 async def server_live() -> Response:

@@ -2,81 +2,86 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 
 from app.engine.facade import ModelFacade
-from app.http.endpoints import (
-    TIMEOUT_HEADER,
-    Endpoint,
-    StateDep,
-    compressed,
-    read_body,
-    service_state,
-    unless_disconnected,
-)
+from app.http import tensor_route
+from app.http.endpoints import Endpoint, StateDep
 from app.http.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.http.openapi import error_responses
+from app.http.tensor_route import TensorCall
 from app.protocol import identity, mc_parameters
 from app.protocol import native as codec
-from app.protocol.admission import deadline_from
 from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import InvalidInput
-from app.protocol.fields import answer_coding, request_coding
+from app.protocol.state import ServiceState
 from ffn_core.dtypes import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class _Head:
+    headers: Headers
+    encoding_in: codec.Encoding
+    encoding_out: codec.Encoding
+    query: dict[str, str] | None  # Monte Carlo dropout's query parameters, when there is a query
+
+
+class _Transform:
+    """The native transform as app/http/tensor_route.py serves it: headers and query, then the body."""
+
+    reads_timeout_header = True
+
+    def head(self, request: Request, state: ServiceState, served: ModelFacade) -> _Head:
+        query = None
+        if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
+            query = codec.query_parameters(request.scope["query_string"])
+            if mc_parameters.from_query(query, served, state.settings.max_mc_passes) is None:
+                raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {mc_parameters.PASSES}")
+        headers = request.headers
+        encoding_in = codec.request_encoding(headers.get("content-type"))
+        return _Head(headers, encoding_in, codec.response_encoding(headers.get("accept")), query)
+
+    def decode(
+        self, body: bytes | bytearray, head: _Head, state: ServiceState, served: ModelFacade, deadline: float | None
+    ) -> TensorCall[Any]:
+        settings = state.settings
+        asked = None if head.query is None else mc_parameters.from_query(head.query, served, settings.max_mc_passes)
+        decoded = _decode(body, head.headers, head.encoding_in, head.encoding_out, served, settings.max_queue_rows)
+        identity.decoded(decoded.shape, decoded.dtype.name)
+        answer_dtype = codec.answer_dtype(decoded, head.encoding_out)
+        parsed = decoded.rows.nbytes if head.encoding_in == "json" else None  # binary rows view the body
+
+        def digested(encoded: tuple[bytes | memoryview, dict[str, str]]) -> tuple[bytes | memoryview, dict[str, str]]:
+            encoded[1][DIGEST_HEADER] = served.digest
+            return encoded
+
+        if asked is not None:
+            return TensorCall(
+                served.infer_monte_carlo(decoded.rows, asked, answer_dtype, deadline=deadline),
+                lambda result: digested(
+                    codec.encode_monte_carlo(served.name, result, asked, decoded, head.encoding_out)
+                ),
+                parsed,
+            )
+        return TensorCall(
+            served.infer(decoded.rows, answer_dtype, deadline=deadline),
+            lambda output: digested(codec.encode(served.name, output, decoded, head.encoding_out)),
+            parsed,
+        )
+
+
+_TRANSFORM = _Transform()
 
 
 async def transform(name: str, request: Request) -> Response:
     # Only `request` and the path: FastAPI's per-parameter validation costs more than this whole
     # handler on small requests. The headers are read by hand and documented in _TRANSFORM_DOC.
-    state = service_state(request)
-    served = state.engine.model(name)
-    with state.outcomes.count(name):
-        served.check_serving()
-        asked = parameters = None
-        if request.scope["query_string"]:  # only Monte Carlo dropout takes query parameters
-            parameters = codec.query_parameters(request.scope["query_string"])
-            asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
-            if asked is None:
-                raise InvalidInput(f"a query string asks for Monte Carlo dropout: add {mc_parameters.PASSES}")
-        headers = request.headers
-        encoding_in = codec.request_encoding(headers.get("content-type"))
-        encoding_out = codec.response_encoding(headers.get("accept"))
-        coding_in = request_coding(headers.get("content-encoding"))
-        coding_out = answer_coding(headers.get("accept-encoding"))
-        deadline = deadline_from(headers.get(TIMEOUT_HEADER), state.settings.default_timeout_ms)
-        with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
-            # Looked up again: a reload may have swapped the copy while the body arrived. From here to
-            # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
-            served = state.engine.model(name)
-            if parameters is not None:
-                asked = mc_parameters.from_query(parameters, served, state.settings.max_mc_passes)
-            decoded = _decode(
-                body,
-                headers,
-                encoding_in,
-                encoding_out,
-                served,
-                state.settings.max_queue_rows,
-            )
-            del body  # binary rows are a view of it: those bytes stay held, and counted
-            identity.decoded(decoded.shape, decoded.dtype.name)
-            if encoding_in == "json":  # the body is gone, parsed into an array of its own
-                hold.resize(decoded.rows.nbytes)
-            answer_dtype = codec.answer_dtype(decoded, encoding_out)
-            if asked is not None:
-                result = await unless_disconnected(
-                    request, served.infer_monte_carlo(decoded.rows, asked, answer_dtype, deadline=deadline)
-                )
-                content, answer_headers = codec.encode_monte_carlo(name, result, asked, decoded, encoding_out)
-            else:
-                output = await unless_disconnected(request, served.infer(decoded.rows, answer_dtype, deadline=deadline))
-                content, answer_headers = codec.encode(name, output, decoded, encoding_out)
-            answer_headers[DIGEST_HEADER] = served.digest
-            content, answer_headers = await compressed(content, answer_headers, coding_out)
-        return Response(content, headers=answer_headers)
+    return await tensor_route.serve(_TRANSFORM, request, name)
 
 
 # A plain function, not a coroutine: on the hot path an extra await costs more than its work.

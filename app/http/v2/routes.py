@@ -11,12 +11,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.engine.errors import Unavailable
+from app.engine.facade import ModelFacade
 from app.engine.montecarlo import MonteCarloResult
-from app.http.endpoints import Endpoint, StateDep, compressed, read_body, service_state, unless_disconnected
+from app.http import tensor_route
+from app.http.endpoints import Endpoint, StateDep
 from app.http.errors import error_response
 from app.http.openapi import error_responses, inline_defs
+from app.http.tensor_route import TensorCall
 from app.http.v2 import extensions, model_control
-from app.protocol.fields import answer_coding, request_coding
 from app.protocol.state import ServiceState
 from app.protocol.v2 import codec, metadata
 from app.protocol.v2 import infer as infer_step
@@ -34,36 +36,38 @@ def _model_ready(state: ServiceState, name: str, version: str | None) -> Respons
     return error_response(Unavailable(f"model {name!r} is not ready: {status.reason}"))
 
 
-async def _infer(request: Request, name: str, version: str | None) -> Response:
-    state: ServiceState = service_state(request)
-    served = state.engine.model(name, version)
-    with state.outcomes.count(name):
-        served.check_serving()
+class _Infer:
+    """V2 infer as app/http/tensor_route.py serves it: the content type, then the body (app/protocol/v2/infer.py)."""
+
+    reads_timeout_header = False  # the deadline is the body's `timeout` parameter
+
+    def head(self, request: Request, state: ServiceState, served: ModelFacade) -> str | None:
         header_length = request.headers.get(codec.HEADER_LENGTH)
         # With the binary extension the body is not JSON, whatever Content-Type the client sent.
-        content_type = request.headers.get("content-type") if header_length is None else None
-        codec.check_content(content_type)
-        coding_in = request_coding(request.headers.get("content-encoding"))
-        coding_out = answer_coding(request.headers.get("accept-encoding"))
-        with state.held.request() as hold:
-            body = await read_body(request, state.settings.max_body_bytes, hold, coding_in)
-            # Looked up again: a reload may have swapped the copy while the body arrived. From here to
-            # the batcher nothing awaits, so the copy the rows are checked against is the one they reach.
-            served = state.engine.model(name, version)
-            call = infer_step.decoded(state, served, body, header_length)
-            if not call.request.binary_input:  # JSON data or shared memory: the body is dropped, its tensor kept
-                hold.resize(call.request.rows.nbytes)
-            del body  # a binary input is a view of the body: those bytes stay held, and counted
-            rows, dtype = call.request.rows, call.request.dtype
-            work: Awaitable[np.ndarray | MonteCarloResult]
-            if call.monte_carlo is None:
-                work = served.infer(rows, dtype, deadline=call.deadline)
-            else:  # the answer is the mean over the passes, `output_std` their spread; the parameters used are echoed
-                work = served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline)
-            answer: np.ndarray | MonteCarloResult = await unless_disconnected(request, work)
-            content, headers = infer_step.encoded(name, served, call, answer)
-            content, headers = await compressed(content, headers, coding_out)
-        return Response(content, headers=headers)
+        codec.check_content(request.headers.get("content-type") if header_length is None else None)
+        return header_length
+
+    def decode(
+        self,
+        body: bytes | bytearray,
+        header_length: str | None,
+        state: ServiceState,
+        served: ModelFacade,
+        deadline: float | None,
+    ) -> TensorCall[Any]:
+        call = infer_step.decoded(state, served, body, header_length)
+        rows, dtype = call.request.rows, call.request.dtype
+        work: Awaitable[np.ndarray | MonteCarloResult]
+        if call.monte_carlo is None:
+            work = served.infer(rows, dtype, deadline=call.deadline)
+        else:  # the answer is the mean over the passes, `output_std` their spread; the parameters used are echoed
+            work = served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline)
+        # JSON data or shared memory: the body is dropped, its tensor kept; a binary input views the body.
+        parsed = None if call.request.binary_input else rows.nbytes
+        return TensorCall(work, lambda answer: infer_step.encoded(served.name, served, call, answer), parsed)
+
+
+_INFER_ROUTE = _Infer()
 
 
 # The route handlers: FastAPI reads their signatures, so each route gets its own, with exactly
@@ -88,11 +92,11 @@ async def model_version_ready(name: str, version: str, state: StateDep) -> Respo
 
 
 async def infer(name: str, request: Request) -> Response:
-    return await _infer(request, name, None)
+    return await tensor_route.serve(_INFER_ROUTE, request, name)
 
 
 async def infer_version(name: str, version: str, request: Request) -> Response:
-    return await _infer(request, name, version)
+    return await tensor_route.serve(_INFER_ROUTE, request, name, version)
 
 
 _V2_ERRORS = error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507)
