@@ -39,6 +39,11 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
+def json_body(schema: dict[str, Any], *, required: bool = True) -> dict[str, Any]:
+    """An operation's `openapi_extra` declaring a JSON request body of `schema` (routes that read the body by hand)."""
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
 def inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with its `$defs` written in place."""
     defs = schema.pop("$defs", {})

@@ -196,15 +196,10 @@ def request_coding(content_encoding: str | None) -> Coding | None:
     return coding
 
 
-def answer_coding(accept_encoding: str | None) -> Coding | None:
-    """The coding to answer in: gzip or deflate, whichever Accept-Encoding rates higher (gzip at equal q), else None.
-
-    A coding named with q=0 is refused even where `*` would allow it; identity is always acceptable here.
-    """
-    if not accept_encoding:
-        return None
-    rated: dict[str, float] = {}
-    for item in accept_encoding.split(","):
+def quality_rated(header: str) -> list[tuple[str, float]]:
+    """An Accept-style header's items, each lowercased with its q-value (1 when none; 0 when not a number, or NaN)."""
+    items = []
+    for item in header.split(","):
         name, *params = (part.strip().lower() for part in item.split(";"))
         q = 1.0
         for param in params:
@@ -213,7 +208,18 @@ def answer_coding(accept_encoding: str | None) -> Coding | None:
                     q = float(param[2:])
                 except ValueError:
                     q = 0.0
-        rated[CODINGS.get(name, name)] = q if q == q else 0.0  # NaN: not acceptable
+        items.append((name, q if q == q else 0.0))  # NaN: not acceptable
+    return items
+
+
+def answer_coding(accept_encoding: str | None) -> Coding | None:
+    """The coding to answer in: gzip or deflate, whichever Accept-Encoding rates higher (gzip at equal q), else None.
+
+    A coding named with q=0 is refused even where `*` would allow it; identity is always acceptable here.
+    """
+    if not accept_encoding:
+        return None
+    rated = {CODINGS.get(name, name): q for name, q in quality_rated(accept_encoding)}
     best: Coding | None = None
     for coding in ANSWER_CODINGS:
         q = rated.get(coding, rated.get("*", 0.0))

@@ -25,7 +25,7 @@ import orjson
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.protocol import mc_parameters
 from app.protocol.errors import InvalidInput, NotAcceptable, UnsupportedMediaType
-from app.protocol.fields import media_type
+from app.protocol.fields import media_type, quality_rated
 from app.protocol.limits import NPY_MAX_HEADER
 from app.protocol.tensors import (
     MAX_RANK,
@@ -82,18 +82,7 @@ def response_encoding(accept: str | None) -> Encoding:
     """The answer's encoding from Accept (highest q first); none or */* is JSON."""
     if not accept:
         return "json"
-    ranges: list[tuple[float, int, str]] = []
-    for position, item in enumerate(accept.split(",")):
-        media, *params = (part.strip().lower() for part in item.split(";"))
-        q = 1.0
-        for param in params:
-            if param.startswith("q="):
-                try:
-                    q = float(param[2:])
-                except ValueError:
-                    q = 0.0
-        if q > 0 and media:
-            ranges.append((-q, position, media))
+    ranges = [(-q, position, media) for position, (media, q) in enumerate(quality_rated(accept)) if q > 0 and media]
     for _, _, media in sorted(ranges):
         if media in MEDIA_TYPES:
             return MEDIA_TYPES[media]

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from app.engine.facade import ModelFacade
 from app.http import tensor_route
 from app.http.endpoints import Endpoint, service_state
-from app.http.openapi import error_responses
+from app.http.openapi import error_responses, json_body
 from app.http.tensor_route import TensorCall
 from app.protocol import identity, kserve_v1
 from app.protocol.state import ServiceState
@@ -82,25 +82,18 @@ _PREDICT_DOC: dict[str, Any] = {
         },
         **error_responses(400, 401, 404, 413, 415, 429, 503, 504, 507),
     },
-    "openapi_extra": {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "properties": {
-                            "instances": _INSTANCES,
-                            "inputs": {**_INSTANCES, "description": "As instances."},
-                        },
-                        "additionalProperties": False,
-                        "minProperties": 1,
-                        "maxProperties": 1,
-                    }
-                }
+    "openapi_extra": json_body(
+        {
+            "type": "object",
+            "properties": {
+                "instances": _INSTANCES,
+                "inputs": {**_INSTANCES, "description": "As instances."},
             },
+            "additionalProperties": False,
+            "minProperties": 1,
+            "maxProperties": 1,
         }
-    },
+    ),
     "tags": ["kserve v1"],
 }
 

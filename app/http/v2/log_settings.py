@@ -8,7 +8,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from app.http.endpoints import Endpoint, read_body, service_state
-from app.http.openapi import error_responses
+from app.http.openapi import error_responses, json_body
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import json_type, loads_json
 from app.protocol.limits import LOG_SETTINGS_BYTES
@@ -54,27 +54,21 @@ ENDPOINTS = [
             **_OPENAPI,
             "summary": "Change log settings in every worker (logging extension)",
             "responses": error_responses(400, 401, 413, 503),
-            "openapi_extra": {
-                "requestBody": {
-                    "required": False,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "log_file": {"type": "string", "enum": [""]},
-                                    "log_info": {"type": "boolean"},
-                                    "log_warning": {"type": "boolean"},
-                                    "log_error": {"type": "boolean"},
-                                    "log_verbose_level": {"type": "integer", "minimum": 0},
-                                    "log_format": {"type": "string", "enum": list(FORMATS)},
-                                },
-                                "additionalProperties": False,
-                            }
-                        }
+            "openapi_extra": json_body(
+                {
+                    "type": "object",
+                    "properties": {
+                        "log_file": {"type": "string", "enum": [""]},
+                        "log_info": {"type": "boolean"},
+                        "log_warning": {"type": "boolean"},
+                        "log_error": {"type": "boolean"},
+                        "log_verbose_level": {"type": "integer", "minimum": 0},
+                        "log_format": {"type": "string", "enum": list(FORMATS)},
                     },
-                }
-            },
+                    "additionalProperties": False,
+                },
+                required=False,
+            ),
         },
     ),
 ]

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.http.endpoints import Endpoint, StateDep, read_body, service_state
-from app.http.openapi import error_responses
+from app.http.openapi import error_responses, json_body
 from app.protocol.fields import loads_json
 from app.protocol.limits import SHARED_MEMORY_BYTES
 from app.protocol.v2.system_shared_memory import (
@@ -105,28 +105,21 @@ ENDPOINTS = [
             **_CHANGE,
             "summary": "Register a system shared-memory region in every worker",
             "responses": {200: {"content": {}}, **error_responses(400, 401, 413, 503)},
-            "openapi_extra": {
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["key", "byte_size"],
-                                "properties": {
-                                    "key": {
-                                        "type": "string",
-                                        "description": "The object's shm_open name, /dev/shm/<key>.",
-                                    },
-                                    "offset": {"type": "integer", "minimum": 0, "default": 0},
-                                    "byte_size": {"type": "integer", "minimum": 1},
-                                },
-                                "additionalProperties": False,
-                            }
-                        }
+            "openapi_extra": json_body(
+                {
+                    "type": "object",
+                    "required": ["key", "byte_size"],
+                    "properties": {
+                        "key": {
+                            "type": "string",
+                            "description": "The object's shm_open name, /dev/shm/<key>.",
+                        },
+                        "offset": {"type": "integer", "minimum": 0, "default": 0},
+                        "byte_size": {"type": "integer", "minimum": 1},
                     },
+                    "additionalProperties": False,
                 }
-            },
+            ),
         },
     ),
     Endpoint(

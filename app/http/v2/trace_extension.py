@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 
 from app.http.endpoints import Endpoint, StateDep, read_body, service_state
-from app.http.openapi import error_responses
+from app.http.openapi import error_responses, json_body
 from app.protocol.fields import loads_json
 from app.protocol.limits import TRACE_SETTINGS_BYTES
 from app.protocol.v2.trace_extension import settings_of, update_settings
@@ -58,22 +58,14 @@ _POST = {
         200: {"content": {"application/json": {"schema": _SETTINGS_SCHEMA}}},
         **error_responses(400, 401, 404, 413, 503),
     },
-    "openapi_extra": {
-        "requestBody": {
-            "required": False,
-            "content": {
-                "application/json": {
-                    "schema": {
-                        "type": "object",
-                        "description": "Only the settings to change; null puts one back.",
-                        "properties": {
-                            name: {"anyOf": [schema, {"type": "null"}]} for name, schema in _SETTING_SCHEMAS.items()
-                        },
-                    }
-                }
-            },
-        }
-    },
+    "openapi_extra": json_body(
+        {
+            "type": "object",
+            "description": "Only the settings to change; null puts one back.",
+            "properties": {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in _SETTING_SCHEMAS.items()},
+        },
+        required=False,
+    ),
 }
 
 ENDPOINTS = [
