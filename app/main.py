@@ -1,4 +1,10 @@
-"""create_app(settings): the FastAPI app, wired from the engine, the endpoints and the middleware."""
+"""The service and its HTTP app: build_service (what both doors are given), http_app (FastAPI's), create_app (both).
+
+`build_service` makes the protocol-neutral ServiceState (the engine, budgets, metrics, tracing and
+the commands every process obeys); the HTTP app and the gRPC server (app/grpc/server.py) are each
+handed it, so neither door reads the other's objects. `http_app` wires the FastAPI app around a
+state: its lifespan (which starts and stops the engine), the endpoints and the middleware.
+"""
 
 from __future__ import annotations
 
@@ -45,11 +51,20 @@ def create_app(
     control: Control | None = None,
     engine: tuple[ServingEngine, Metrics] | None = None,
 ) -> ServiceApp:
-    """The service. Pass a loaded `registry` to skip loading in the lifespan (the CLI does).
+    """The service's HTTP app on a state of its own (build_service's arguments, then http_app's)."""
+    state = build_service(settings, registry, control=control, engine=engine)
+    return http_app(state, fast_path=fast_path, warm_before_serving=warm_before_serving)
 
-    `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
-    `warm_before_serving`: the lifespan's start-up waits for the warm-up, so the server accepts
-    connections only once warm (worker processes: a restarted one takes no traffic while cold).
+
+def build_service(
+    settings: Settings,
+    registry: Registry | None = None,
+    *,
+    control: Control | None = None,
+    engine: tuple[ServingEngine, Metrics] | None = None,
+) -> ServiceState:
+    """What both doors are given. Pass a loaded `registry` to skip loading at start (the CLI does).
+
     `control`: how commands reach every serving process (a worker's pipe); by default, this one only.
     `engine`: the engine and this process's metrics, where the models are not this process's (a
     front's RemoteEngine); by default an Engine of `registry`'s models, in this process.
@@ -81,6 +96,23 @@ def create_app(
     if regions is not None:
         for command, handler in system_shared_memory.control_handlers(regions).items():
             control.register(command, handler)
+    return state
+
+
+def http_app(state: ServiceState, *, fast_path: bool = True, warm_before_serving: bool = False) -> ServiceApp:
+    """FastAPI's app around `state`; its lifespan starts the engine and stops it, and what the state holds.
+
+    `fast_path=False` leaves every request to FastAPI's own routing (tests compare the two).
+    `warm_before_serving`: the lifespan's start-up waits for the warm-up, so the server accepts
+    connections only once warm (worker processes: a restarted one takes no traffic while cold).
+    """
+    settings, served, control, tracing, regions = (
+        state.settings,
+        state.engine,
+        state.control,
+        state.tracing,
+        state.shared_memory,
+    )
 
     @asynccontextmanager
     async def lifespan(app: ServiceApp) -> AsyncIterator[None]:

@@ -33,7 +33,7 @@ from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_F
 from app.grpc.server import GrpcServer
 from app.http.transport.protocol import LimitedHttpToolsProtocol, uvicorn_options
 from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
-from app.main import create_app
+from app.main import build_service, http_app
 from app.metrics import Metrics
 from app.settings import Settings
 from app.starting import Starting, StartStopped
@@ -307,7 +307,9 @@ def _prepare(
             return EXIT_START_FAILED
         beat = control.heartbeat if control is not None else None
         remote = (RemoteEngine(clients, settings, beat), metrics)
-    app = create_app(settings, registry, warm_before_serving=on_ready is not None, control=control, engine=remote)
+    # One service, handed to both doors: the HTTP app and the gRPC server each get the same state.
+    state = build_service(settings, registry, control=control, engine=remote)
+    app = http_app(state, warm_before_serving=on_ready is not None)
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -320,7 +322,6 @@ def _prepare(
         backlog=BACKLOG,
         **uvicorn_options(settings),
     )
-    state = app.state.service
     credentials = None
     if tls is not None:
         from app.grpc.tls import server_credentials

@@ -1,7 +1,8 @@
-"""ServiceState: what both doors share, built in create_app: the engine, the settings, the budgets, the metrics.
+"""ServiceState: what both doors share, built by app/main.py's build_service: the engine, the settings, the budgets, the metrics.
 
-The HTTP door reads it from `request.app.state.service` (app/http/endpoints.py), the gRPC door is
-handed it when it starts (app/grpc/server.py).
+The serving process hands the one state to both doors (app/server.py): the HTTP app keeps it as
+`app.state.service`, where its routes read it (app/http/endpoints.py), and the gRPC server is given
+it when it starts (app/grpc/server.py). Neither door reads the other's objects.
 """
 
 from __future__ import annotations
