@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -26,9 +25,9 @@ from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
 from app.handoff.engine_process import launch
-from app.handoff.frames import LENGTH
+from app.handoff.frames import LENGTH, encode
 from app.handoff.front import EngineClient
-from app.handoff.messages import HELLO
+from app.handoff.messages import Hello
 from app.metrics import Metrics
 from app.settings import load_settings
 from ffn_core import load_ffn
@@ -248,7 +247,7 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     a descriptor of something that is not a sealed block of the size HELLO names, ends that connection."""
     loop = asyncio.get_running_loop()
 
-    async def ended(first: bytes, fd: int | None, hello: tuple[Any, ...] | None = None) -> bool:
+    async def ended(first: bytes, fd: int | None, hello: Hello | None = None) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         await loop.sock_connect(sock, str(served))
@@ -257,7 +256,7 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
         else:
             socket.send_fds(sock, [first], [fd])
         if hello is not None:
-            body = pickle.dumps([hello])
+            body = encode([hello])
             await loop.sock_sendall(sock, LENGTH.pack(len(body)) + body)
         try:
             while True:  # a TABLE may come first (after a HELLO), then the end
@@ -269,9 +268,9 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     assert await ended(b"M", None)  # no descriptor
     other = os.memfd_create("not-a-block", os.MFD_CLOEXEC)  # unsealed
     os.ftruncate(other, Arena.size_of(2, 64))
-    assert await ended(b"M", other, (HELLO, 2, 64))
+    assert await ended(b"M", other, Hello(2, 64))
     block = Arena.create(slots=2, slot_bytes=64)
-    assert await ended(b"M", block.fd, (HELLO, 4, 64))  # a size other than the block's
+    assert await ended(b"M", block.fd, Hello(4, 64))  # a size other than the block's
     os.close(other)
     block.close()
     assert "a front's connection began without its shared memory" in caplog.text
