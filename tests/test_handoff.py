@@ -1,5 +1,5 @@
 """The hand-off between a front and an engine (app/handoff): answers equal to numpy through the
-arena's slots and inline, the engine's errors as it raised them, back-pressure when the slots run
+arena's slots, small and large, the engine's errors as it raised them, back-pressure when the slots run
 out, generations that keep an old answer from being read as a new one, and an engine killed with
 a request in flight: the request fails at once, and a restarted engine serves the same client."""
 
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.engine.errors import ModelNotFound, Overloaded, Unavailable
+from app.engine.errors import ModelNotFound, Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.registry import Registry, ServedModel
 from app.engine.service import Engine
@@ -64,20 +64,29 @@ async def served(engine: Engine, tmp_path: Path) -> AsyncIterator[Path]:
     await server.close()
 
 
-async def test_answers_equal_numpy_through_a_slot_and_inline(served: Path) -> None:
-    client = EngineClient(served, slots=4, slot_bytes=8 * D_MODEL * 4)  # 8 float32 rows fit a slot
+async def test_answers_equal_numpy_through_a_slot_and_a_large_slot_of_their_own(served: Path) -> None:
+    # 8 float32 rows fit a slot; the large area holds 2 MiB.
+    client = EngineClient(served, slots=4, slot_bytes=8 * D_MODEL * 4, large_bytes=2 << 20)
     try:
-        small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: its rows go in the message
+        small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: a slot of its own size
+        half = rows(12, 4).astype(np.float16)  # fits a slot; its float32 answer does not: a large slot
         answers = await asyncio.gather(
             client.infer("demo", None, small, F32, deadline=None),
             client.infer("demo", None, large, F32, deadline=None),
             client.infer("demo", None, small, F16, deadline=None),
+            client.infer("demo", None, half, F32, deadline=None),
         )
         assert_close(answers[0], demo_reference(small.astype(np.float64)))
         assert_close(answers[1], demo_reference(large.astype(np.float64)))
         assert answers[2].dtype == np.float16
         assert_close(answers[2].astype(np.float32), demo_reference(small.astype(np.float64)), rtol=2e-3)
+        assert answers[3].dtype == np.float32
+        assert_close(answers[3], demo_reference(half.astype(np.float64)), rtol=2e-3)
         assert client.in_flight == 0
+        link = client._link
+        assert link is not None and link.arena.large_free == 2 << 20  # every large slot given back, merged
+        with pytest.raises(RequestTooLarge, match="more than this process's hand-off holds"):
+            await client.infer("demo", None, rows(1100, 3), F32, deadline=None)  # 2.1 MiB
     finally:
         await client.close()
 
@@ -227,14 +236,16 @@ def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> Non
         again = front.take()
         assert again is slot and slot.generation == old + 1
         # A late answer for the slot's earlier request (the engine never writes one, but were it to):
-        assert engine.write_answer(slot.index, old, [np.arange(4, dtype=np.float32)])
+        assert engine.write_answer(slot.place, slot.room, old, [np.arange(4, dtype=np.float32)])
         assert front.answer(slot) is None
-        assert engine.write_answer(slot.index, slot.generation, [np.full(4, 2.0, np.float32)])
+        assert engine.write_answer(slot.place, slot.room, slot.generation, [np.full(4, 2.0, np.float32)])
         view = front.answer(slot)
         assert view is not None
         np.testing.assert_array_equal(np.frombuffer(view, np.float32), [2.0] * 4)
         view.release()
-        assert not engine.write_answer(slot.index, slot.generation, [np.zeros(17, np.float32)])  # 68 bytes > 64
+        assert not engine.write_answer(
+            slot.place, slot.room, slot.generation, [np.zeros(17, np.float32)]
+        )  # 68 bytes > 64
     finally:
         engine.close()
         front.close()
@@ -268,9 +279,9 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     assert await ended(b"M", None)  # no descriptor
     other = os.memfd_create("not-a-block", os.MFD_CLOEXEC)  # unsealed
     os.ftruncate(other, Arena.size_of(2, 64))
-    assert await ended(b"M", other, Hello(2, 64))
+    assert await ended(b"M", other, Hello(2, 64, 0))
     block = Arena.create(slots=2, slot_bytes=64)
-    assert await ended(b"M", block.fd, Hello(4, 64))  # a size other than the block's
+    assert await ended(b"M", block.fd, Hello(4, 64, 0))  # a size other than the block's
     os.close(other)
     block.close()
     assert "a front's connection began without its shared memory" in caplog.text

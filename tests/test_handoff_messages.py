@@ -59,10 +59,11 @@ DESCRIPTION = ModelDescription(
 )
 
 FRONT_MESSAGES: list[Message] = [
-    Hello(64, 1 << 20),
+    Hello(64, 1 << 20, 256 << 20),
     Submit(
         ask=7,
-        slot=3,
+        place=3 * (16 + (1 << 20)),
+        room=1 << 20,
         generation=9,
         model="demo",
         version="2",
@@ -71,21 +72,19 @@ FRONT_MESSAGES: list[Message] = [
         answer_dtype="float32",
         deadline=1234.5,
         monte_carlo=MonteCarlo(8, 0.25, 42),
-        inline=b"\x00\x01",
         request_id="req-1",
         trace=TRACE,
     ),
-    Submit(7, -1, 0, "demo", None, (2, 3, 512), "float32", "float16", None, None, None, None, None),
+    Submit(7, 1 << 30, (4 << 20) - 16, 1, "demo", None, (2, 3, 512), "float32", "float16", None, None, None, None),
     Cancel(7),
     Control(11, "load", {"name": "demo", "config": None}),
 ]
 ENGINE_MESSAGES: list[Message] = [
-    Done(7, 9, (4, 512), None, None, ModelCopy("demo", 3, "sha256:abc")),
+    Done(7, 9, (4, 512), None, ModelCopy("demo", 3, "sha256:abc")),
     Done(
         8,
         10,
         (1, 512),
-        b"\xff" * 8,
         [Ride(1, 2, 3, batch=TRACE), Ride(4, 5, 6, passes_done=16)],
         ModelCopy("demo", 3, "sha256:abc"),
     ),
@@ -119,7 +118,9 @@ def test_every_message_round_trips_through_the_wire_by_field_name(
 
 
 def test_a_submit_is_a_compact_array_on_the_wire() -> None:
-    submit = Submit(12345, 7, 42, "demo", None, (3, 512), "float32", "float32", None, None, None, "req-abc", None)
+    submit = Submit(
+        12345, 7 << 20, 1 << 20, 42, "demo", None, (3, 512), "float32", "float32", None, None, "req-abc", None
+    )
     body = encode([submit])
     assert len(body) < 64  # the tag and the values, no field names (a pickled tuple took 82 bytes)
     assert b"ask" not in body and b"submit" in body

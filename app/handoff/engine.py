@@ -1,22 +1,23 @@
 """EngineServer: the engine process's side of the hand-off, on the engine (app/engine/service.py).
 
 It listens on a Unix socket. Each front that connects hands over its arena's memory as the
-connection begins (its descriptor, frames.py's `receive_memory`) and says how it is cut (HELLO); each
-SUBMIT is then queued with the named model (`infer_soon`; `infer_monte_carlo` in a task) on the
-request's rows, copied out of the arena (or read from the message), in the turn its frame arrived:
-no task and no coroutine per request, so that the engine's work per request stays small beside the
-model's. The answer is written into the same slot under the request's generation, or sent in the
-message where it does not fit. The models batch every front's requests together, as they batch one
+connection begins (its descriptor, frames.py's `receive_memory`) and says how it is cut (Hello); each
+Submit is then queued with the named model (`infer_soon`; `infer_monte_carlo` in a task) on the
+request's rows, copied out of a small slot or read in place from a large one (`_rows`), in the turn
+its frame arrived: no task and no coroutine per request, so that the engine's work per request
+stays small beside the model's. The answer is written into the same slot under the request's
+generation (the front sized the slot for it): rows and answers never travel in a message, and the
+engine holds no copy of a large request's rows while they wait for their batch. The models batch every front's requests together, as they batch one
 process's.
 
-A CANCEL cancels its request's call (the batcher drops the rows if they are still queued) and is
-answered FAILED, after which the front may take the slot again: the call has its own copy of the
-rows, and only a call that finished writes into the slot, before it answers.
+A Cancel cancels its request's call (the batcher drops the rows if they are still queued) and is
+answered Failed, after which the front may take the slot again: only a call that finished writes
+into the slot, before it answers (a batch still reading a large slot's rows computes an answer nobody reads).
 
 A front that goes away takes its requests with it: their calls are cancelled and its arena is
 unmapped.
 
-A traced request (its SUBMIT names its span's context) is queued alone, with its context current
+A traced request (its Submit names its span's context) is queued alone, with its context current
 as the batcher tags its entries, so that the engine's batch spans link to it (app/tracing/spans.py);
 its DONE carries back what it rode in. Every request crosses with its id: while the engine traces,
 an untraced request's entry (or a group's) is tagged with its id (their ids), so that a batch span
@@ -24,7 +25,7 @@ lists every request that rode in it, as in one process. Tracing is the engine pr
 OTLP endpoint is set.
 
 Each front also gets the engine's table (its models as listed, their states, the engine's
-readiness: `engine_table`) after HELLO and whenever it changes, and model control (CONTROL: a
+readiness: `engine_table`) after Hello and whenever it changes, and model control (Control: a
 load, an unload, a refused load to count) is applied here, once, for whichever front asked.
 """
 
@@ -191,7 +192,7 @@ class EngineServer:
         await self._connected(reader, writer, fd)
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fd: int | None) -> None:
-        """Serve one front; `fd`: its memory, until its HELLO says how it is cut and it is mapped (or closed)."""
+        """Serve one front; `fd`: its memory, until its Hello says how it is cut and it is mapped (or closed)."""
         frames: Frames = FrameWriter(writer)
         arena: Arena | None = None
         calls: Calls = {}
@@ -208,7 +209,7 @@ class EngineServer:
                         self._control(frames, message)
                     elif isinstance(message, Hello) and arena is None and fd is not None:
                         handed, fd = fd, None  # attach takes it, and closes it if it is not an arena
-                        arena = Arena.attach(handed, message.slots, message.slot_bytes)
+                        arena = Arena.attach(handed, message.slots, message.slot_bytes, message.large_bytes)
                         frames.send(self._current_table())
                         if self._gpus:
                             frames.send(Gpus(self._gpus))
@@ -303,7 +304,7 @@ class EngineServer:
         groups: dict[tuple[Any, ...], list[Submit]] = {}
         for message in submits:
             if (
-                message.slot >= 0
+                message.place < arena.large_start
                 and message.deadline is None
                 and message.monte_carlo is None
                 and message.trace is None
@@ -378,7 +379,7 @@ class EngineServer:
         answer = call.result()
         for member in members:
             part = [answer[member.start : member.stop]]
-            _send_answer(arena, frames, member.ask, member.slot, member.generation, part, None, copy)
+            _send_answer(arena, frames, member.ask, member.place, member.room, member.generation, part, None, copy)
 
     def _submit(self, arena: Arena, frames: Frames, calls: Calls, message: Submit) -> None:
         """Queue one Submit with its model, in the turn its frame arrived: no task, no await."""
@@ -392,12 +393,7 @@ class EngineServer:
         try:
             model = self.engine.model(message.model, message.version)
             dtype = np.dtype(DTYPES[message.rows_dtype].array)
-            if message.slot >= 0:
-                rows = _copied(arena, message.slot, message.shape, dtype)
-            elif message.inline is not None:
-                rows = np.frombuffer(message.inline, dtype=dtype).reshape(message.shape)
-            else:
-                raise ValueError("a request with neither a slot nor its rows; this is a bug")
+            rows = _rows(arena, message, dtype)
             # time.monotonic() is one clock for every process of a host; the loop may keep its own epoch.
             deadline = message.deadline
             until = None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
@@ -442,7 +438,7 @@ class EngineServer:
         # A traced request's context is a HandedOffRequest (app/tracing is imported only where tracing is on).
         handed_off = getattr(context, "handed_off", None)
         rides = None if handed_off is None else rides_of(handed_off.rides)
-        _send_answer(arena, frames, message.ask, message.slot, message.generation, parts, rides, copy)
+        _send_answer(arena, frames, message.ask, message.place, message.room, message.generation, parts, rides, copy)
 
     @staticmethod
     def _failed(frames: Frames, ask: int, generation: int, name: str, error: BaseException) -> None:
@@ -451,12 +447,17 @@ class EngineServer:
         frames.send(failed(ask, generation, error))
 
 
-def _copied(arena: Arena, slot: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The slot's rows, copied out: nothing of the arena outlives the call (a batch may keep its
-    rows past a cancellation), and the slot is the answer's to write."""
-    view = arena.payload(slot, math.prod(shape) * dtype.itemsize)
+def _rows(arena: Arena, message: Submit, dtype: np.dtype) -> np.ndarray:
+    """A request's rows. From a small slot, copied out: small rows cost little to copy, and the slot is
+    the answer's to write. From a large slot, read in place: the engine holds no copy of them while
+    they wait for their batch, only the slots it was given. The front takes a slot again only once
+    the engine has answered for it; a batch still reading rows whose request was cancelled (and its
+    slot taken again) computes an answer nobody reads, into no slot."""
+    view = arena.region(message.place, message.room, math.prod(message.shape) * dtype.itemsize)
+    if message.place >= arena.large_start:
+        return np.frombuffer(view, dtype=dtype).reshape(message.shape)
     try:
-        return np.frombuffer(view, dtype=dtype).reshape(shape).copy()
+        return np.frombuffer(view, dtype=dtype).reshape(message.shape).copy()
     finally:
         view.release()
 
@@ -466,7 +467,8 @@ class Member:
     """One request of a group: its slot, and its rows' place in the group's."""
 
     ask: int
-    slot: int
+    place: int
+    room: int
     generation: int
     start: int
     stop: int
@@ -491,12 +493,12 @@ def _gathered(arena: Arena, messages: list[Submit], dtype: np.dtype) -> tuple[np
     at = 0
     for message in messages:
         shape = message.shape
-        view = arena.payload(message.slot, math.prod(shape) * dtype.itemsize)
+        view = arena.region(message.place, message.room, math.prod(shape) * dtype.itemsize)
         try:
             rows[at : at + shape[0]] = np.frombuffer(view, dtype=dtype).reshape(shape)
         finally:
             view.release()
-        members.append(Member(message.ask, message.slot, message.generation, at, at + shape[0]))
+        members.append(Member(message.ask, message.place, message.room, message.generation, at, at + shape[0]))
         at += shape[0]
     return rows, members
 
@@ -505,19 +507,21 @@ def _send_answer(
     arena: Arena,
     frames: Frames,
     ask: int,
-    slot: int,
+    place: int,
+    room: int,
     generation: int,
     parts: list[np.ndarray],
     rides: list[Ride] | None,
     copy: ModelCopy,
 ) -> None:
-    """Done, with the answer in the request's slot under its generation, or in the message where it does not
-    fit; a traced request's `rides`; and the model `copy` that computed it."""
-    shape = tuple(parts[0].shape)
-    if slot >= 0 and arena.write_answer(slot, generation, parts):
-        frames.send(Done(ask, generation, shape, None, rides, copy))
-    else:
-        frames.send(Done(ask, generation, shape, b"".join(part.tobytes() for part in parts), rides, copy))
+    """Done, with the answer in the request's slot under its generation (the front sized the slot for it); a
+    traced request's `rides`; and the model `copy` that computed it."""
+    if not arena.write_answer(place, room, generation, parts):
+        error = RuntimeError(f"an answer of {sum(p.nbytes for p in parts)} bytes does not fit its slot of {room}")
+        EngineServer._failed(frames, ask, generation, copy.name, error)
+        return
+    arena.done_with(place, room)
+    frames.send(Done(ask, generation, tuple(parts[0].shape), rides, copy))
 
 
 def _copy_of(model: ServedModel) -> ModelCopy:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from app.collectors import GpuReading
-from app.engine.errors import Overloaded, Unavailable
+from app.engine.errors import Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
 from app.handoff.frames import ENGINE_TO_FRONT, BadFrame, FrameWriter, read_frame, send_memory
@@ -47,6 +47,8 @@ from app.protocol.identity import RequestContext
 from ffn_core.dtypes import DType
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
+# The large area of a client made without a size (tests, benchmarks): its pages are taken only as used.
+LARGE_BYTES = 256 << 20
 
 
 class EngineNotRunning(Unavailable):
@@ -56,7 +58,7 @@ class EngineNotRunning(Unavailable):
 @dataclass
 class Pending:
     answer: asyncio.Future[Any]  # list[np.ndarray], or the one np.ndarray when `single`
-    slot: Slot | None
+    slot: Slot
     dtype: DType
     parts: int  # 1, or 2 for a Monte Carlo request's mean and std
     context: RequestContext | None  # the request's: told which model copy computed it (and a trace, what it rode in)
@@ -72,12 +74,14 @@ class EngineClient:
         slots: int = SLOTS,
         slot_bytes: int = SLOT_BYTES,
         *,
+        large_bytes: int = LARGE_BYTES,
         on_table: Callable[[Table], None] | None = None,
     ) -> None:
         """`on_table`: called with each table the engine sends (its models and readiness)."""
         self.path = path
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self.large_bytes = large_bytes
         self.on_table = on_table
         self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (Gpus)
         self._link: _Link | None = None
@@ -88,7 +92,7 @@ class EngineClient:
         """Reserve the next connection's memory now, if it is not yet: NoRoom (naming `what`, the size and the
         remedy) if the host or the container has not got it."""
         if self._arena is None:
-            self._arena = Arena.create(self.slots, self.slot_bytes, what)
+            self._arena = Arena.create(self.slots, self.slot_bytes, what, large_bytes=self.large_bytes)
 
     async def linked(self) -> asyncio.Event:
         """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
@@ -223,7 +227,7 @@ class _Link:
         self._writer = writer
         self._frames: FrameWriter[FrontMessage] = FrameWriter(writer)
         self._ids = itertools.count(1)
-        self._frames.send(Hello(len(arena.slots), arena.slot_bytes))
+        self._frames.send(Hello(len(arena.slots), arena.slot_bytes, arena.large_bytes))
         self._reading = asyncio.create_task(self._read(reader), name="handoff-answers")
 
     @classmethod
@@ -299,26 +303,23 @@ class _Link:
 
         Cancelling the future withdraws the request: the engine is told, and its slot stays taken
         until the engine answers for it (see app/handoff/engine.py)."""
-        slot = None
-        if self.arena.fits(rows.nbytes):
-            slot = self.arena.take()
-            if slot is None:
-                raise Overloaded(
-                    f"all {len(self.arena.slots)} of this process's hand-off slots are in use", retry_after_s=1
-                )
-            target = self.arena.payload(slot.index, rows.nbytes)
-            target[:] = np.ascontiguousarray(rows).data.cast("B")
-            target.release()
+        parts = 1 if monte_carlo is None else 2
+        slot = self._slot_for(max(rows.nbytes, rows.size * np.dtype(answer_dtype.array).itemsize * parts))
+        target = self.arena.region(slot.place, slot.room, rows.nbytes)
+        target[:] = np.ascontiguousarray(rows).data.cast("B")
+        target.release()
+        self.arena.let_go(slot)
         ask = next(self._ids)
         loop = asyncio.get_running_loop()
         trace = None if context is None else context.trace
-        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, context, single)
+        pending = Pending(loop.create_future(), slot, answer_dtype, parts, context, single)
         self.pending[ask] = pending
         self._frames.send(
             Submit(
                 ask=ask,
-                slot=-1 if slot is None else slot.index,
-                generation=0 if slot is None else slot.generation,
+                place=slot.place,
+                room=slot.room,
+                generation=slot.generation,
                 model=model,
                 version=version,
                 shape=tuple(rows.shape),
@@ -328,7 +329,6 @@ class _Link:
                 monte_carlo=None
                 if monte_carlo is None
                 else MonteCarlo(monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
-                inline=None if slot is not None else rows.tobytes(),
                 request_id=None if context is None else context.request_id,
                 trace=None if trace is None else TraceContext.of(*trace.handed_off()),
             )
@@ -372,7 +372,7 @@ class _Link:
         if pending is None:
             return
         slot = pending.slot
-        if slot is not None and message.generation != slot.generation:
+        if message.generation != slot.generation:
             # Not this request's answer (it cannot be, while a slot is given back only on its answer).
             self.pending[message.ask] = pending
             return
@@ -382,7 +382,7 @@ class _Link:
             if isinstance(message, Failed):
                 pending.answer.set_exception(error_of(message))
                 return
-            arrays = self._arrays(pending, message.shape, message.inline)
+            arrays = self._arrays(pending, message.shape)
             pending.answer.set_result(arrays[0] if pending.single else arrays)
             context = pending.context
             if context is not None:
@@ -391,8 +391,7 @@ class _Link:
                 if message.rides is not None and context.trace is not None:
                     context.trace.rode_in_engine(rides_as_recorded(message.rides))
         finally:
-            if slot is not None:
-                self.arena.give_back(slot)
+            self.arena.give_back(slot)
 
     def _replied(self, message: Reply | Failed) -> None:
         reply = self.replies.pop(message.ask, None)
@@ -403,18 +402,36 @@ class _Link:
         else:
             reply.set_exception(error_of(message))
 
-    def _arrays(self, pending: Pending, shape: tuple[int, ...], inline: bytes | None) -> list[np.ndarray]:
+    def _slot_for(self, nbytes: int) -> Slot:
+        """A slot for a request whose rows or answer take up to `nbytes`: a small one, or a large one of its own
+        size; Overloaded (429) while none is free, RequestTooLarge past the large area."""
+        arena = self.arena
+        if arena.fits(nbytes):
+            slot = arena.take()
+            if slot is None:
+                raise Overloaded(f"all {len(arena.slots)} of this process's hand-off slots are in use", retry_after_s=1)
+            return slot
+        if nbytes > arena.large_bytes:
+            raise RequestTooLarge(
+                f"a request of {nbytes:,} bytes (rows or answer) is more than this process's hand-off holds "
+                f"({arena.large_bytes:,} bytes)"
+            )
+        slot = arena.take_large(nbytes)
+        if slot is None:
+            raise Overloaded(
+                f"this process's hand-off has no room for {nbytes:,} more bytes ({arena.large_free:,} free)",
+                retry_after_s=1,
+            )
+        return slot
+
+    def _arrays(self, pending: Pending, shape: tuple[int, ...]) -> list[np.ndarray]:
         dtype = np.dtype(pending.dtype.array)
         count = math.prod(shape)
-        if inline is not None:
-            flat = np.frombuffer(inline, dtype=dtype)
-        else:
-            assert pending.slot is not None
-            view = self.arena.answer(pending.slot)
-            if view is None:
-                raise RuntimeError("the slot holds no answer of this request's generation; this is a bug")
-            flat = np.frombuffer(view, dtype=dtype).copy()  # the slot is taken again at once
-            view.release()
+        view = self.arena.answer(pending.slot)
+        if view is None:
+            raise RuntimeError("the slot holds no answer of this request's generation; this is a bug")
+        flat = np.frombuffer(view, dtype=dtype).copy()  # the slot is taken again at once
+        view.release()
         return [flat[i * count : (i + 1) * count].reshape(shape) for i in range(pending.parts)]
 
     def _end(self, error: Exception) -> None:

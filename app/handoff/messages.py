@@ -8,9 +8,10 @@ types ends the connection.
 
 Front to engine:
 - Hello: the first message of a connection: how the memory it handed over as it began (frames.py's
-  `send_memory`) is cut into slots.
-- Submit: one request. `slot` is -1 when the rows travel `inline`; `deadline` is time.monotonic()
-  seconds (one clock for every process of a host) or None. Dtypes are ffn_core/dtypes.py's names.
+  `send_memory`) is cut into slots, and how large its large area is (arena.py).
+- Submit: one request, its rows in the slot whose header is at `place` in the block, with `room`
+  bytes after it (a small slot, or a large one of its own size: rows never travel in a message);
+  `deadline` is time.monotonic() seconds (one clock for every process of a host) or None. Dtypes are ffn_core/dtypes.py's names.
   `request_id` is the request's (X-Request-Id, or the one it was given), which the engine's batch
   spans list, or None for a call that came with no request context; `trace` is a traced request's
   span context, which the engine's batch spans link to (app/tracing/spans.py).
@@ -19,8 +20,8 @@ Front to engine:
   answered Reply or Failed; "refused_load" (name), counted, not answered (ask 0).
 
 Engine to front:
-- Done: the answer is in the request's slot under its generation (`inline` None), or here as
-  bytes; a Monte Carlo answer is its mean then its std. `rides`: a traced request's batches and
+- Done: the answer is in the request's slot under its generation; a Monte Carlo answer is its mean
+  then its std. `rides`: a traced request's batches and
   slices; `copy`: the model copy that computed it, which the answer names.
 - Failed: an app/engine/errors.py kind (generation 0 for a Control's).
 - Table: the engine's models and readiness (engine.py's `engine_table`): after Hello, whenever it
@@ -49,6 +50,7 @@ class _Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field
 class Hello(_Message, frozen=True, tag="hello"):
     slots: int
     slot_bytes: int
+    large_bytes: int
 
 
 class MonteCarlo(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -75,7 +77,8 @@ class TraceContext(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class Submit(_Message, frozen=True, tag="submit"):
     ask: int
-    slot: int
+    place: int
+    room: int
     generation: int
     model: str
     version: str | None
@@ -84,7 +87,6 @@ class Submit(_Message, frozen=True, tag="submit"):
     answer_dtype: str
     deadline: float | None
     monte_carlo: MonteCarlo | None
-    inline: bytes | None
     request_id: str | None
     trace: TraceContext | None
 
@@ -122,7 +124,6 @@ class Done(_Message, frozen=True, tag="done"):
     ask: int
     generation: int
     shape: tuple[int, ...]
-    inline: bytes | None
     rides: list[Ride] | None
     copy: ModelCopy
 
