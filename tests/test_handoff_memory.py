@@ -184,6 +184,9 @@ def test_a_large_slot_takes_pages_only_while_taken_and_gives_them_back_merged() 
             engine.region(a.place + 16, a.room, 4)
         with pytest.raises(ValueError, match="no slot"):
             engine.region(a.place, a.room + mmap.PAGESIZE * 256, 4)
+        with pytest.raises(ValueError, match="no slot"):  # where a third small slot would be: padding
+            engine.region(2 * (16 + 64), 64, 4)
+        assert bytes(engine.region(16 + 64, 64, 4)) == bytes(engine.payload(1, 4))  # the second small slot
         front.give_back(b)
         front.give_back(a)
         assert os.fstat(fd).st_blocks * 512 <= reserved  # its pages back to the host

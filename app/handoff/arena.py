@@ -200,7 +200,11 @@ class Arena:
     def region(self, place: int, room: int, nbytes: int) -> memoryview:
         """The first `nbytes` of the payload of the slot at `place` with `room` bytes: ValueError unless that
         slot lies within the block, page-aligned where it is large."""
-        small = place < self.large_start and room == self.slot_bytes and place % (HEADER.size + room) == 0
+        small = (
+            room == self.slot_bytes
+            and place % (HEADER.size + room) == 0
+            and place + HEADER.size + room <= self.size_of(len(self.slots), room)
+        )
         large = place >= self.large_start and place % PAGE == 0 and (room + HEADER.size) % PAGE == 0
         if not (small or large) or place + HEADER.size + room > self.block.size or not 0 <= nbytes <= room:
             raise ValueError(f"no slot of {room} bytes at {place} holds {nbytes} bytes")
