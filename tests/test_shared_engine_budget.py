@@ -1,4 +1,4 @@
-"""One byte budget for the fronts-and-engine layout (issue 40, item 2), over HTTP binary.
+"""One byte budget for the fronts-and-engine layout (issue 40, item 2), over HTTP binary and gRPC.
 
 With `--shared-engine --workers 2` and max_held_bytes 256 MiB: 48 concurrent 31 MiB requests grow the
 whole process tree (the supervisor, both fronts, the engine: ServerProcess.tree_rss_bytes, sampled
@@ -13,12 +13,15 @@ import asyncio
 from collections import Counter
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from ffn_client.http1 import Response
 from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from tests.grpc_helpers import infer_request, output_of, stub
 from tests.model_files import matches, write_ffn
 from tests.wire import raw_headers
 from tests.worker_logs import worker_pids
@@ -95,3 +98,44 @@ async def test_a_flood_of_large_requests_holds_the_whole_tree_within_the_budget(
     assert memory.growth < HELD + 512 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
     assert worker_pids(server) == fronts, "a front was replaced"
     assert matches(answer_of(await one(server.port, data), x), WEIGHTS, x)  # alone, after
+
+
+async def _call(target: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse | grpc.aio.AioRpcError:
+    async with stub(target) as client:
+        try:
+            return await client.ModelInfer(request, timeout=600)
+        except grpc.aio.AioRpcError as error:
+            return error
+
+
+@pytest.mark.xfail(
+    reason="grpc core receives each message whole before the servicer can refuse it (issue 40, item 6: its windows, "
+    "streams and message limits are to follow max_held_bytes, app/grpc/server.py): the fronts' admission and the "
+    "hand-off hold the budget, what grpc core buffers ahead of them does not yet",
+    strict=False,
+)
+async def test_a_flood_of_large_grpc_calls_holds_the_whole_tree_within_the_budget(server: ServerProcess) -> None:
+    x = np.random.default_rng(1).standard_normal((ROWS, D)).astype(np.float32)
+    request = infer_request(x, "small")
+    alone = await _call(server.grpc_target, request)
+    assert isinstance(alone, pb.ModelInferResponse), alone
+    assert matches(output_of(alone), WEIGHTS, x)  # alone, before
+    fronts = worker_pids(server)
+    await asyncio.sleep(0.5)
+    async with PeakMemory(server) as memory:
+        outcomes = await asyncio.gather(*(_call(server.grpc_target, request) for _ in range(CALLS)))
+    answered = [outcome for outcome in outcomes if isinstance(outcome, pb.ModelInferResponse)]
+    refused = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
+    print(
+        f"48 x 31 MiB ModelInfer: {len(answered)} answered, {len(refused)} refused, grew {memory.growth / MiB:.0f} MiB"
+    )
+    assert answered and refused
+    for response in answered:
+        assert matches(output_of(response), WEIGHTS, x)
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert memory.growth < HELD + 512 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
+    assert worker_pids(server) == fronts, "a front was replaced"
+    after = await _call(server.grpc_target, request)
+    assert isinstance(after, pb.ModelInferResponse), after
+    assert matches(output_of(after), WEIGHTS, x)  # alone, after

@@ -304,7 +304,7 @@ class _Link:
         Cancelling the future withdraws the request: the engine is told, and its slot stays taken
         until the engine answers for it (see app/handoff/engine.py)."""
         parts = 1 if monte_carlo is None else 2
-        slot = self._slot_for(max(rows.nbytes, rows.size * np.dtype(answer_dtype.array).itemsize * parts))
+        slot = self._slot_for(max(rows.nbytes, rows.size * answer_dtype.itemsize * parts))
         target = self.arena.region(slot.place, slot.room, rows.nbytes)
         target[:] = np.ascontiguousarray(rows).data.cast("B")
         target.release()
