@@ -209,6 +209,50 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
         await engine.stop()
 
 
+async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers_and_the_next_is_right(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A large request's rows are read in place by the engine: its slot is taken again only once the engine
+    has answered for it, and a later large request in the same memory is answered right."""
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    metrics = Metrics()
+    settings = load_settings(config=slow_model_config(tmp_path))
+    engine = Engine(settings, Registry(settings, metrics))
+    await engine.start()
+    await engine.until_warm()
+    server = EngineServer(engine, tmp_path / "engine.sock")
+    await server.start()
+    large = 16 << 20
+    client = EngineClient(tmp_path / "engine.sock", slots=2, slot_bytes=4096, large_bytes=large)
+    weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
+    try:
+        blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
+        async with asyncio.timeout(60):  # its pass holds the model thread; what follows queues behind it
+            while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
+                await asyncio.sleep(0.01)
+        gone = asyncio.create_task(client.infer("slow", None, rows(1000, 5), F32, deadline=None))
+        async with asyncio.timeout(60):
+            while client.in_flight < 2:
+                await asyncio.sleep(0)
+        link = client._link
+        assert link is not None
+        taken = link.arena.large_free
+        assert taken <= large - (3000 + 1000) * D_MODEL * 4  # both in large slots of their own
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert link.arena.large_free == taken  # not given back before the engine says so
+        x = rows(1000, 6)
+        later = await asyncio.wait_for(client.infer("slow", None, x, F32, deadline=None), 120)
+        assert_close(later, numpy_ffn(x, weights), rtol=1e-4)
+        assert_close(await asyncio.wait_for(blocker, 120), numpy_ffn(rows(3000, 99), weights), rtol=1e-4)
+        assert client.in_flight == 0 and link.arena.large_free == large  # every large slot back, merged
+    finally:
+        await client.close()
+        await server.close()
+        await engine.stop()
+
+
 async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:
     client = EngineClient(served, slots=1)
     try:
