@@ -55,6 +55,14 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
     }
     log.info("settings changed from defaults: %s", ", ".join(f"{k}={v}" for k, v in changed.items()) or "none")
     log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")
+    if settings.shared_engine:  # one budget for the whole tree: the engine holds only the slots the fronts hand it
+        log.info(
+            "each front holds at most %s (max_held_bytes %s split between %d front%s)",
+            _mib(settings.held_bytes_per_process),
+            _mib(settings.max_held_bytes),
+            settings.workers,
+            "" if settings.workers == 1 else "s",
+        )
     tls = settings.tls_cert_file is not None
     if tls:
         mutual = "mutual TLS: client certificates signed by " + str(settings.tls_client_ca_file)
@@ -76,3 +84,7 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
 def _address(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
     return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.0f} MiB" if size >= 2**20 else f"{size:,} bytes"

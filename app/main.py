@@ -82,7 +82,7 @@ def build_service(
     trace_settings = TraceSettings(tracing=export is not None)
     tracing = start_tracing(export, trace_settings)
     regions = SharedMemoryRegions() if settings.shared_memory else None
-    held = HeldBytes(settings.max_held_bytes)
+    held = HeldBytes(settings.held_bytes_per_process)
     metrics.gpus = served.gpus  # its own, or its engines' (a front)
     if settings.triton_metrics:  # the models served now, each at its version, whichever loads happened
         metrics.triton = TritonNames(

@@ -296,7 +296,11 @@ def _prepare(
         from app.handoff.memory import NoRoom
         from app.handoff.remote import RemoteEngine
 
-        clients = [EngineClient(path, settings.handoff_slots) for path in engine_sockets]
+        # A request larger than a slot takes one of its own size from the large area, whose pages are taken
+        # only while it is in flight: room for the front's whole budget, twice (an answer may be twice its
+        # rows: float16 in, float32 out).
+        large = 2 * settings.held_bytes_per_process
+        clients = [EngineClient(path, settings.handoff_slots, large_bytes=large) for path in engine_sockets]
         try:  # the hand-off's memory now, or one line and the start stopped: never a front that cannot get ready
             for k, client in enumerate(clients):
                 client.reserve(

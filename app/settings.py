@@ -220,7 +220,8 @@ class Settings(BaseSettings):
         ge=1,
         le=1 << 20,
         description="With shared_engine: requests of up to 1 MiB each that a front may have in each engine at once "
-        "(429 past them; larger ones travel in the message), each slot 1 MiB of memory reserved at the front's start.",
+        "(429 past them; a larger one takes a slot of its own size, within the front's share of max_held_bytes), "
+        "each slot 1 MiB of memory reserved at the front's start.",
     )
     metrics_dir: Path | None = Field(
         default=None,
@@ -260,7 +261,8 @@ class Settings(BaseSettings):
         ge=1024,
         description="Bytes the requests one process is answering may hold: bodies as they arrive (a declared "
         "length before it is read), then their tensors; gRPC messages likewise, from before they are parsed; past it, "
-        "429 (RESOURCE_EXHAUSTED over gRPC; retry shortly). At least max_body_bytes.",
+        "429 (RESOURCE_EXHAUSTED over gRPC; retry shortly). At least max_body_bytes. With shared_engine, the budget "
+        "of the whole process tree: split evenly between the fronts (each at least max_body_bytes).",
     )
     max_header_bytes: int = Field(
         default=16 * 1024,
@@ -475,7 +477,20 @@ class Settings(BaseSettings):
                 f"max_held_bytes ({self.max_held_bytes}) must be at least max_body_bytes ({self.max_body_bytes}): "
                 "else the largest body could never be read"
             )
+        if self.held_bytes_per_process < self.max_body_bytes:
+            raise ValueError(
+                f"max_held_bytes ({self.max_held_bytes}) split between {self.workers} fronts (shared_engine) is "
+                f"{self.held_bytes_per_process} each, less than max_body_bytes ({self.max_body_bytes}): else the "
+                "largest body could never be read; raise max_held_bytes or lower max_body_bytes"
+            )
         return self
+
+    @property
+    def held_bytes_per_process(self) -> int:
+        """The bytes one serving process's requests may hold: max_held_bytes, or with shared_engine its share
+        between the fronts (the engine process holds only the slots they hand it), so that the budget bounds
+        the whole process tree."""
+        return self.max_held_bytes // self.workers if self.shared_engine else self.max_held_bytes
 
     @field_validator("api_key")
     @classmethod

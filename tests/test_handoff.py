@@ -1,5 +1,5 @@
 """The hand-off between a front and an engine (app/handoff): answers equal to numpy through the
-arena's slots and inline, the engine's errors as it raised them, back-pressure when the slots run
+arena's slots, small and large, the engine's errors as it raised them, back-pressure when the slots run
 out, generations that keep an old answer from being read as a new one, and an engine killed with
 a request in flight: the request fails at once, and a restarted engine serves the same client."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -19,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.engine.errors import ModelNotFound, Overloaded, Unavailable
+from app.engine.errors import ModelNotFound, Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.registry import Registry, ServedModel
 from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
 from app.handoff.engine_process import launch
-from app.handoff.frames import LENGTH
+from app.handoff.frames import LENGTH, encode
 from app.handoff.front import EngineClient
-from app.handoff.messages import HELLO
+from app.handoff.messages import Hello
 from app.metrics import Metrics
 from app.settings import load_settings
 from ffn_core import load_ffn
@@ -65,20 +64,29 @@ async def served(engine: Engine, tmp_path: Path) -> AsyncIterator[Path]:
     await server.close()
 
 
-async def test_answers_equal_numpy_through_a_slot_and_inline(served: Path) -> None:
-    client = EngineClient(served, slots=4, slot_bytes=8 * D_MODEL * 4)  # 8 float32 rows fit a slot
+async def test_answers_equal_numpy_through_a_slot_and_a_large_slot_of_their_own(served: Path) -> None:
+    # 8 float32 rows fit a slot; the large area holds 2 MiB.
+    client = EngineClient(served, slots=4, slot_bytes=8 * D_MODEL * 4, large_bytes=2 << 20)
     try:
-        small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: its rows go in the message
+        small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: a slot of its own size
+        half = rows(12, 4).astype(np.float16)  # fits a slot; its float32 answer does not: a large slot
         answers = await asyncio.gather(
             client.infer("demo", None, small, F32, deadline=None),
             client.infer("demo", None, large, F32, deadline=None),
             client.infer("demo", None, small, F16, deadline=None),
+            client.infer("demo", None, half, F32, deadline=None),
         )
         assert_close(answers[0], demo_reference(small.astype(np.float64)))
         assert_close(answers[1], demo_reference(large.astype(np.float64)))
         assert answers[2].dtype == np.float16
         assert_close(answers[2].astype(np.float32), demo_reference(small.astype(np.float64)), rtol=2e-3)
+        assert answers[3].dtype == np.float32
+        assert_close(answers[3], demo_reference(half.astype(np.float64)), rtol=2e-3)
         assert client.in_flight == 0
+        link = client._link
+        assert link is not None and link.arena.large_free == 2 << 20  # every large slot given back, merged
+        with pytest.raises(RequestTooLarge, match="more than this process's hand-off holds"):
+            await client.infer("demo", None, rows(1100, 3), F32, deadline=None)  # 2.1 MiB
     finally:
         await client.close()
 
@@ -201,6 +209,50 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
         await engine.stop()
 
 
+async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers_and_the_next_is_right(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A large request's rows are read in place by the engine: its slot is taken again only once the engine
+    has answered for it, and a later large request in the same memory is answered right."""
+    monkeypatch.setenv("FFN_WARMUP", "0")
+    metrics = Metrics()
+    settings = load_settings(config=slow_model_config(tmp_path))
+    engine = Engine(settings, Registry(settings, metrics))
+    await engine.start()
+    await engine.until_warm()
+    server = EngineServer(engine, tmp_path / "engine.sock")
+    await server.start()
+    large = 16 << 20
+    client = EngineClient(tmp_path / "engine.sock", slots=2, slot_bytes=4096, large_bytes=large)
+    weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
+    try:
+        blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
+        async with asyncio.timeout(60):  # its pass holds the model thread; what follows queues behind it
+            while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
+                await asyncio.sleep(0.01)
+        gone = asyncio.create_task(client.infer("slow", None, rows(1000, 5), F32, deadline=None))
+        async with asyncio.timeout(60):
+            while client.in_flight < 2:
+                await asyncio.sleep(0)
+        link = client._link
+        assert link is not None
+        taken = link.arena.large_free
+        assert taken <= large - (3000 + 1000) * D_MODEL * 4  # both in large slots of their own
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert link.arena.large_free == taken  # not given back before the engine says so
+        x = rows(1000, 6)
+        later = await asyncio.wait_for(client.infer("slow", None, x, F32, deadline=None), 120)
+        assert_close(later, numpy_ffn(x, weights), rtol=1e-4)
+        assert_close(await asyncio.wait_for(blocker, 120), numpy_ffn(rows(3000, 99), weights), rtol=1e-4)
+        assert client.in_flight == 0 and link.arena.large_free == large  # every large slot back, merged
+    finally:
+        await client.close()
+        await server.close()
+        await engine.stop()
+
+
 async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:
     client = EngineClient(served, slots=1)
     try:
@@ -228,14 +280,16 @@ def test_an_answer_is_read_only_under_the_generation_it_was_written_for() -> Non
         again = front.take()
         assert again is slot and slot.generation == old + 1
         # A late answer for the slot's earlier request (the engine never writes one, but were it to):
-        assert engine.write_answer(slot.index, old, [np.arange(4, dtype=np.float32)])
+        assert engine.write_answer(slot.place, slot.room, old, [np.arange(4, dtype=np.float32)])
         assert front.answer(slot) is None
-        assert engine.write_answer(slot.index, slot.generation, [np.full(4, 2.0, np.float32)])
+        assert engine.write_answer(slot.place, slot.room, slot.generation, [np.full(4, 2.0, np.float32)])
         view = front.answer(slot)
         assert view is not None
         np.testing.assert_array_equal(np.frombuffer(view, np.float32), [2.0] * 4)
         view.release()
-        assert not engine.write_answer(slot.index, slot.generation, [np.zeros(17, np.float32)])  # 68 bytes > 64
+        assert not engine.write_answer(
+            slot.place, slot.room, slot.generation, [np.zeros(17, np.float32)]
+        )  # 68 bytes > 64
     finally:
         engine.close()
         front.close()
@@ -248,7 +302,7 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     a descriptor of something that is not a sealed block of the size HELLO names, ends that connection."""
     loop = asyncio.get_running_loop()
 
-    async def ended(first: bytes, fd: int | None, hello: tuple[Any, ...] | None = None) -> bool:
+    async def ended(first: bytes, fd: int | None, hello: Hello | None = None) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         await loop.sock_connect(sock, str(served))
@@ -257,7 +311,7 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
         else:
             socket.send_fds(sock, [first], [fd])
         if hello is not None:
-            body = pickle.dumps([hello])
+            body = encode([hello])
             await loop.sock_sendall(sock, LENGTH.pack(len(body)) + body)
         try:
             while True:  # a TABLE may come first (after a HELLO), then the end
@@ -269,9 +323,9 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     assert await ended(b"M", None)  # no descriptor
     other = os.memfd_create("not-a-block", os.MFD_CLOEXEC)  # unsealed
     os.ftruncate(other, Arena.size_of(2, 64))
-    assert await ended(b"M", other, (HELLO, 2, 64))
+    assert await ended(b"M", other, Hello(2, 64, 0))
     block = Arena.create(slots=2, slot_bytes=64)
-    assert await ended(b"M", block.fd, (HELLO, 4, 64))  # a size other than the block's
+    assert await ended(b"M", block.fd, Hello(4, 64, 0))  # a size other than the block's
     os.close(other)
     block.close()
     assert "a front's connection began without its shared memory" in caplog.text

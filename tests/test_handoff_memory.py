@@ -165,3 +165,34 @@ def test_a_handoff_block_is_claimed_while_mapped() -> None:
     assert own_memory.is_own(info)
     arena.close()
     assert not own_memory.is_own(info)
+
+
+def test_a_large_slot_takes_pages_only_while_taken_and_gives_them_back_merged() -> None:
+    front = Arena.create(slots=2, slot_bytes=64, large_bytes=1 << 20)
+    engine = Arena.attach(os.dup(front.fd), 2, 64, 1 << 20)
+    try:
+        fd = front.fd
+        reserved = os.fstat(fd).st_blocks * 512
+        assert reserved < 1 << 16  # the slots' pages reserved, not the large area's
+        a, b = front.take_large(300_000), front.take_large(100_000)
+        assert a is not None and b is not None and a.large and a.place % mmap.PAGESIZE == 0
+        assert front.take_large(700_000) is None  # 1 MiB holds no third of that size: the caller's 429
+        front.region(a.place, a.room, 300_000)[:] = b"x" * 300_000
+        assert os.fstat(fd).st_blocks * 512 >= reserved + 300_000  # its pages taken as written
+        assert bytes(engine.region(a.place, a.room, 3)) == b"xxx"  # one memory: the engine reads it in place
+        with pytest.raises(ValueError, match="no slot"):  # nothing outside a slot's bounds is read or written
+            engine.region(a.place + 16, a.room, 4)
+        with pytest.raises(ValueError, match="no slot"):
+            engine.region(a.place, a.room + mmap.PAGESIZE * 256, 4)
+        with pytest.raises(ValueError, match="no slot"):  # where a third small slot would be: padding
+            engine.region(2 * (16 + 64), 64, 4)
+        assert bytes(engine.region(16 + 64, 64, 4)) == bytes(engine.payload(1, 4))  # the second small slot
+        front.give_back(b)
+        front.give_back(a)
+        assert os.fstat(fd).st_blocks * 512 <= reserved  # its pages back to the host
+        assert front.large_free == 1 << 20
+        whole = front.take_large((1 << 20) - 16)  # the freed extents merged into one
+        assert whole is not None and whole.place == a.place
+    finally:
+        engine.close()
+        front.close()

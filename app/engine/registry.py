@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from app.engine.batcher import Batcher, answer_as_array, future_as_array, rows_as_tensor
+from app.engine.description import ModelDescription, listing
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile, weights_format, weights_path
@@ -133,32 +134,31 @@ class ServedModel:
             f"on {self.device}, {count:,} parameters ({size / 2**20:.1f} MiB), from {source}, digest {short(self.digest)}"
         )
 
+    def description(self) -> ModelDescription:
+        """What this copy is, as the engine knows it (the fronts' table carries it)."""
+        config = self._model.config
+        return ModelDescription(
+            name=self.name,
+            version=self.version,
+            digest=self.digest,
+            d_model=config.d_model,
+            d_ff=config.d_ff,
+            activation=config.activation,
+            gated=config.gated,
+            variant=config.variant,
+            bias_layer1=config.bias1,
+            bias_layer2=config.bias2,
+            bias_gate=config.bias_gate if config.gated else None,
+            dropout=self.dropout,
+            dtype=self.spec.dtype,
+            device=str(self.device),
+            format="demo" if self.source is None else weights_format(self.spec, Path(self.source.path)),
+            weight_bytes=self.weight_bytes,
+        )
+
     def describe(self) -> dict[str, Any]:
         """The model as GET /v1/models lists it."""
-        config = self._model.config
-        status = self.status
-        return {
-            "name": self.name,
-            "version": self.version,
-            "digest": self.digest,
-            "d_model": config.d_model,
-            "d_ff": config.d_ff,
-            "activation": config.activation,
-            "gated": config.gated,
-            "variant": config.variant,
-            "bias": {
-                "layer1": config.bias1,
-                "layer2": config.bias2,
-                "linear_v": config.bias_gate if config.gated else None,
-            },
-            "dropout": self.dropout,
-            "dtype": self.spec.dtype,
-            "device": str(self.device),
-            "format": "demo" if self.source is None else weights_format(self.spec, Path(self.source.path)),
-            "ready": status.ready,
-            "state": status.state.value,
-            "reason": status.reason,
-        }
+        return listing(self.description(), self.status)
 
     @property
     def served(self) -> Served:

@@ -6,6 +6,7 @@ import difflib
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+from app.engine.description import listing
 from app.engine.errors import EngineError, ModelNotFound, Unavailable
 from app.engine.status import UNLOADED, ModelStatus
 
@@ -55,11 +56,7 @@ class UnloadedModel:
         self.spec = served.spec
         self.version = served.version
         self.digest = served.digest  # of the copy it last served
-        self._description = served.describe() | {
-            "ready": False,
-            "state": UNLOADED.state.value,
-            "reason": UNLOADED.reason,
-        }
+        self.description = served.description()
 
     @property
     def name(self) -> str:
@@ -70,4 +67,4 @@ class UnloadedModel:
         return UNLOADED
 
     def describe(self) -> dict[str, Any]:
-        return dict(self._description)
+        return listing(self.description, UNLOADED)

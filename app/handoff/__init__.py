@@ -8,8 +8,8 @@ batches across every front. Between them:
   is made, sealed at its size), its descriptor handed to the engine over the Unix socket as the
   connection begins (frames.py): no name in /dev/shm, none a client could register as a region,
   and nothing left once both processes have unmapped it, however either ended. A request's rows are copied once from its body into a slot, and the
-  engine writes the answer back into the same slot; rows or answers too large for a slot travel
-  in the message instead. Each slot carries a generation number, renewed every time the slot is
+  engine writes the answer back into the same slot; a request too large for a slot takes a slot
+  of its own size in the arena's large area, whose pages are taken only while it is in flight. Each slot carries a generation number, renewed every time the slot is
   taken, which the engine writes beside the answer and the front checks before it reads it.
 - small control messages (messages.py) over a Unix socket, written as one frame per turn of the
   sender's event loop, however many requests or answers the turn produced (frames.py).

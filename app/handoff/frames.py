@@ -1,14 +1,14 @@
 """Frames: the control messages of one turn of an event loop, as one write on the Unix socket.
 
-A frame is a little-endian uint32 length and a pickle of a list of tuples (messages.py): strings,
-numbers, shapes, and the bytes of rows too large for a slot. Both ends are this service's own
-processes, started by one supervisor and connected through a socket in a folder only its user can
-open, so pickle's trust in its input is the service's trust in itself; a frame past MAX_FRAME_BYTES
-ends the connection all the same (a bug, never a client, could make one).
+A frame is a little-endian uint32 length and a MessagePack list of typed messages (messages.py), each
+a compact array: its tag, then its fields. A frame is decoded as the types the reading side takes
+(`FRONT_TO_ENGINE`, `ENGINE_TO_FRONT`): one that does not decode as them (a bug, never a client,
+could make one: both ends are this service's own processes) ends the connection (BadFrame),
+as a frame past MAX_FRAME_BYTES does.
 
 FrameWriter gathers what a turn sends and writes it in one frame at the end of that turn
 (`loop.call_soon`): a front answering a batch of 64 requests, or an engine answering them, pays
-one system call and one pickle, not 64.
+one system call and one encoding, not 64.
 
 Before its first frame, a connection carries the front's shared memory (memory.py): one byte,
 MEMORY_BYTE, with the block's descriptor attached (SCM_RIGHTS). It is sent and received on the raw
@@ -21,40 +21,56 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import socket
 import struct
-from typing import Any
+from typing import Generic, TypeVar
+
+import msgspec
+
+from app.handoff.messages import EngineMessage, FrontMessage, Message
 
 LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 30
 
-Message = tuple[Any, ...]
+M = TypeVar("M", bound=Message)
+
+# What each side reads: a front's messages on the engine's side, the engine's on a front's.
+FRONT_TO_ENGINE = msgspec.msgpack.Decoder(list[FrontMessage])
+ENGINE_TO_FRONT = msgspec.msgpack.Decoder(list[EngineMessage])
+_ENCODER = msgspec.msgpack.Encoder()
 
 MEMORY_BYTE = b"M"  # the byte the shared memory's descriptor rides on
 
 
-class FrameTooLarge(Exception):
-    """A frame longer than MAX_FRAME_BYTES: the connection is not trusted further."""
+class BadFrame(Exception):
+    """A frame longer than MAX_FRAME_BYTES, or not of the messages its reader takes: the connection is not
+    trusted further."""
 
 
-async def read_frame(reader: asyncio.StreamReader) -> list[Message]:
-    """The next frame's messages; IncompleteReadError at the connection's end."""
+async def read_frame(reader: asyncio.StreamReader, decoder: msgspec.msgpack.Decoder[list[M]]) -> list[M]:
+    """The next frame's messages, as `decoder`'s types; IncompleteReadError at the connection's end."""
     (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
     if length > MAX_FRAME_BYTES:
-        raise FrameTooLarge(f"a frame of {length} bytes, more than {MAX_FRAME_BYTES}")
-    messages: list[Message] = pickle.loads(await reader.readexactly(length))
-    return messages
+        raise BadFrame(f"a frame of {length} bytes, more than {MAX_FRAME_BYTES}")
+    try:
+        return decoder.decode(await reader.readexactly(length))
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"a frame that is not the hand-off's messages: {exc}") from None
 
 
-class FrameWriter:
+def encode(messages: list[M]) -> bytes:
+    """A frame's body: what `read_frame` decodes."""
+    return _ENCODER.encode(messages)
+
+
+class FrameWriter(Generic[M]):
     """Messages queued during a turn of the loop, written as one frame when the turn ends."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
-        self._queued: list[Message] = []
+        self._queued: list[M] = []
 
-    def send(self, message: Message) -> None:
+    def send(self, message: M) -> None:
         if not self._queued:
             asyncio.get_running_loop().call_soon(self._flush)
         self._queued.append(message)
@@ -63,7 +79,7 @@ class FrameWriter:
         messages, self._queued = self._queued, []
         if not messages or self._writer.is_closing():
             return
-        body = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+        body = _ENCODER.encode(messages)
         self._writer.write(LENGTH.pack(len(body)) + body)
 
     async def drain(self) -> None:

@@ -18,22 +18,37 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from app.engine.errors import Overloaded, Unavailable
+from app.collectors import GpuReading
+from app.engine.errors import Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
-from app.handoff.frames import FrameTooLarge, FrameWriter, read_frame, send_memory
-from app.handoff.messages import CANCEL, CONTROL, DONE, FAILED, GPUS, HELLO, REPLY, SUBMIT, TABLE, error_from_data
+from app.handoff.frames import ENGINE_TO_FRONT, BadFrame, FrameWriter, read_frame, send_memory
+from app.handoff.messages import (
+    Cancel,
+    Control,
+    Done,
+    Failed,
+    FrontMessage,
+    Gpus,
+    Hello,
+    MonteCarlo,
+    Reply,
+    Submit,
+    Table,
+    TraceContext,
+    error_of,
+    rides_as_recorded,
+)
 from app.protocol.identity import RequestContext
 from ffn_core.dtypes import DType
 
-if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
-    from app.collectors import GpuReading
-
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
+# The large area of a client made without a size (tests, benchmarks): its pages are taken only as used.
+LARGE_BYTES = 256 << 20
 
 
 class EngineNotRunning(Unavailable):
@@ -43,7 +58,7 @@ class EngineNotRunning(Unavailable):
 @dataclass
 class Pending:
     answer: asyncio.Future[Any]  # list[np.ndarray], or the one np.ndarray when `single`
-    slot: Slot | None
+    slot: Slot
     dtype: DType
     parts: int  # 1, or 2 for a Monte Carlo request's mean and std
     context: RequestContext | None  # the request's: told which model copy computed it (and a trace, what it rode in)
@@ -59,14 +74,16 @@ class EngineClient:
         slots: int = SLOTS,
         slot_bytes: int = SLOT_BYTES,
         *,
-        on_table: Callable[[dict[str, Any]], None] | None = None,
+        large_bytes: int = LARGE_BYTES,
+        on_table: Callable[[Table], None] | None = None,
     ) -> None:
         """`on_table`: called with each table the engine sends (its models and readiness)."""
         self.path = path
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self.large_bytes = large_bytes
         self.on_table = on_table
-        self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (GPUS)
+        self.gpus: list[GpuReading] = []  # the GPUs the engine last said it computes on (Gpus)
         self._link: _Link | None = None
         self._arena: Arena | None = None  # reserved for the next connection
         self._connecting = asyncio.Lock()
@@ -75,7 +92,7 @@ class EngineClient:
         """Reserve the next connection's memory now, if it is not yet: NoRoom (naming `what`, the size and the
         remedy) if the host or the container has not got it."""
         if self._arena is None:
-            self._arena = Arena.create(self.slots, self.slot_bytes, what)
+            self._arena = Arena.create(self.slots, self.slot_bytes, what, large_bytes=self.large_bytes)
 
     async def linked(self) -> asyncio.Event:
         """Connect if not connected (Unavailable if no engine listens); the event set when that link ends."""
@@ -196,7 +213,7 @@ class _Link:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         arena: Arena,
-        on_table: Callable[[dict[str, Any]], None] | None,
+        on_table: Callable[[Table], None] | None,
         on_gpus: Callable[[list[GpuReading]], None],
     ) -> None:
         self.arena = arena
@@ -208,9 +225,9 @@ class _Link:
         self._on_table = on_table
         self._on_gpus = on_gpus
         self._writer = writer
-        self._frames = FrameWriter(writer)
+        self._frames: FrameWriter[FrontMessage] = FrameWriter(writer)
         self._ids = itertools.count(1)
-        self._frames.send((HELLO, len(arena.slots), arena.slot_bytes))
+        self._frames.send(Hello(len(arena.slots), arena.slot_bytes, arena.large_bytes))
         self._reading = asyncio.create_task(self._read(reader), name="handoff-answers")
 
     @classmethod
@@ -218,7 +235,7 @@ class _Link:
         cls,
         path: Path,
         arena: Arena,
-        on_table: Callable[[dict[str, Any]], None] | None,
+        on_table: Callable[[Table], None] | None,
         on_gpus: Callable[[list[GpuReading]], None],
     ) -> _Link:
         """Connect and hand `arena`'s memory to the engine; EngineNotRunning (the arena untouched) if nothing listens."""
@@ -246,14 +263,14 @@ class _Link:
         ask = next(self._ids)
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.replies[ask] = reply
-        self._frames.send((CONTROL, ask, what, arguments))
+        self._frames.send(Control(ask, what, arguments))
         try:
             return await reply
         finally:
             self.replies.pop(ask, None)
 
     def tell(self, what: str, arguments: dict[str, Any]) -> None:
-        self._frames.send((CONTROL, 0, what, arguments))
+        self._frames.send(Control(0, what, arguments))
 
     async def ask(
         self,
@@ -286,37 +303,34 @@ class _Link:
 
         Cancelling the future withdraws the request: the engine is told, and its slot stays taken
         until the engine answers for it (see app/handoff/engine.py)."""
-        slot = None
-        if self.arena.fits(rows.nbytes):
-            slot = self.arena.take()
-            if slot is None:
-                raise Overloaded(
-                    f"all {len(self.arena.slots)} of this process's hand-off slots are in use", retry_after_s=1
-                )
-            target = self.arena.payload(slot.index, rows.nbytes)
-            target[:] = np.ascontiguousarray(rows).data.cast("B")
-            target.release()
+        parts = 1 if monte_carlo is None else 2
+        slot = self._slot_for(max(rows.nbytes, rows.size * answer_dtype.itemsize * parts))
+        target = self.arena.region(slot.place, slot.room, rows.nbytes)
+        target[:] = np.ascontiguousarray(rows).data.cast("B")
+        target.release()
+        self.arena.let_go(slot)
         ask = next(self._ids)
         loop = asyncio.get_running_loop()
         trace = None if context is None else context.trace
-        pending = Pending(loop.create_future(), slot, answer_dtype, 1 if monte_carlo is None else 2, context, single)
+        pending = Pending(loop.create_future(), slot, answer_dtype, parts, context, single)
         self.pending[ask] = pending
         self._frames.send(
-            (
-                SUBMIT,
-                ask,
-                -1 if slot is None else slot.index,
-                0 if slot is None else slot.generation,
-                model,
-                version,
-                tuple(rows.shape),
-                _dtype_name(rows),
-                answer_dtype.name,
-                None if deadline is None else time.monotonic() + (deadline - loop.time()),
-                None if monte_carlo is None else (monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
-                None if slot is not None else rows.tobytes(),
-                None if context is None else context.request_id,
-                None if trace is None else trace.handed_off(),
+            Submit(
+                ask=ask,
+                place=slot.place,
+                room=slot.room,
+                generation=slot.generation,
+                model=model,
+                version=version,
+                shape=tuple(rows.shape),
+                rows_dtype=_dtype_name(rows),
+                answer_dtype=answer_dtype.name,
+                deadline=None if deadline is None else time.monotonic() + (deadline - loop.time()),
+                monte_carlo=None
+                if monte_carlo is None
+                else MonteCarlo(monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
+                request_id=None if context is None else context.request_id,
+                trace=None if trace is None else TraceContext.of(*trace.handed_off()),
             )
         )
         load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
@@ -328,7 +342,7 @@ class _Link:
         """A request's answer came, failed, or was given up: its rows leave the count; given up, the engine is told."""
         self.rows_in_flight -= load
         if answer.cancelled() and ask in self.pending and not self.closed:
-            self._frames.send((CANCEL, ask))
+            self._frames.send(Cancel(ask))
 
     async def close(self) -> None:
         self._reading.cancel()
@@ -338,70 +352,86 @@ class _Link:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                for message in await read_frame(reader):
-                    kind = message[0]
-                    if kind == TABLE:
-                        if self._on_table is not None:
-                            self._on_table(message[1])
-                    elif kind == GPUS:
-                        self._on_gpus(message[1])
-                    elif kind == REPLY or (kind == FAILED and message[1] in self.replies):
-                        self._replied(message)
-                    else:
+                for message in await read_frame(reader, ENGINE_TO_FRONT):
+                    if isinstance(message, Done) or (isinstance(message, Failed) and message.ask not in self.replies):
                         self._answered(message)
-        except (asyncio.IncompleteReadError, ConnectionError, FrameTooLarge):
+                    elif isinstance(message, Reply | Failed):
+                        self._replied(message)
+                    elif isinstance(message, Table):
+                        if self._on_table is not None:
+                            self._on_table(message)
+                    elif isinstance(message, Gpus):
+                        self._on_gpus(message.readings)
+        except (asyncio.IncompleteReadError, ConnectionError, BadFrame):
             pass  # the engine ended the connection: everything in flight fails below
         finally:
             self._end(Unavailable("the engine process ended while this request was in flight; it is restarting"))
 
-    def _answered(self, message: tuple) -> None:
-        kind, ask, generation = message[0], message[1], message[2]
-        pending = self.pending.pop(ask, None)
+    def _answered(self, message: Done | Failed) -> None:
+        pending = self.pending.pop(message.ask, None)
         if pending is None:
             return
         slot = pending.slot
-        if slot is not None and generation != slot.generation:
+        if message.generation != slot.generation:
             # Not this request's answer (it cannot be, while a slot is given back only on its answer).
-            self.pending[ask] = pending
+            self.pending[message.ask] = pending
             return
         try:
             if pending.answer.done():  # its client left: nothing to answer, the slot is free again
                 return
-            if kind == FAILED:
-                pending.answer.set_exception(error_from_data(message[3], message[4], message[5]))
-            elif kind == DONE:
-                arrays = self._arrays(pending, message[3], message[4])
-                pending.answer.set_result(arrays[0] if pending.single else arrays)
-                context = pending.context
-                if context is not None:
-                    context.computed_by = message[6]
-                    if message[5] is not None and context.trace is not None:
-                        context.trace.rode_in_engine(message[5])
+            if isinstance(message, Failed):
+                pending.answer.set_exception(error_of(message))
+                return
+            arrays = self._arrays(pending, message.shape)
+            pending.answer.set_result(arrays[0] if pending.single else arrays)
+            context = pending.context
+            if context is not None:
+                copy = message.copy
+                context.computed_by = (copy.name, copy.version, copy.digest)
+                if message.rides is not None and context.trace is not None:
+                    context.trace.rode_in_engine(rides_as_recorded(message.rides))
         finally:
-            if slot is not None:
-                self.arena.give_back(slot)
+            self.arena.give_back(slot)
 
-    def _replied(self, message: tuple) -> None:
-        reply = self.replies.pop(message[1], None)
+    def _replied(self, message: Reply | Failed) -> None:
+        reply = self.replies.pop(message.ask, None)
         if reply is None or reply.done():
             return
-        if message[0] == REPLY:
-            reply.set_result(message[2])
+        if isinstance(message, Reply):
+            reply.set_result(message.result)
         else:
-            reply.set_exception(error_from_data(message[3], message[4], message[5]))
+            reply.set_exception(error_of(message))
 
-    def _arrays(self, pending: Pending, shape: tuple[int, ...], inline: bytes | None) -> list[np.ndarray]:
+    def _slot_for(self, nbytes: int) -> Slot:
+        """A slot for a request whose rows or answer take up to `nbytes`: a small one, or a large one of its own
+        size; Overloaded (429) while none is free, RequestTooLarge past the large area."""
+        arena = self.arena
+        if arena.fits(nbytes):
+            slot = arena.take()
+            if slot is None:
+                raise Overloaded(f"all {len(arena.slots)} of this process's hand-off slots are in use", retry_after_s=1)
+            return slot
+        if nbytes > arena.large_bytes:
+            raise RequestTooLarge(
+                f"a request of {nbytes:,} bytes (rows or answer) is more than this process's hand-off holds "
+                f"({arena.large_bytes:,} bytes)"
+            )
+        slot = arena.take_large(nbytes)
+        if slot is None:
+            raise Overloaded(
+                f"this process's hand-off has no room for {nbytes:,} more bytes ({arena.large_free:,} free)",
+                retry_after_s=1,
+            )
+        return slot
+
+    def _arrays(self, pending: Pending, shape: tuple[int, ...]) -> list[np.ndarray]:
         dtype = np.dtype(pending.dtype.array)
         count = math.prod(shape)
-        if inline is not None:
-            flat = np.frombuffer(inline, dtype=dtype)
-        else:
-            assert pending.slot is not None
-            view = self.arena.answer(pending.slot)
-            if view is None:
-                raise RuntimeError("the slot holds no answer of this request's generation; this is a bug")
-            flat = np.frombuffer(view, dtype=dtype).copy()  # the slot is taken again at once
-            view.release()
+        view = self.arena.answer(pending.slot)
+        if view is None:
+            raise RuntimeError("the slot holds no answer of this request's generation; this is a bug")
+        flat = np.frombuffer(view, dtype=dtype).copy()  # the slot is taken again at once
+        view.release()
         return [flat[i * count : (i + 1) * count].reshape(shape) for i in range(pending.parts)]
 
     def _end(self, error: Exception) -> None:

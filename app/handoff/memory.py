@@ -8,8 +8,10 @@ a front killed by SIGKILL or the OOM killer leaves nothing behind once the engin
 connection end and unmapped it.
 
 Its pages come from the host's memory (the memory cgroup's, in a container), not from /dev/shm's
-size. They are all reserved when the block is made, within the headroom the host or the container
-has: a block that does not fit is an error (NoRoom) at once, never a SIGBUS or an OOM kill under load.
+size. The slots' pages are all reserved when the block is made, within the headroom the host or the
+container has: a block that does not fit is an error (NoRoom) at once, never a SIGBUS or an OOM kill
+under load. An arena's large area (arena.py) is not reserved: its pages are taken as large requests
+are written into it and given back as they are answered, within the fronts' byte budget.
 """
 
 from __future__ import annotations
@@ -63,9 +65,11 @@ class Block:
         self.mapping.close()
 
 
-def create(size: int, what: str) -> Block:
-    """A new block of `size` bytes, every page reserved; NoRoom (naming `what`, the size and the remedy) if it does not fit."""
-    problem = shortage(size, what)
+def create(size: int, what: str, reserve: int | None = None) -> Block:
+    """A new block of `size` bytes, the pages of its first `reserve` bytes (all by default) reserved; NoRoom (naming
+    `what`, the size and the remedy) if they do not fit. The rest is taken page by page as it is written."""
+    reserve = size if reserve is None else reserve
+    problem = shortage(reserve, what)
     if problem is not None:
         raise NoRoom(problem)
     fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -73,7 +77,8 @@ def create(size: int, what: str) -> Block:
         os.ftruncate(fd, size)
         # Every page now, or an error now: a page first touched under load past what is left would be
         # a SIGBUS in whichever process touched it.
-        os.posix_fallocate(fd, 0, size)
+        if reserve:
+            os.posix_fallocate(fd, 0, reserve)
         # Neither side can shrink it under the other's mapping (a SIGBUS) or grow it.
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         return _mapped(fd, size)
@@ -81,7 +86,7 @@ def create(size: int, what: str) -> Block:
         os.close(fd)
         if exc.errno not in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
             raise
-        raise NoRoom(f"no room for {what}: {_mib(size)} of shared memory ({exc.strerror}): {REMEDY}") from None
+        raise NoRoom(f"no room for {what}: {_mib(reserve)} of shared memory ({exc.strerror}): {REMEDY}") from None
 
 
 def shortage(size: int, what: str) -> str | None:

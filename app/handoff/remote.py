@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from app.engine.description import ModelDescription, listing
 from app.engine.errors import Unavailable
 from app.engine.facade import ModelFacade, ServingEngine
 from app.engine.loop_watch import LoopWatch
@@ -33,6 +34,7 @@ from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
 from app.handoff.front import EngineClient, EngineNotRunning
+from app.handoff.messages import Table
 from app.protocol.identity import current
 from app.settings import Settings
 from ffn_core.dtypes import DTYPES, DType
@@ -75,25 +77,23 @@ class RemoteShape:
 class RemoteModel:
     """One model of the engines' tables: its description, and its work sent to one of the engines serving it."""
 
-    def __init__(self, copies: Sequence[tuple[EngineClient, dict[str, Any], ModelStatus]]) -> None:
+    def __init__(self, copies: Sequence[tuple[EngineClient, ModelDescription, ModelStatus]]) -> None:
         """`copies`: the model in each engine whose table lists it, with the status this front gives that copy."""
         self._clients = [client for client, _, status in copies if status.ready]
         self._turn = itertools.count()
         # The doors describe the model by a copy that serves (the engines load one config alike).
         _, description, self.status = next((copy for copy in copies if copy[2].ready), copies[0])
-        self._description = description
+        self.description = description
         self._client = self._clients[0] if self._clients else copies[0][0]
-        self.name: str = description["name"]
-        self._version: int = description["version"]
-        self._digest: str = description["digest"]
-        self.d_model: int = description["d_model"]
-        self.dtype: DType = DTYPES[description["dtype"]]
-        self.dropout: float = description["dropout"]
-        self.config = RemoteShape(
-            description["d_ff"], description["activation"], description["gated"], description["variant"]
-        )
-        self.device = RemoteDevice.parse(description["device"])
-        self.weight_bytes: int = description.get("weight_bytes", 0)
+        self.name = description.name
+        self._version = description.version
+        self._digest = description.digest
+        self.d_model = description.d_model
+        self.dtype: DType = DTYPES[description.dtype]
+        self.dropout = description.dropout
+        self.config = RemoteShape(description.d_ff, description.activation, description.gated, description.variant)
+        self.device = RemoteDevice.parse(description.device)
+        self.weight_bytes = description.weight_bytes
 
     @property
     def version(self) -> int:
@@ -114,12 +114,8 @@ class RemoteModel:
         return computed if computed is not None and computed[0] == self.name else None
 
     def describe(self) -> dict[str, Any]:
-        """The model as GET /v1/models lists it: the engine's description (and its state here)."""
-        return {key: value for key, value in self._description.items() if key != "weight_bytes"} | {
-            "ready": self.status.ready,
-            "state": self.status.state.value,
-            "reason": self.status.reason,
-        }
+        """The model as GET /v1/models lists it: the engine's description, in its state here."""
+        return listing(self.description, self.status)
 
     def check_serving(self) -> None:
         if not self.status.ready:
@@ -160,7 +156,7 @@ class _Linked:
     def __init__(self, client: EngineClient, name: str) -> None:
         self.client = client
         self.name = name  # "the engine process", or "engine process 1" of several
-        self.table: dict[str, Any] | None = None
+        self.table: Table | None = None
         self.linked = False
         self.failure: Unavailable | None = None  # why the last try to link failed; None: it did not
 
@@ -286,7 +282,7 @@ class RemoteEngine:
         lagging = self._loop_watch.lagging()
         if lagging is not None:
             return ModelStatus(ModelState.UNAVAILABLE, lagging)
-        statuses = [ModelStatus(ModelState(state), reason) for state, reason in (t["readiness"] for t in tabled)]
+        statuses = [ModelStatus(ModelState(t.readiness_state), t.readiness_reason) for t in tabled]
         return next((status for status in statuses if status.ready), statuses[0])
 
     @property
@@ -295,7 +291,7 @@ class RemoteEngine:
 
     @property
     def cuda_available(self) -> bool:
-        return any(engine.table and engine.table["cuda"] for engine in self._engines)
+        return any(engine.table is not None and engine.table.cuda for engine in self._engines)
 
     def gpus(self) -> list[GpuReading]:
         """What the linked engines last said of their GPUs (every GPUS_EVERY_S), each GPU once."""
@@ -321,7 +317,7 @@ class RemoteEngine:
 
     # ----- the links -------------------------------------------------------------------------
 
-    def _take_table(self, engine: _Linked, table: dict[str, Any]) -> None:
+    def _take_table(self, engine: _Linked, table: Table) -> None:
         engine.table = table
         engine.linked = True
         self._rebuild()
@@ -330,16 +326,17 @@ class RemoteEngine:
 
     def _rebuild(self) -> None:
         """The models from every engine's last table, each copy with the status this front gives it."""
-        served: dict[str, list[tuple[EngineClient, dict[str, Any], ModelStatus]]] = {}
-        unloaded: dict[str, list[tuple[EngineClient, dict[str, Any], ModelStatus]]] = {}
+        served: dict[str, list[tuple[EngineClient, ModelDescription, ModelStatus]]] = {}
+        unloaded: dict[str, list[tuple[EngineClient, ModelDescription, ModelStatus]]] = {}
         for engine in self._engines:
-            if engine.table is None:
+            table = engine.table
+            if table is None:
                 continue
             unable = DRAINING if self._draining else None if engine.linked else engine.not_linked()
-            for listing, key in ((served, "models"), (unloaded, "unloaded")):
-                for description in engine.table[key]:
-                    status = unable or ModelStatus(ModelState(description["state"]), description["reason"] or "")
-                    listing.setdefault(description["name"], []).append((engine.client, description, status))
+            for listed, entries in ((served, table.models), (unloaded, table.unloaded)):
+                for entry in entries:
+                    status = unable or ModelStatus(ModelState(entry.state), entry.reason)
+                    listed.setdefault(entry.description.name, []).append((engine.client, entry.description, status))
         self._models = {name: RemoteModel(copies) for name, copies in served.items()}
         self._unloaded = {name: RemoteModel(copies) for name, copies in unloaded.items() if name not in served}
 

@@ -6,7 +6,7 @@
 #                small dependencies, fastapi-offline, the gRPC door's (tritonclient, grpcio-health-checking,
 #                grpcio-reflection), OpenTelemetry's, pytest and pytest-asyncio (the versions of this
 #                checkout's .venv, which the test suite ran with);
-#   .whl/cpXY/   the compiled ones (pydantic-core, httptools, orjson, grpcio, protobuf, python-rapidjson) for each Python in PYVERS,
+#   .whl/cpXY/   the compiled ones (pydantic-core, httptools, orjson, msgspec, grpcio, protobuf, python-rapidjson) for each Python in PYVERS,
 #                manylinux x86_64; run.sh installs the folder matching the GPU machine's python3;
 #   .tools/      wrk and its libluajit (Debian bookworm, glibc 2.36: runs on newer glibc too).
 # Both folders are git-ignored; pass them to the GPU machine along with the working tree.
@@ -24,7 +24,7 @@ PURE="fastapi starlette pydantic pydantic-settings python-dotenv annotated-types
       opentelemetry-exporter-otlp-proto-common"
 # grpcio and protobuf too, although the image has them: the generated code of tritonclient and of
 # the gRPC health service wants the versions the suite ran with.
-COMPILED="pydantic-core httptools orjson grpcio protobuf python-rapidjson"
+COMPILED="pydantic-core httptools orjson msgspec grpcio protobuf python-rapidjson"
 pinned() {  # "name==version" for each name, as installed in .venv
   "$PY" -c 'import sys, importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' "$@"
 }
