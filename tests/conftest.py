@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from ffn_client.testing import ServerProcess, start_server, use_launcher
+from ffn_testing import ServerProcess, check_starts, start_server, use_launcher
 from tests import forkserver
 from tests.reference import assert_close, numpy_ffn
 
@@ -68,6 +68,40 @@ LONGEST_FIRST = (
 )
 
 
+class UnmarkedServerStart(RuntimeError):
+    """A test not marked `server` tried to start one (or a start came outside any test)."""
+
+
+_running: list[pytest.Item] = []  # the test whose setup, call or teardown runs now (one at a time)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Know the running test, for the launcher's check (module and session fixtures start in a test's setup)."""
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def refuse_unmarked_start() -> None:
+    """The launcher's check before each start: only a test marked `server` starts a server, so that
+    `pytest -m "not server"` starts none (mark_server_tests marks those using a *server* fixture)."""
+    if not _running:
+        raise UnmarkedServerStart("a server start outside any test (at collection?): start it in a fixture or a test")
+    item = _running[-1]
+    if item.get_closest_marker("server") is None:
+        raise UnmarkedServerStart(
+            f"{item.nodeid} starts a server but is not marked server: mark this test server "
+            "(@pytest.mark.server, or `pytestmark = pytest.mark.server` for its module), "
+            'so that `pytest -m "not server"` leaves it out'
+        )
+
+
+check_starts(refuse_unmarked_start)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests that start servers (before `-m` selects), then put the longest files first (LONGEST_FIRST)."""
     mark_server_tests(items)
@@ -79,14 +113,26 @@ def mark_server_tests(items: list[pytest.Item]) -> None:
     """Mark `server` every test that uses, directly or through another fixture, a fixture named *server*.
 
     By convention a fixture whose name holds "server" (demo_server, burst_server, ...) starts a
-    real ffn-serve; a test that starts one itself carries the mark (or its module's pytestmark).
-    `pytest -m "not server"` is then the quick loop.
+    real ffn-serve; a test that starts one otherwise carries the mark (or its module's pytestmark),
+    and the launcher refuses a start in a test without it (refuse_unmarked_start).
     """
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        parameters = set(callspec.params) if callspec is not None else set()  # parametrize arguments, not fixtures
-        if any("server" in name for name in set(getattr(item, "fixturenames", ())) - parameters):
+        fixtures = set(getattr(item, "fixturenames", ())) - direct_parameters(item)
+        if any("server" in name for name in fixtures):
             item.add_marker(pytest.mark.server)
+
+
+def direct_parameters(item: pytest.Item) -> set[str]:
+    """The test's arguments that @pytest.mark.parametrize gives directly: values, not fixtures (a
+    fixture's own params, `@pytest.fixture(params=...)`, leave it a fixture)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        if isinstance(argnames, str):
+            argnames = [name.strip() for name in argnames.split(",") if name.strip()]
+        indirect = mark.kwargs.get("indirect", False)
+        names |= {name for name in argnames if not (indirect is True or (indirect and name in indirect))}
+    return names
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ffn_client import Client
-from ffn_client.testing import SERVE_COMMAND, start_server, use_launcher
+from ffn_testing import SERVE_COMMAND, start_server, use_launcher
 from tests.forkserver import Forked, ForkServer
 from tests.reference import assert_close, demo_reference
 
@@ -32,6 +32,7 @@ def forks() -> Iterator[ForkServer]:
         own.close()
 
 
+@pytest.mark.server
 def test_a_forked_start_serves_right_and_its_sigterm_exit_is_reported(forks: ForkServer) -> None:
     x = np.linspace(-2, 2, 3 * 512, dtype=np.float32).reshape(3, 512)
     with start_server(env={"FFN_WARMUP": "0", "FFN_MAX_BATCH_ROWS": "8"}) as server:
@@ -44,6 +45,7 @@ def test_a_forked_start_serves_right_and_its_sigterm_exit_is_reported(forks: For
     assert server.returncode == 0  # the drain's exit, asked of the fork server
 
 
+@pytest.mark.server
 def test_a_killed_fork_reports_the_signal_as_popen_does(forks: ForkServer) -> None:
     server = start_server(env={"FFN_WARMUP": "0"})
     server.proc.kill()
@@ -51,6 +53,7 @@ def test_a_killed_fork_reports_the_signal_as_popen_does(forks: ForkServer) -> No
     server.returncode = -signal.SIGKILL
 
 
+@pytest.mark.server
 def test_the_start_takes_its_own_environment_and_folder(forks: ForkServer, tmp_path: Path) -> None:
     with start_server(env={"FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning"}, cwd=tmp_path) as server:
         assert isinstance(server.proc, Forked)

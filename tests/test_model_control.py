@@ -29,7 +29,7 @@ from app.engine import lifecycle
 from app.engine.runner import ModelRunner
 from app.settings import load_settings
 from app.settings_problems import SettingsError
-from ffn_client.testing import metric_value
+from ffn_testing import metric_value
 from tests.in_process import InProcessApp
 from tests.model_files import matches, write_ffn
 from tests.reference import assert_close, demo_reference

@@ -33,7 +33,7 @@ from tritonclient._plugin import InferenceServerClientPlugin
 from tritonclient.utils import InferenceServerException
 
 from bench.otlp_receiver import OtlpReceiver
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.model_files import add_table, matches, write_ffn
 from tests.reference import demo_reference
 
