@@ -3,7 +3,7 @@
 The weights are files the tests write and replace; every answer is checked against the float64
 numpy FFN of the weights the test wrote (tests/model_files.py), and V2 answers carry the version
 that computed them. Worker processes, SIGHUP and tritonclient are in test_model_control_workers.py
-and test_tritonclient_methods.py.
+and test_tritonclient.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ region). In-process: the routes and infer parameters, every mistake a 4xx that n
 checked against the float64 reference, descriptors released on unregister and at shutdown. A real
 two-worker server: a region registered through one connection serves from every worker, and from
 a worker killed and replaced; unregistered, from none. The tritonclient side is in
-tests/test_tritonclient_methods.py.
+tests/test_tritonclient.py.
 """
 
 from __future__ import annotations
