@@ -18,6 +18,9 @@ from ffn_testing import SERVE_COMMAND, start_server, use_launcher
 from tests.forkserver import Forked, ForkServer
 from tests.reference import assert_close, demo_reference
 
+# Every test here starts the suite's fork server, a process that imports the whole server (or servers from it).
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
@@ -32,7 +35,6 @@ def forks() -> Iterator[ForkServer]:
         own.close()
 
 
-@pytest.mark.server
 def test_a_forked_start_serves_right_and_its_sigterm_exit_is_reported(forks: ForkServer) -> None:
     x = np.linspace(-2, 2, 3 * 512, dtype=np.float32).reshape(3, 512)
     with start_server(env={"FFN_WARMUP": "0", "FFN_MAX_BATCH_ROWS": "8"}) as server:
@@ -45,7 +47,6 @@ def test_a_forked_start_serves_right_and_its_sigterm_exit_is_reported(forks: For
     assert server.returncode == 0  # the drain's exit, asked of the fork server
 
 
-@pytest.mark.server
 def test_a_killed_fork_reports_the_signal_as_popen_does(forks: ForkServer) -> None:
     server = start_server(env={"FFN_WARMUP": "0"})
     server.proc.kill()
@@ -53,7 +54,6 @@ def test_a_killed_fork_reports_the_signal_as_popen_does(forks: ForkServer) -> No
     server.returncode = -signal.SIGKILL
 
 
-@pytest.mark.server
 def test_the_start_takes_its_own_environment_and_folder(forks: ForkServer, tmp_path: Path) -> None:
     with start_server(env={"FFN_WARMUP": "0", "FFN_LOG_LEVEL": "warning"}, cwd=tmp_path) as server:
         assert isinstance(server.proc, Forked)
