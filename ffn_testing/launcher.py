@@ -10,8 +10,9 @@ It imports neither torch nor the server: the server runs as a subprocess,
 nobody reads could fill up and stall it). FFN_* variables of the calling environment are
 dropped, so that a developer's shell cannot change what a test or a benchmark sees.
 
-A caller may put a check before every start (check_starts): the test suite's refuses a start in a
-test not marked `server`, so that `pytest -m "not server"` starts none.
+While REFUSE_STARTS is set in the environment every start is refused, in this process and in the
+processes it starts (a benchmark run by a test): the test suite sets it during each test not
+marked `server`, so that `pytest -m "not server"` starts none.
 """
 
 from __future__ import annotations
@@ -123,16 +124,12 @@ def exec_server(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | N
 _launcher: Launcher = exec_server
 
 
-_check: Callable[[], None] | None = None
+# Set (to the reason), every start is refused with that reason; see the module's docstring.
+REFUSE_STARTS = "SERVER_STARTS_REFUSED"
 
 
-def check_starts(check: Callable[[], None] | None) -> None:
-    """Call `check` before every later start (None: no check); it refuses a start by raising.
-
-    The test suite's check (tests/conftest.py) refuses a start in a test not marked `server`.
-    """
-    global _check
-    _check = check
+class StartRefused(RuntimeError):
+    """A start while REFUSE_STARTS is set: the message is its reason (a test not marked `server`)."""
 
 
 def use_launcher(launcher: Launcher) -> Launcher:
@@ -263,8 +260,9 @@ def start_server(
     started with TLS (its FFN_TLS_* in `env`): the CA its readiness is asked over HTTPS with, and
     `cert` the client certificate where it requires one; `url` is then https.
     """
-    if _check is not None:
-        _check()
+    refusal = os.environ.get(REFUSE_STARTS)
+    if refusal:
+        raise StartRefused(refusal)
     # A free gRPC port too: two servers on the default 8001 would refuse to start.
     port, free_grpc_port = free_ports(2)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from ffn_testing import ServerProcess, check_starts, start_server, use_launcher
+from ffn_testing import REFUSE_STARTS, ServerProcess, start_server, use_launcher
 from tests import forkserver
 from tests.reference import assert_close, numpy_ffn
 
@@ -68,38 +68,21 @@ LONGEST_FIRST = (
 )
 
 
-class UnmarkedServerStart(RuntimeError):
-    """A test not marked `server` tried to start one (or a start came outside any test)."""
-
-
-_running: list[pytest.Item] = []  # the test whose setup, call or teardown runs now (one at a time)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
-    """Know the running test, for the launcher's check (module and session fixtures start in a test's setup)."""
-    _running.append(item)
-    try:
-        return (yield)
-    finally:
-        _running.pop()
-
-
-def refuse_unmarked_start() -> None:
-    """The launcher's check before each start: only a test marked `server` starts a server, so that
-    `pytest -m "not server"` starts none (mark_server_tests marks those using a *server* fixture)."""
-    if not _running:
-        raise UnmarkedServerStart("a server start outside any test (at collection?): start it in a fixture or a test")
-    item = _running[-1]
+    """Refuse every server start during a test not marked `server` (its setup, call and teardown, where
+    module and session fixtures start too), so that `pytest -m "not server"` starts none. The launcher
+    reads the refusal from the environment, so it reaches a benchmark the test runs as a process."""
     if item.get_closest_marker("server") is None:
-        raise UnmarkedServerStart(
+        os.environ[REFUSE_STARTS] = (
             f"{item.nodeid} starts a server but is not marked server: mark this test server "
             "(@pytest.mark.server, or `pytestmark = pytest.mark.server` for its module), "
             'so that `pytest -m "not server"` leaves it out'
         )
-
-
-check_starts(refuse_unmarked_start)
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(REFUSE_STARTS, None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

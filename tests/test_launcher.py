@@ -1,7 +1,8 @@
-"""The launcher's check in this suite: only a test marked `server` starts a server (tests/conftest.py).
+"""The launcher in this suite: only a test marked `server` starts a server (tests/conftest.py).
 
-A launcher that records its starts stands in for the fork server: the check comes before any
-process is made, and a start that passes it runs a real process (one that exits at once).
+A launcher that records its starts stands in for the fork server: the refusal comes before any
+process is made, and a start that passes runs a real process (one that exits at once). A process
+the test starts (a benchmark, say) is refused too: the refusal is in the environment.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ffn_testing import Process, ServerFailed, start_server, use_launcher
+from ffn_testing import Process, ServerFailed, StartRefused, start_server, use_launcher
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -33,13 +36,27 @@ def launched() -> Iterator[list[Sequence[str]]]:
 
 
 def test_a_test_not_marked_server_is_refused_a_start_before_any_process(launched: list[Sequence[str]]) -> None:
-    with pytest.raises(RuntimeError) as refused:
+    with pytest.raises(StartRefused) as refused:
         start_server()
     assert str(refused.value).startswith(
         "tests/test_launcher.py::test_a_test_not_marked_server_is_refused_a_start_before_any_process "
         "starts a server but is not marked server: mark this test server (@pytest.mark.server"
     )
     assert launched == []
+
+
+def test_a_process_a_test_not_marked_server_starts_is_refused_too() -> None:
+    code = "from ffn_testing import start_server; start_server()"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "ffn_testing.launcher.StartRefused: tests/test_launcher.py::"
+            "test_a_process_a_test_not_marked_server_starts_is_refused_too starts a server but is not marked server"
+        )
+    )
 
 
 @pytest.mark.server
