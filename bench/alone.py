@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from bench.serve import SERVER_CORE, pinned, request_body, run_wrk, server_env
-from ffn_client.testing import metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import metric_value, start_server
 
 EVICTION_BYTES = 64 << 20  # past the L3 cache of any machine this runs on
 ROUTE = "/v1/models/{name}/transform"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bench.gpu.service import tree_cpu_seconds
 from bench.serve import pinned, request_body, run_wrk, server_env
-from ffn_client.testing import start_server
+from ffn_testing import start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELLS = ((1, 1), (1, 64), (16, 16))  # (rows per request, connections)

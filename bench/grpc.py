@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ffn_client.load import LoadConfig, run_load
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 PROTOCOLS = ("http", "grpc", "grpc-stream")  # the first is the baseline
 LABELS = {"http": "HTTP binary", "grpc": "gRPC", "grpc-stream": "gRPC stream"}

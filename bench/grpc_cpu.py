@@ -37,8 +37,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from bench.gpu.service import BenchTls, tree_cpu_seconds
 from bench.serve import pinned, server_env
-from ffn_client.testing import HOST, ServerProcess, free_port, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import HOST, ServerProcess, free_port, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 D_MODEL = 512  # the demo model's

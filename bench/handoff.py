@@ -40,9 +40,9 @@ from app.handoff.front import EngineClient
 from app.handoff.loop import run_on_served_loop
 from app.metrics import Metrics
 from app.settings import load_settings
-from ffn_client.testing import tree_cpu_seconds
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_core.dtypes import DTYPES
+from ffn_testing import tree_cpu_seconds
 
 D_MODEL = 768
 ENGINE_CORE, FRONT_CORE = 0, 1

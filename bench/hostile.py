@@ -97,7 +97,7 @@ from bench.hostile_clients import (
     unread_request,
 )
 from ffn_client.http1 import read_response
-from ffn_client.testing import HOST, ServerProcess, http_request, raw_request, start_server
+from ffn_testing import HOST, ServerProcess, http_request, raw_request, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUIET_S = 4.0  # the good requests alone, before each flood

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ffn_client.http1 import Response, read_response
-from ffn_client.testing import HOST, ServerProcess, http_request, raw_request
+from ffn_testing import HOST, ServerProcess, http_request, raw_request
 
 V1 = "/v1/models/demo/transform"
 MiB = 1 << 20

@@ -56,7 +56,7 @@ from bench.hostile_grpc_clients import (
     unread_answers,
     watch_streams,
 )
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KEY = "hostile-grpc-key"

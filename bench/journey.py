@@ -156,7 +156,7 @@ async def journeys(rounds: int = 3, *, functions: bool = False) -> dict[str, lis
 
     `functions`: each function entered (file::name) instead of each file, to see why a file is entered.
     """
-    from ffn_client.testing import start_server
+    from ffn_testing import start_server
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "recorded.json"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from ffn_client.testing import read_rss, start_server
+from ffn_testing import read_rss, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.serve import pinned
-from ffn_client.testing import start_server
+from ffn_testing import start_server
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "perf-analyzer.sh"  # perf_analyzer where glibc is older than 2.38

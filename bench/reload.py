@@ -42,8 +42,8 @@ import torch
 from ffn_client.load import LoadConfig
 from ffn_client.payloads import make_payloads
 from ffn_client.senders import RawSender
-from ffn_client.testing import start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import start_server
 
 MODEL = "ffn"
 STEPS = ("read", "build", "warm_up", "switch", "retire")

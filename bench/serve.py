@@ -33,8 +33,8 @@ import torch
 
 from bench.micro import measure_rows_per_s
 from ffn_client.encodings import encode_request
-from ffn_client.testing import metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import metric_value, start_server
 
 LUA = Path(__file__).with_name("wrk") / "post.lua"
 SERVER_CORE = 0  # the in-process reference runs here

@@ -37,8 +37,8 @@ import torch
 
 from bench.serve import pinned
 from ffn_client.http1 import build_request, read_response
-from ffn_client.testing import HOST, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import HOST, start_server
 
 D_MODEL = 512
 MODELS = {"real": "demo (d_ff 2048)", "tiny": "near-free (d_ff 8)"}

@@ -28,7 +28,7 @@ import numpy as np
 
 from ffn_client import Client
 from ffn_client.encodings import EncodedRequest, encode_request
-from ffn_client.testing import read_rss, start_server
+from ffn_testing import read_rss, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 D_MODEL = 512

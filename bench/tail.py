@@ -25,8 +25,8 @@ import httpx
 import torch
 
 from bench.serve import pinned, request_body, run_wrk, server_env
-from ffn_client.testing import metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import metric_value, start_server
 
 
 def batch_buckets(page: str) -> dict[float, float]:

@@ -30,7 +30,7 @@ import httpx
 from bench.gpu.service import tree_cpu_seconds
 from bench.otlp_receiver import OtlpReceiver
 from bench.serve import pinned, request_body, run_wrk, server_env
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RATIO = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}

@@ -47,8 +47,8 @@ from bench import stages
 from bench.gpu import service
 from bench.micro import measure_rows_per_s
 from bench.serve import pinned, server_env
-from ffn_client.testing import ServerProcess, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import ServerProcess, start_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 D_MODEL = 768

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ffn_client.testing import ServerProcess, process_tree, start_server, tree_cpu_seconds
+from ffn_testing import ServerProcess, process_tree, start_server, tree_cpu_seconds
 
 READY = re.compile(r"worker \d+ \(pid (\d+)\) ready")
 WORKER_IMPORTS = "import app.server, app.engine.service"

@@ -52,7 +52,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: deploy.* and ffn_client from this checkout
+sys.path.insert(0, str(ROOT))  # run as a script: deploy.*, ffn_client and ffn_testing from this checkout
 
 from deploy.docker_load import load_during, transform_request  # noqa: E402
 from deploy.docker_tools import (  # noqa: E402
@@ -69,7 +69,7 @@ from deploy.docker_tools import (  # noqa: E402
 )
 from ffn_client import Client, TransportError  # noqa: E402
 from ffn_client.losses import Fates  # noqa: E402
-from ffn_client.testing import free_port, metric_value  # noqa: E402
+from ffn_testing import free_port, metric_value  # noqa: E402
 
 CHECK_MODEL, D_MODEL, D_FF = "check", 32, 64  # a tiny native model, checked against numpy
 OCI_LABELS = ("title", "description", "version", "revision", "licenses")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (once) and run every test: ruff (lint and format), mypy over app, ffn_core and ffn_client,
+# Set up (once) and run every test: ruff (lint and format), mypy over app, ffn_core, ffn_client and ffn_testing,
 # then pytest.
 # With arguments, only pytest runs, with them (e.g. `bash scripts/test.sh tests/test_http.py -x`);
 # a test file or folder is taken relative to the caller's folder, as pytest itself would.
@@ -25,7 +25,7 @@ unset PYTHONDONTWRITEBYTECODE
 # each compile all of it at once, for itself: each then spent 15 to 21 s of CPU collecting, and
 # 11 s with everything compiled.
 compile_project() {
-  .venv/bin/python -m compileall -q app ffn_core ffn_client bench >/dev/null || true
+  .venv/bin/python -m compileall -q app ffn_core ffn_client ffn_testing bench >/dev/null || true
   compgen -G ".venv/lib/python3*/site-packages/torch/__pycache__/__init__.*.pyc" >/dev/null \
     || .venv/bin/python -m pytest --collect-only -q -p no:cacheprovider >/dev/null \
     || true

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from ffn_client.testing import ServerProcess, start_server, use_launcher
+from ffn_testing import REFUSE_STARTS, ServerProcess, start_server, use_launcher
 from tests import forkserver
 from tests.reference import assert_close, numpy_ffn
 
@@ -68,6 +68,23 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    """Refuse every server start during a test not marked `server` (its setup, call and teardown, where
+    module and session fixtures start too), so that `pytest -m "not server"` starts none. The launcher
+    reads the refusal from the environment, so it reaches a benchmark the test runs as a process."""
+    if item.get_closest_marker("server") is None:
+        os.environ[REFUSE_STARTS] = (
+            f"{item.nodeid} starts a server but is not marked server: mark this test server "
+            "(@pytest.mark.server, or `pytestmark = pytest.mark.server` for its module), "
+            'so that `pytest -m "not server"` leaves it out'
+        )
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(REFUSE_STARTS, None)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests that start servers (before `-m` selects), then put the longest files first (LONGEST_FIRST)."""
     mark_server_tests(items)
@@ -79,14 +96,26 @@ def mark_server_tests(items: list[pytest.Item]) -> None:
     """Mark `server` every test that uses, directly or through another fixture, a fixture named *server*.
 
     By convention a fixture whose name holds "server" (demo_server, burst_server, ...) starts a
-    real ffn-serve; a test that starts one itself carries the mark (or its module's pytestmark).
-    `pytest -m "not server"` is then the quick loop.
+    real ffn-serve; a test that starts one otherwise carries the mark (or its module's pytestmark),
+    and the launcher refuses a start in a test without it (refuse_unmarked_start).
     """
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        parameters = set(callspec.params) if callspec is not None else set()  # parametrize arguments, not fixtures
-        if any("server" in name for name in set(getattr(item, "fixturenames", ())) - parameters):
+        fixtures = set(getattr(item, "fixturenames", ())) - direct_parameters(item)
+        if any("server" in name for name in fixtures):
             item.add_marker(pytest.mark.server)
+
+
+def direct_parameters(item: pytest.Item) -> set[str]:
+    """The test's arguments that @pytest.mark.parametrize gives directly: values, not fixtures (a
+    fixture's own params, `@pytest.fixture(params=...)`, leave it a fixture)."""
+    names: set[str] = set()
+    for mark in item.iter_markers("parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs["argnames"]
+        if isinstance(argnames, str):
+            argnames = [name.strip() for name in argnames.split(",") if name.strip()]
+        indirect = mark.kwargs.get("indirect", False)
+        names |= {name for name in argnames if not (indirect is True or (indirect and name in indirect))}
+    return names
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,7 +7,7 @@ server) imports app.cli and app.server once; every start then forks it, and the 
 app.cli's main with the start's arguments, environment, folder and log file. The server is the
 same code in a real process, on real sockets, taking real signals, for about 0.5 s of CPU.
 
-What a fork cannot give a start is started the plain way (ffn_client.testing.exec_server): a
+What a fork cannot give a start is started the plain way (ffn_testing.exec_server): a
 command other than `python -m app.cli` or a prefix (the installed script, taskset, ...), worker
 processes (a supervisor imports no torch, and that is tested; it starts its workers from a fork server
 of its own), or an
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ffn_client.testing import SERVE_COMMAND, Process, exec_server
+from ffn_testing import SERVE_COMMAND, Process, exec_server
 
 REPO = Path(__file__).resolve().parents[1]
 SWITCH = "FFN_TEST_FORKSERVER"

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import Settings
-from ffn_client.testing import StartPatience
+from ffn_testing import StartPatience
 
 BASE_URL = "http://ffn.test"
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ffn_client.testing import start_server
+from ffn_testing import start_server
 from tests.model_files import write_ffn
 from tests.promtool import ALERT_RULES, PROMTOOL, born_at_first_increase, input_series, run_rule_tests
 

@@ -19,8 +19,8 @@ from app.engine import errors
 from app.engine.batcher import Batcher
 from app.engine.montecarlo import MonteCarloRequest
 from app.metrics import Metrics
-from ffn_client.testing import metric_value
 from ffn_core import FFNConfig, MonteCarloPasses, build_ffn, mc_dropout
+from ffn_testing import metric_value
 
 D_MODEL, D_FF = 8, 32
 ASK = MonteCarloRequest(passes=6, dropout=0.25, seed=11)

@@ -8,6 +8,8 @@ import pytest
 
 from bench import reload
 
+pytestmark = pytest.mark.server  # every test here starts a real ffn-serve
+
 
 def test_a_short_run_prints_both_tables_with_no_failed_request_or_reload(capsys: pytest.CaptureFixture[str]) -> None:
     small = ["--d-model", "16", "--d-ff", "32", "--max-batch-rows", "16", "--concurrency", "4", "--rows", "4"]

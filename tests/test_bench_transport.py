@@ -12,6 +12,7 @@ from bench import stages, transport
 from bench.transport import Cell
 
 
+@pytest.mark.server
 def test_quick_run_measures_the_service_beside_both_echoes(tmp_path, capsys):
     out = tmp_path / "transport.json"
     assert transport.main(["--quick", "--models", "near-free", "--generator", "ffn-loadtest", "--json", str(out)]) == 0

@@ -16,7 +16,7 @@ import torch
 from app import __version__
 from app.cli import main
 from app.settings import Settings, misspelt_variables
-from ffn_client.testing import start_server
+from ffn_testing import start_server
 
 pytestmark = pytest.mark.server  # ffn-serve processes: real servers, or the command exiting early
 
@@ -195,7 +195,7 @@ def test_boolean_flags_parse(flag: str) -> None:
 def test_json_logs_are_one_object_per_line_and_say_what_started() -> None:
     import httpx
 
-    from ffn_client.testing import start_server
+    from ffn_testing import start_server
 
     with start_server(env={"FFN_LOG_FORMAT": "json", "FFN_ACCESS_LOG": "true", "FFN_API_KEY": "k"}) as server:
         httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k"})

@@ -36,7 +36,7 @@ from ffn_client.errors import (
     parse_retry_after,
 )
 from ffn_client.stub_server import StubAnswer, StubRequest, StubServer, echo
-from ffn_client.testing import free_port, start_server
+from ffn_testing import free_port, start_server
 from tests.reference import assert_close, demo_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -377,7 +377,7 @@ def test_v2_json_answer_decodes_flat_data():
 
 def test_importing_ffn_client_does_not_import_the_server_stack():
     code = (
-        "import sys, ffn_client, ffn_client.loadtest, ffn_client.encodings, ffn_client.http1, ffn_client.testing;"
+        "import sys, ffn_client, ffn_client.loadtest, ffn_client.encodings, ffn_client.http1, ffn_testing;"
         "print(sorted(m for m in ('torch', 'fastapi', 'app', 'ffn_core', 'matplotlib', 'uvicorn') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)

@@ -17,8 +17,8 @@ import pytest
 
 from ffn_client import AsyncClient, BadRequest, Client, ModelNotFound, MonteCarloResult
 from ffn_client import encodings as enc
-from ffn_client.testing import ServerProcess, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import ServerProcess, start_server
 from tests.reference import assert_close, demo_reference, numpy_ffn, numpy_weights
 
 DEMO_RATE = 0.1  # the [[models]] table's dropout for demo

@@ -33,7 +33,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from app.settings import Settings
 from ffn_client.http1 import Response
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp
 from tests.reference import assert_close, demo_reference
 from tests.test_request_budgets import held_when_queued

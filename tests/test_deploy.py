@@ -37,7 +37,7 @@ from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
 from app.preflight import bind
 from app.settings import Settings, read_config_file
-from ffn_client.testing import HOST, free_port
+from ffn_testing import HOST, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

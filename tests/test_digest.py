@@ -27,8 +27,8 @@ from safetensors.numpy import load_file
 
 from app.engine.registry import model_digest, read_weights
 from app.settings import ModelSpec
-from ffn_client.testing import ServerProcess, start_server
 from ffn_core import demo_ffn, digest
+from ffn_testing import ServerProcess, start_server
 from tests.model_files import write_ffn
 
 ROOT = Path(__file__).resolve().parents[1]

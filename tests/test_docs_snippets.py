@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings, read_config_file
-from ffn_client.testing import ServerProcess, free_port, start_server
+from ffn_testing import ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.server
 

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ffn_client.testing import metric_value, start_server, wait_for_metrics
+from ffn_testing import metric_value, start_server, wait_for_metrics
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers

@@ -18,9 +18,11 @@ import pytest
 
 from ffn_client.http1 import build_request, read_response
 from ffn_client.losses import Fates, keep_alive_clients
-from ffn_client.testing import HOST, ServerProcess, metric_value, start_server, wait_for_metrics
+from ffn_testing import HOST, ServerProcess, metric_value, start_server, wait_for_metrics
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers
+
+pytestmark = pytest.mark.server  # every test here starts a real ffn-serve
 
 D_MODEL = 512
 CLIENTS = 8

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 from ffn_client import Client
-from ffn_client.testing import SERVE_COMMAND, start_server, use_launcher
+from ffn_testing import SERVE_COMMAND, start_server, use_launcher
 from tests.forkserver import Forked, ForkServer
 from tests.reference import assert_close, demo_reference
+
+# Every test here starts the suite's fork server, a process that imports the whole server (or servers from it).
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.model_files import matches, write_ffn
 

@@ -38,7 +38,7 @@ from bench.hostile_grpc_clients import (
     unread_answers,
     watch_streams,
 )
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.model_files import answer, matches, write_ffn
 
 pytestmark = pytest.mark.server

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ffn_client.testing import ServerProcess, metric_value, start_server, wait_for_metrics
+from ffn_testing import ServerProcess, metric_value, start_server, wait_for_metrics
 from tests.grpc_helpers import D_MODEL, infer_request, output_of, stub, trailers
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from app.preflight import ANOTHER_SERVER
 from app.settings import GRPC_PORT_FIX
-from ffn_client.testing import free_port, metric_value, start_server, wait_for_metrics
+from ffn_testing import free_port, metric_value, start_server, wait_for_metrics
 from tests.grpc_helpers import D_MODEL, infer_request, output_of, stub
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
@@ -27,6 +27,7 @@ from tests.test_overload import metrics
 CLI = [sys.executable, "-m", "app.cli"]
 
 
+@pytest.mark.server
 async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable(tmp_path: Path) -> None:
     config = slow_model_config(tmp_path, "max_wait_ms = 0\nmax_batch_rows = 4096\nwarmup = false")
     with start_server(config=config) as server:
@@ -61,6 +62,7 @@ async def test_sigterm_finishes_calls_in_flight_and_refuses_new_ones_unavailable
         assert server.wait(60) == 0, server.logs()
 
 
+@pytest.mark.server
 async def test_health_is_not_serving_while_draining(tmp_path: Path) -> None:
     config = slow_model_config(tmp_path, "max_wait_ms = 0\nmax_batch_rows = 4096\nwarmup = false")
     with start_server(config=config) as server:
@@ -112,6 +114,7 @@ def socket_inodes(pid: int) -> set[int]:
     return found
 
 
+@pytest.mark.server
 async def test_every_worker_serves_grpc_on_the_one_port() -> None:
     with start_server(env={"FFN_WORKERS": "2"}) as server:
         assert server.grpc_port is not None
@@ -146,6 +149,7 @@ def test_a_grpc_port_in_use_exits_3_before_loading_anything(workers: str) -> Non
     ]
 
 
+@pytest.mark.server
 def test_a_grpc_port_another_ffn_serve_serves_is_in_use() -> None:
     """grpc listens with SO_REUSEPORT; a second service must still not share its port."""
     with start_server(env={"FFN_LOG_LEVEL": "warning"}) as first:
@@ -159,6 +163,7 @@ def test_a_grpc_port_another_ffn_serve_serves_is_in_use() -> None:
     )
 
 
+@pytest.mark.server
 def test_grpc_can_be_turned_off() -> None:
     with start_server(env={"FFN_GRPC": "false", "FFN_LOG_LEVEL": "info"}) as server:
         assert server.grpc_port is None
@@ -169,6 +174,7 @@ def test_grpc_can_be_turned_off() -> None:
         assert not listening & socket_inodes(server.pid), "nothing of this server listens on a gRPC port"
 
 
+@pytest.mark.server
 def test_grpc_port_0_is_a_free_port_the_log_names() -> None:
     with start_server(env={"FFN_GRPC_PORT": "0", "FFN_LOG_LEVEL": "info"}) as server:
         line = next(line for line in server.logs().splitlines() if "gRPC (inference.GRPCInferenceService" in line)

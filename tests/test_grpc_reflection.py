@@ -26,7 +26,7 @@ from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from ffn_client.testing import ServerProcess
+from ffn_testing import ServerProcess
 from tests.reference import assert_close, demo_reference
 
 SERVICES = {

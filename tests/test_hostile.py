@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from ffn_client.http1 import Response
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference, demo_weights
 from tests.wire import npy_bytes, raw_headers
 

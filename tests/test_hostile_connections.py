@@ -29,7 +29,7 @@ from bench.hostile_clients import (
     unread_request,
 )
 from ffn_client.http1 import Response, read_response
-from ffn_client.testing import HOST, ServerProcess, http_request, metric_value, raw_request, start_server
+from ffn_testing import HOST, ServerProcess, http_request, metric_value, raw_request, start_server
 from tests.reference import assert_close, demo_reference
 from tests.test_hostile import LAYOUTS
 from tests.wire import demo_answers_right

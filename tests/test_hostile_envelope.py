@@ -25,7 +25,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_for
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.reference import assert_close, demo_reference
 from tests.test_hostile import LAYOUTS

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory, flood_pipelined, flood_trailers, trickle_body
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.test_hostile import LAYOUTS
 from tests.wire import demo_answers_right
 

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from app.settings import Settings
-from ffn_client.testing import metric_value
+from ffn_testing import metric_value
 from tests.in_process import serve_in_process
 from tests.reference import bf16_round, demo_reference
 from tests.wire import bf16_bytes, from_bf16_bytes, npy_bytes

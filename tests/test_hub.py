@@ -28,8 +28,8 @@ from safetensors.numpy import load_file, save_file
 from app.engine.errors import LoadFailed
 from app.engine.repository import spec_from_config
 from app.settings import ModelSpec
-from ffn_client.testing import ServerFailed, ServerProcess, start_server
 from ffn_core import WeightsError
+from ffn_testing import ServerFailed, ServerProcess, start_server
 from tests.hub_cache import add_repo, repo_folder
 from tests.reference import numpy_ffn
 from tests.wire import raw_headers
@@ -174,6 +174,7 @@ SERVED = [("minilm-l3", 3), ("pinned", 0), ("sharded", 4)]
 
 
 @pytest.mark.parametrize(("model", "layer"), SERVED)
+@pytest.mark.server
 def test_a_hub_model_answers_as_numpy_on_the_checkpoints_tensors(
     served: ServerProcess, minilm_path: Path, model: str, layer: int
 ) -> None:
@@ -182,6 +183,7 @@ def test_a_hub_model_answers_as_numpy_on_the_checkpoints_tensors(
 
 
 @pytest.mark.parametrize(("model", "layer"), SERVED)
+@pytest.mark.server
 def test_a_hub_model_answers_as_transformers_own_layer(
     served: ServerProcess, transformers_ffn, model: str, layer: int
 ) -> None:
@@ -189,6 +191,7 @@ def test_a_hub_model_answers_as_transformers_own_layer(
     np.testing.assert_allclose(transform(served, model, x), transformers_ffn(layer, x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.server
 def test_the_hub_models_are_described_and_logged_with_their_repository(served: ServerProcess, cache: Cache) -> None:
     listed = {m["name"]: m for m in httpx.get(f"{served.url}/v1/models").json()["models"]}
     for name in ("minilm-l3", "pinned", "sharded"):
@@ -286,6 +289,7 @@ def test_a_model_type_of_no_known_family_asks_for_the_format(offline: Cache, tmp
         read_weights(ModelSpec(name="m", hf_model="test-org/t5ish", layer=0))
 
 
+@pytest.mark.server
 def test_a_server_that_cannot_find_its_hub_model_stops_naming_it(cache: Cache, tmp_path: Path) -> None:
     (tmp_path / "ffn.toml").write_text('[[models]]\nname = "m"\nhf_model = "nobody/nothing"\nlayer = 0\n')
     env = {"HF_HOME": str(cache.home), "HF_HUB_OFFLINE": "1"}

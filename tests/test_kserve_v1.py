@@ -28,7 +28,7 @@ import orjson
 import pytest
 
 from app.settings import Settings
-from ffn_client.testing import ServerProcess, metric_value, start_server
+from ffn_testing import ServerProcess, metric_value, start_server
 from tests.reference import assert_close, demo_reference
 
 KEY = "kserve-v1-key"

@@ -28,7 +28,7 @@ from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
 from app.settings import Settings
 from ffn_client.http1 import Response
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference
 from tests.test_hostile import JSON_CASES, NPY_CASES, RAW_CASES, V2_BINARY_CASES, V2_JSON_CASES, v2_binary
 from tests.wire import npy_bytes, raw_headers

@@ -13,7 +13,7 @@ import pytest
 from ffn_client.loadtest import LoadConfig, main, run_load
 from ffn_client.report import Samples, build_report, window_stats
 from ffn_client.stub_server import StubAnswer, StubServer
-from ffn_client.testing import free_port, start_server
+from ffn_testing import free_port, start_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ffn_client.loadtest import LoadConfig, main, run_load
-from ffn_client.testing import ServerProcess, free_port, start_server
+from ffn_testing import ServerProcess, free_port, start_server
 from tests.slow_model import slow_model_config
 
 
@@ -52,6 +52,7 @@ def test_grpc_errors_are_counted_as_their_http_statuses(demo_server: ServerProce
     assert report["error_causes"]["404"].startswith(("NOT_FOUND: model 'no-such-model'", "model 'no-such-model'"))
 
 
+@pytest.mark.server
 def test_overload_over_grpc_is_429_and_the_thresholds_apply(tmp_path, capsys) -> None:
     config = slow_model_config(tmp_path, "max_queue_rows = 64\nmax_batch_rows = 64\nwarmup = false")
     with start_server(config=config, env={"FFN_LOG_LEVEL": "warning"}) as server:
@@ -64,6 +65,7 @@ def test_overload_over_grpc_is_429_and_the_thresholds_apply(tmp_path, capsys) ->
     assert code == 99  # the error-rate threshold broke
 
 
+@pytest.mark.server
 def test_a_refused_key_and_a_missing_server_say_what_happened(capsys) -> None:
     with start_server(env={"FFN_API_KEY": "k", "FFN_LOG_LEVEL": "warning"}) as server:
         assert main(["--protocol", "grpc", "--url", f"grpc://{server.grpc_target}", "-n", "3", "-q"]) == 1

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from ffn_client.testing import ServerProcess, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import ServerProcess, start_server
 from tests.reference import numpy_ffn, numpy_weights
 
 LOCUST = shutil.which("locust", path=str(Path(sys.executable).parent)) or shutil.which("locust")

@@ -21,7 +21,7 @@ import pytest
 from app.logs import LogSettings, apply_log_settings, configure_logging, current_log_settings
 from app.protocol.errors import ERRORS
 from app.settings import Settings
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.worker_logs import pids_that_served, records, replaced, worker_pids
 
 DEFAULT = {
@@ -125,6 +125,7 @@ def settings_from_every_worker(server: ServerProcess, workers: set[int], expecte
     pytest.fail(f"workers {workers} did not all answer; served by {pids_that_served(server, '/v2/logging', since)}")
 
 
+@pytest.mark.server
 def test_a_fresh_two_worker_server_has_every_outcome_at_zero(two_workers: ServerProcess) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -138,6 +139,7 @@ def test_a_fresh_two_worker_server_has_every_outcome_at_zero(two_workers: Server
     assert outcomes == dict.fromkeys({"ok", "internal"} | {kind.error_type for kind in ERRORS.values()}, 0.0)
 
 
+@pytest.mark.server
 def test_a_change_reaches_every_worker_and_a_replacement(two_workers: ServerProcess) -> None:
     server = two_workers
     pids = worker_pids(server)

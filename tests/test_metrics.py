@@ -17,7 +17,7 @@ from app import __version__
 from app.metrics import Metrics
 from app.protocol.errors import ERRORS
 from app.settings import ModelSpec, Settings
-from ffn_client.testing import free_port, metric_value, read_rss, start_server
+from ffn_testing import free_port, metric_value, read_rss, start_server
 
 D_MODEL = 512
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -68,6 +68,7 @@ PER_MODEL = (
 )
 
 
+@pytest.mark.server
 def test_a_fresh_server_has_every_series_at_zero() -> None:
     """Before any request, ffn_requests_total has every outcome at 0, so increase() sees the first error."""
     with start_server(env={"FFN_LOG_LEVEL": "warning"}) as server:

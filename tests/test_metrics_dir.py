@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from app.metrics_folder import MetricsFolderError, check_metrics_dir, metrics_folder
-from ffn_client.testing import free_port, metric_value, start_server
+from ffn_testing import free_port, metric_value, start_server
 from tests.wire import raw_headers
 
 D_MODEL = 512
@@ -78,6 +78,7 @@ def write_stale_counts(folder: Path, count: int) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
+@pytest.mark.server
 def test_a_given_metrics_dir_is_emptied_of_stale_counts_and_kept(tmp_path: Path) -> None:
     folder = tmp_path / "metrics"
     folder.mkdir()

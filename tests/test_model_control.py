@@ -3,7 +3,7 @@
 The weights are files the tests write and replace; every answer is checked against the float64
 numpy FFN of the weights the test wrote (tests/model_files.py), and V2 answers carry the version
 that computed them. Worker processes, SIGHUP and tritonclient are in test_model_control_workers.py
-and test_tritonclient_methods.py.
+and test_tritonclient.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from app.engine import lifecycle
 from app.engine.runner import ModelRunner
 from app.settings import load_settings
 from app.settings_problems import SettingsError
-from ffn_client.testing import metric_value
+from ffn_testing import metric_value
 from tests.in_process import InProcessApp
 from tests.model_files import matches, write_ffn
 from tests.reference import assert_close, demo_reference

@@ -21,10 +21,12 @@ import pytest
 from tritonclient.grpc import InferenceServerClient, InferInput
 from tritonclient.grpc import service_pb2 as pb
 
-from ffn_client.testing import ServerProcess, http_request, metric_value, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, metric_value, raw_request, start_server
 from tests.grpc_helpers import stub, trailers
 from tests.model_files import matches, write_ffn
 from tests.test_workers import replaced, scrape, worker_pids
+
+pytestmark = pytest.mark.server  # every test here starts a real ffn-serve
 
 D = 16
 KEY = "model-control-key"

@@ -20,7 +20,7 @@ from app.engine.runner import ModelRunner
 from app.engine.service import _outcome
 from app.main import create_app
 from app.settings import ModelSpec, Settings
-from ffn_client.testing import metric_value
+from ffn_testing import metric_value
 from tests.in_process import BASE_URL
 
 STATES = ("LOADING", "READY", "UNAVAILABLE")

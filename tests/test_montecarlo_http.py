@@ -22,8 +22,8 @@ import torch
 import tritonclient.http as triton
 
 from app.settings import ModelSpec, Settings
-from ffn_client.testing import ServerProcess
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import ServerProcess
 from tests.in_process import InProcessApp, serve_in_process
 from tests.reference import assert_close, demo_weights, numpy_ffn, numpy_hidden, numpy_weights
 

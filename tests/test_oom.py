@@ -21,8 +21,8 @@ from app.engine.runner import ModelRunner
 from app.metrics import Metrics
 from app.protocol.errors import kind_of
 from app.settings import Settings
-from ffn_client.testing import metric_value
 from ffn_core import demo_ffn
+from ffn_testing import metric_value
 from tests.in_process import InProcessApp
 
 D_MODEL = 512

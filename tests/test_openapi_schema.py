@@ -24,7 +24,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 CHECKS = [
     not_a_server_error,

@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 import pytest
 
-from ffn_client.testing import ServerProcess, http_request, metric_value, raw_request, start_server, wait_for_metrics
+from ffn_testing import ServerProcess, http_request, metric_value, raw_request, start_server, wait_for_metrics
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config
 from tests.wire import raw_headers

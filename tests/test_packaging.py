@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata
 import re
 import shutil
@@ -137,14 +138,23 @@ def test_client_wheel_holds_the_client_package_only(client_wheel: Path):
         files = wheel.namelist()
         metadata = wheel.read(next(f for f in files if f.endswith(".dist-info/METADATA"))).decode()
         entry_points = wheel.read(next(f for f in files if f.endswith("entry_points.txt"))).decode()
+        texts = [wheel.read(f).decode() for f in files if f.endswith(".py")]
     assert {f.split("/")[0] for f in files} == {"ffn_client", f"ffn_client-{CLIENT['version']}.dist-info"}
     assert {f"ffn_client/{p.name}" for p in (ROOT / "ffn_client").glob("*.py")} <= set(files)
+    assert not any("start_server" in wheel_text for wheel_text in texts), "the server launcher is ffn_testing's"
     requires = [
         line.removeprefix("Requires-Dist: ") for line in metadata.splitlines() if line.startswith("Requires-Dist:")
     ]
     assert names([r for r in requires if "extra ==" not in r]) == {"httpx", "numpy"}
     assert "Requires-Python: >=3.11" in metadata
     assert "ffn-loadtest = ffn_client.loadtest:main" in entry_points
+
+
+def test_the_server_launcher_is_in_no_distribution():
+    """ffn_testing (tests' and benchmarks' launcher) matches neither wheel's package list."""
+    server_packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not any(fnmatch.fnmatch("ffn_testing", pattern) for pattern in server_packages["include"])
+    assert not (ROOT / "ffn_client" / "testing.py").exists()
 
 
 def test_installed_client_works_with_no_server_dependency(client_wheel: Path, tmp_path: Path):

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from ffn_client import Client
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "perf-analyzer.sh"

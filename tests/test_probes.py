@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as triton
 
 from app.settings import Settings
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 
 KEY = "probe-test-key"
 

@@ -25,7 +25,7 @@ import pytest
 from app.engine.loop_watch import LoopWatch
 from app.settings import Settings
 from ffn_client.http1 import read_response
-from ffn_client.testing import HOST, http_request, metric_value, raw_request, start_server
+from ffn_testing import HOST, http_request, metric_value, raw_request, start_server
 from tests import worker_logs
 from tests.in_process import InProcessApp
 from tests.reference import demo_reference
@@ -108,6 +108,7 @@ def resume(pid: int) -> None:
         pass
 
 
+@pytest.mark.server
 async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_hanging() -> None:
     env = {"FFN_WORKERS": "2", "FFN_WARMUP": "0", "FFN_HEARTBEAT_TIMEOUT_S": "3"}
     with start_server(env=env) as server:
@@ -150,6 +151,7 @@ async def test_a_stopped_worker_is_killed_and_replaced_and_its_clients_not_left_
 UVICORN_KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive, which the server keeps
 
 
+@pytest.mark.server
 async def test_requests_sent_while_the_loop_was_held_are_answered_not_closed_under() -> None:
     # Found with issue 28, class 8: once the loop had been held past uvicorn's keep-alive timeout,
     # the timer ran before the loop read what had arrived meanwhile (uvloop runs due timers before it
@@ -169,6 +171,7 @@ async def test_requests_sent_while_the_loop_was_held_are_answered_not_closed_und
             writer.close()
 
 
+@pytest.mark.server
 async def test_a_worker_held_past_the_heartbeat_timeout_answers_what_it_held_once_its_loop_runs_again() -> None:
     # Issue 28, class 8: under load, a worker silent for 5 s was SIGKILLed at once, and the request it
     # was running never got an answer. Now it is asked to drain first, and killed only if it stays
@@ -209,6 +212,7 @@ async def test_a_worker_held_past_the_heartbeat_timeout_answers_what_it_held_onc
             writer.close()
 
 
+@pytest.mark.server
 async def test_a_worker_stopped_while_it_starts_is_killed_at_its_deadline_and_replaced() -> None:
     # Before: a worker was watched only once ready; one stopped (or hung) while loading was never
     # replaced, and with it gone its slot served nobody for good.
@@ -264,6 +268,7 @@ async def control_requests(client: httpx.AsyncClient) -> list[httpx.Response]:
 SHM_NAME = f"ffn-test-supervisor-{os.getpid()}"
 
 
+@pytest.mark.server
 async def test_a_stopped_supervisor_leaves_no_control_request_waiting_and_kills_nobody_when_it_resumes() -> None:
     # Issue 28, class 8: the supervisor paused 40 s (SIGSTOP) killed both healthy workers on resuming,
     # and a POST /v2/logging waited those 40 s with no answer.
@@ -320,6 +325,7 @@ async def test_a_stopped_supervisor_leaves_no_control_request_waiting_and_kills_
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.server
 def test_sighup_keeps_serving_and_a_later_stop_leaves_no_metrics_folder(tmp_path: Path, workers: str) -> None:
     # Before: SIGHUP killed the supervisor at once (exit -1), its metrics folder left behind. Now it
     # reads the config file again (model control); with model_control none it is logged and ignored.

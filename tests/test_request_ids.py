@@ -19,7 +19,7 @@ import pytest
 from app.protocol import identity
 from app.protocol.throttle import Throttle
 from app.settings import Settings
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp
 
 D = 512
@@ -163,6 +163,7 @@ def access_lines(server: ServerProcess, marker: str) -> list[str]:
     return [line for line in server.logs().splitlines() if "uvicorn.access" in line and marker in line]
 
 
+@pytest.mark.server
 async def test_the_access_log_line_names_the_request_and_its_v2_id(logged: ServerProcess) -> None:
     forged = 'x"\n2099-01-01 INFO uvicorn.access: forged'
     x = np.zeros(D, np.float32).tolist()
@@ -181,6 +182,7 @@ async def test_the_access_log_line_names_the_request_and_its_v2_id(logged: Serve
         assert '"POST /v2/models/demo/infer HTTP/1.1" 200' in line
 
 
+@pytest.mark.server
 async def test_the_protocols_own_refusal_carries_an_id(logged: ServerProcess) -> None:
     r = await raw_request(logged.port, b"G(T /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
     assert r.status == 400

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from ffn_client import Client
-from ffn_client.testing import start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import start_server
 from tests.reference import assert_close, numpy_ffn, numpy_weights
 
 pytestmark = pytest.mark.server  # the scripts start ffn-serve, or the test suite, as processes

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ffn_client.testing import free_port, metric_value, start_server
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import free_port, metric_value, start_server
 from tests.reference import numpy_ffn, numpy_weights
 
 pytestmark = pytest.mark.server  # every test here starts ffn-serve processes

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from app.settings import Settings, load_settings
-from ffn_client.testing import HOST, free_port, metric_value, start_server
+from ffn_testing import HOST, free_port, metric_value, start_server
 
 DEFAULTS = Settings()
 

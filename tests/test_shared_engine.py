@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ffn_client.testing import ServerProcess, free_port, metric_value, start_server
+from ffn_testing import ServerProcess, free_port, metric_value, start_server
 from tests.grpc_helpers import infer_request, output_of, stub
 from tests.reference import demo_reference
 from tests.slow_model import slow_model_config

@@ -31,7 +31,7 @@ import pytest
 import tritonclient.utils.shared_memory as shm
 
 from app.handoff.memory import NAME
-from ffn_client.testing import ServerProcess, free_ports, process_tree, start_server
+from ffn_testing import ServerProcess, free_ports, process_tree, start_server
 from tests.reference import demo_reference
 from tests.wire import raw_headers
 from tests.worker_logs import records, replaced, worker_pids

@@ -22,8 +22,8 @@ import torch
 
 from app.settings import command_line, load_settings
 from app.settings_problems import SettingsError
-from ffn_client.testing import free_port
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

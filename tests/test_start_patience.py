@@ -1,4 +1,4 @@
-"""How the suite waits for a start (ffn_client.testing.StartPatience): by the CPU time it uses, not the clock.
+"""How the suite waits for a start (ffn_testing.StartPatience): by the CPU time it uses, not the clock.
 
 A machine loaded ten times over starts a server ten times slower by the clock, at the same CPU
 cost: the wait must outlast that, and still give up on a start that spins or is stuck.
@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 
-from ffn_client.testing import CLOCK_FACTOR, HOST, StartPatience, free_ports, tree_cpu_seconds
+from ffn_testing import CLOCK_FACTOR, HOST, StartPatience, free_ports, tree_cpu_seconds
 
 
 class Readings:

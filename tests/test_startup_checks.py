@@ -24,7 +24,7 @@ from app.main import ENDPOINTS
 from app.settings import ROUTE_WORDS, Settings, load_settings
 from app.settings_problems import SettingsError
 from app.tracing.config import problems
-from ffn_client.testing import start_server
+from ffn_testing import start_server
 
 CLI = [sys.executable, "-m", "app.cli"]
 
@@ -155,12 +155,14 @@ def with_limit(soft: int, hard: int) -> tuple[str, ...]:
     return ("sh", "-c", f'ulimit -Sn {soft} && ulimit -Hn {hard} && exec "$@"', "sh")
 
 
+@pytest.mark.server
 def test_the_descriptor_limit_is_raised_to_fit_the_cap() -> None:
     with start_server(env={"FFN_WARMUP": "0"}, prefix=with_limit(256, 4096)) as server:
         assert soft_limit(server.pid) >= 1024 + 64
         assert "does not fit" not in server.logs()
 
 
+@pytest.mark.server
 def test_a_cap_past_the_hard_limit_is_lowered_with_a_log_line() -> None:
     # Before: the cap never triggered; past the limit clients were reset, and nothing was logged.
     with start_server(env={"FFN_WARMUP": "0"}, prefix=with_limit(256, 256)) as server:

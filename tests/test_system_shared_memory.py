@@ -6,7 +6,7 @@ region). In-process: the routes and infer parameters, every mistake a 4xx that n
 checked against the float64 reference, descriptors released on unregister and at shutdown. A real
 two-worker server: a region registered through one connection serves from every worker, and from
 a worker killed and replaced; unregistered, from none. The tritonclient side is in
-tests/test_tritonclient_methods.py.
+tests/test_tritonclient.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from app.protocol.errors import InvalidInput, RegionNotFound
 from app.protocol.shared_memory import SHM_FOLDER, SharedMemoryRegions
 from app.settings import Settings
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.reference import demo_reference
 from tests.worker_logs import pids_that_served, replaced, worker_pids
 
@@ -414,6 +414,7 @@ def infer_from_every_worker(server: ServerProcess, workers: set[int], body: dict
     pytest.fail(f"workers {workers} did not all answer; served by {pids_that_served(server, path, since)}")
 
 
+@pytest.mark.server
 def test_every_worker_and_a_replacement_hold_the_regions(two_workers: ServerProcess, objects) -> None:
     server = two_workers
     pids = worker_pids(server)

@@ -39,7 +39,7 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ffn_client import Client
-from ffn_client.testing import HOST, ServerProcess, free_port, start_server
+from ffn_testing import HOST, ServerProcess, free_port, start_server
 from tests.reference import assert_close, demo_reference
 
 pytestmark = pytest.mark.server

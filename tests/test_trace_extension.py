@@ -15,7 +15,7 @@ import pytest
 
 from app.settings import ModelSpec, Settings
 from bench.otlp_receiver import OtlpReceiver
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.in_process import InProcessApp
 
 D = 512
@@ -225,6 +225,7 @@ async def answers_by_worker(server: ServerProcess) -> dict[str, bool]:
     return {prefix: traced[0] for prefix, traced in seen.items()}
 
 
+@pytest.mark.server
 async def test_a_setting_reaches_every_worker(two_workers: ServerProcess) -> None:
     assert set((await answers_by_worker(two_workers)).values()) == {True}
     async with httpx.AsyncClient(base_url=two_workers.url, timeout=60) as client:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bench.otlp_receiver import OtlpReceiver, ReceivedSpan
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.reference import demo_reference
 
@@ -235,6 +235,7 @@ def test_a_failed_request_is_traced_with_its_error(server: ServerProcess, receiv
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.server
 def test_a_monte_carlo_request_has_one_compute_span_with_an_event_per_slice(
     receiver: OtlpReceiver, layout: str
 ) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app.settings import ModelSpec, Settings
-from ffn_client.testing import metric_value
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_core.dtypes import DTYPES
+from ffn_testing import metric_value
 from tests.in_process import InProcessApp
 
 D_MODEL, D_FF = 16, 64

@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.logs import JsonFormatter, configure_logging
-from ffn_client.testing import (
+from ffn_testing import (
     ServerProcess,
     free_port,
     http_request,

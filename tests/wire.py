@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import orjson
 
-from ffn_client.testing import http_request, raw_request
+from ffn_testing import http_request, raw_request
 from tests.reference import assert_close, bf16_round, demo_reference
 
 BINARY = "application/octet-stream"

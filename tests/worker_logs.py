@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Callable
 
-from ffn_client.testing import ServerProcess
+from ffn_testing import ServerProcess
 
 
 def records(server: ServerProcess, since: int = 0) -> list[dict]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from bench import serve
 from ffn_client.encodings import encode_request
-from ffn_client.testing import ServerProcess, metric_value, start_server
+from ffn_testing import ServerProcess, metric_value, start_server
 
 LUA = Path(__file__).resolve().parents[1] / "wrk" / "post.lua"
 MODEL = "ffn"

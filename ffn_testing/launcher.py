@@ -1,98 +1,39 @@
-"""Helpers for tests and benchmarks that need a real ffn-serve: the launcher, a free port, raw requests.
+"""The one launcher of a real ffn-serve for tests and benchmarks: start_server and ServerProcess.
 
     with start_server(env={"FFN_MAX_QUEUE_ROWS": "64"}) as server:
         httpx.get(server.url + "/v2/health/ready")
         server.pid, server.logs(), server.rss_bytes()
     server.returncode  # after the block: the exit code of the SIGTERM stop (its log is kept unless 0)
 
-Not part of the client API (ffn_client's __init__ does not export it). Like the rest of
-ffn_client it imports neither torch nor the server: the server runs as a subprocess,
+It imports neither torch nor the server: the server runs as a subprocess,
 `python -m app.cli --host 127.0.0.1 --port <free port>`, with its output in a log file (a pipe
 nobody reads could fill up and stall it). FFN_* variables of the calling environment are
 dropped, so that a developer's shell cannot change what a test or a benchmark sees.
+
+While REFUSE_STARTS is set in the environment every start is refused, in this process and in the
+processes it starts (a benchmark run by a test): the test suite sets it during each test not
+marked `server`, so that `pytest -m "not server"` starts none.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import httpx
-
 from ffn_client.client import Client
-from ffn_client.http1 import Response, build_request, read_response
 from ffn_client.tls import CertFiles
+from ffn_testing.ports import HOST, free_ports
+from ffn_testing.procfs import children, command_line, process_tree, read_rss, tree_cpu_seconds
 
-HOST = "127.0.0.1"
 SERVE_COMMAND = (sys.executable, "-m", "app.cli")
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port nobody listens on right now."""
-    return free_ports(1, host)[0]
-
-
-def free_ports(count: int, host: str = HOST) -> list[int]:
-    """`count` different TCP ports nobody listens on right now.
-
-    Each is held bound until all are chosen: once one is closed the kernel may hand the same port
-    out again, and two calls of free_port() in a row gave a server the same HTTP and gRPC port
-    (seen in a CI-style run).
-    """
-    with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
-            s = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((host, 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
-
-
-CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
-
-
-def tree_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system) used so far by process `pid` and all its descendants, children it
-    has waited for included (a server and its workers); None where there is no Linux /proc."""
-    total, found = 0.0, False
-    for current in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
-            continue
-        total += sum(int(ticks) for ticks in fields[11:15]) / CLOCK_TICKS_PER_S  # utime stime cutime cstime
-        found = True
-    return total if found else None
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants, as /proc shows them now (a process that exited meanwhile has none)."""
-    found, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        found.append(current)
-        pending += _children(current)
-    return found
-
-
-def read_rss(pid: int) -> int:
-    """A process's resident set size in bytes, from /proc/<pid>/status (VmRSS; Linux only)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 # ----- waiting for a start ----------------------------------------------------------------------
@@ -183,6 +124,14 @@ def exec_server(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path | N
 _launcher: Launcher = exec_server
 
 
+# Set (to the reason), every start is refused with that reason; see the module's docstring.
+REFUSE_STARTS = "SERVER_STARTS_REFUSED"
+
+
+class StartRefused(RuntimeError):
+    """A start while REFUSE_STARTS is set: the message is its reason (a test not marked `server`)."""
+
+
 def use_launcher(launcher: Launcher) -> Launcher:
     """Start every later server with `launcher` (the test suite's fork server); returns the one it replaces."""
     global _launcher
@@ -249,12 +198,12 @@ class ServerProcess:
         forked by the supervisor's fork server, whose children they are (app/supervisor.py).
         """
         found: set[int] = set()
-        for child in _children(self.pid):
-            command = _command_line(child)
+        for child in children(self.pid):
+            command = command_line(child)
             if b"spawn_main" in command:
                 found.add(child)
             elif b"multiprocessing.forkserver" in command:
-                found.update(_children(child))
+                found.update(children(child))
         return found
 
     def terminate(self) -> None:
@@ -311,6 +260,9 @@ def start_server(
     started with TLS (its FFN_TLS_* in `env`): the CA its readiness is asked over HTTPS with, and
     `cert` the client certificate where it requires one; `url` is then https.
     """
+    refusal = os.environ.get(REFUSE_STARTS)
+    if refusal:
+        raise StartRefused(refusal)
     # A free gRPC port too: two servers on the default 8001 would refuse to start.
     port, free_grpc_port = free_ports(2)
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")}
@@ -357,96 +309,3 @@ def _wait_ready(server: ServerProcess, timeout: float, verify: str | Path | None
 
 
 PROBE_TIMEOUT_S = 5.0
-
-
-# ----- raw requests ------------------------------------------------------------------------------
-
-
-def http_request(
-    method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b"", *, close: bool = True
-) -> bytes:
-    """The bytes of a request to the local server, with Connection: close unless `close` is false.
-
-    Keep the connection open (close=False) when the server may answer before reading the whole
-    body: closing a socket with unread data makes the kernel reset it, and the reset can destroy
-    the answer before the client reads it.
-    """
-    return build_request(
-        method, path, {**({"Connection": "close"} if close else {}), **(headers or {})}, body, host=HOST
-    )
-
-
-async def raw_request(port: int, data: bytes | Iterable[bytes], *, timeout: float = 30.0) -> Response:
-    """Send bytes exactly as given (one piece or several writes) on a new connection and read one answer.
-
-    For requests httpx would normalise (dot segments, huge or duplicate headers, chunked
-    framing) and for bursts: one connection per request is cheap for the server, and httpx's
-    pool gets slow with hundreds of concurrent connections. A reset while sending (the server
-    answered early) still reads the answer.
-    """
-    reader, writer = await asyncio.open_connection(HOST, port)
-    try:
-        async with asyncio.timeout(timeout):
-            try:
-                for piece in [data] if isinstance(data, bytes) else data:
-                    writer.write(piece)
-                    await writer.drain()
-            except (ConnectionResetError, BrokenPipeError):
-                pass
-            return await read_response(reader)
-    finally:
-        writer.close()
-
-
-async def wait_for_metrics(
-    client: httpx.AsyncClient, ready: Callable[[str], bool], what: str, timeout: float = 60.0
-) -> str:
-    """Poll `client`'s /metrics until `ready(page)` and return that page; AssertionError naming
-    `what` after `timeout` seconds (a wait with a bound, so that a hang fails instead)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while loop.time() < give_up:
-        response = await client.get("/metrics")
-        assert response.status_code == 200, f"/metrics answered {response.status_code}"
-        if ready(response.text):
-            return response.text
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for: {what}")
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` whose labels include `labels`, in Prometheus text (0.0: none yet).
-
-    Labels left out are summed over, as PromQL's `sum` does (e.g. ffn_requests_total over both doors).
-    """
-    # prometheus_client comes with the loadtest and test extras, not with the client library.
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(
-        float(sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (none if it has exited)."""
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return []
-    found: list[int] = []
-    for task in tasks:
-        try:
-            found += [int(child) for child in (task / "children").read_text().split()]
-        except FileNotFoundError:  # the thread or the process ended meanwhile
-            pass
-    return found
-
-
-def _command_line(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:  # exited meanwhile
-        return b""
