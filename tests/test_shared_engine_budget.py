@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from ffn_client.http1 import Response
-from ffn_client.testing import ServerProcess, http_request, raw_request, start_server
+from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.grpc_helpers import infer_request, output_of, stub
 from tests.model_files import matches, write_ffn
 from tests.wire import raw_headers

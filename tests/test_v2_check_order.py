@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from ffn_client.testing import ServerProcess, start_server
+from ffn_testing import ServerProcess, start_server
 from tests.grpc_helpers import D_MODEL, stub
 
 V2_INFER = "/v2/models/demo/infer"
