@@ -1,14 +1,14 @@
 """ffn-serve: read the settings, bind the address, then serve until SIGTERM drains it.
 
 The settings are read and checked first, then every model's table held to its file and this
-torch's build, the ports bound (app/preflight.py), and the server (with torch, seconds to import)
+torch's build, the ports bound (app/process/preflight.py), and the server (with torch, seconds to import)
 only once all of that holds. Whatever is refused before the start is one line per problem on
 stderr, `ffn-serve: <what is wrong>` naming the fix where there is one, in a fraction of a second;
 from the banner on, the process is a server and reports in its log (records, text or JSON), as
-its workers do. One process (`workers = 1`) loads the models and serves (app/server.py); with
-more, a supervisor (app/supervisor.py) runs that many worker processes on the sockets bound here.
+its workers do. One process (`workers = 1`) loads the models and serves (app/process/server.py); with
+more, a supervisor (app/process/supervisor.py) runs that many worker processes on the sockets bound here.
 
-Exit codes (app/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, the server
+Exit codes (app/process/exits.py): 0 stopped cleanly (drained); 1 a model could not be loaded, the server
 failed while starting, or the host lacks the memory the hand-off's slots reserve; 2 invalid
 settings or command line, or what they name cannot be used as asked (a TLS or weights file
 missing or unreadable, a checkpoint without the layer asked for, a GPU asked of a torch built
@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from app import __version__
-from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
-from app.logs import configure_logging
-from app.metrics_folder import MetricsFolderError, check_metrics_dir
-from app.settings import Settings, budgets_off, load_settings, misspelt_variables, parse_command
-from app.settings_problems import SettingsError
-from app.starting import Starting, StartStopped
-from app.tracing import config as tracing_config
+from app.config import tracing as tracing_config
+from app.config.settings import Settings, budgets_off, load_settings, misspelt_variables, parse_command
+from app.config.settings_problems import SettingsError
+from app.observe.logs import configure_logging
+from app.observe.metrics_folder import MetricsFolderError, check_metrics_dir
+from app.process.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
+from app.process.starting import Starting, StartStopped
 
 log = logging.getLogger("ffn_serve")
 
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except MetricsFolderError as exc:
             return _refuse([f"invalid setting {exc}"], EXIT_BAD_SETTINGS)
     if settings.tls_cert_file is not None:
-        from app.tls import start_problems  # cryptography: only where TLS is on
+        from app.config.tls import start_problems  # cryptography: only where TLS is on
 
         tls_problems = start_problems(settings)
         if tls_problems:
@@ -65,14 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check(settings: Settings) -> int:
-    """--check: the models loaded, warmed up and asked once in this process (app/check.py); 0, or one line and 2."""
+    """--check: the models loaded, warmed up and asked once in this process (app/process/check.py); 0, or one line and 2."""
     # Warnings only, unless a log level was asked for: the check's own lines are its output.
     configure_logging(
         settings.log_level if "log_level" in settings.model_fields_set else "warning", settings.log_format
     )
     for warning in misspelt_variables():
         log.warning(warning)
-    from app.preflight import refusals
+    from app.process.preflight import refusals
 
     problems = refusals(settings)
     if problems:
@@ -80,7 +80,7 @@ def check(settings: Settings) -> int:
         return EXIT_BAD_SETTINGS
     with Starting():
         try:
-            from app.check import check as run_check  # torch and the engine
+            from app.process.check import check as run_check  # torch and the engine
 
             return run_check(settings)
         except StartStopped as stopped:
@@ -89,7 +89,7 @@ def check(settings: Settings) -> int:
 
 
 def serve(settings: Settings) -> int:
-    # A SIGTERM or SIGINT from here until the server serves stops the start, exit 0 (app/starting.py).
+    # A SIGTERM or SIGINT from here until the server serves stops the start, exit 0 (app/process/starting.py).
     with Starting() as starting:
         try:
             return _start(settings, starting)
@@ -107,8 +107,8 @@ def _start(settings: Settings, starting: Starting) -> int:
         return _refuse([mismatch], EXIT_BAD_SETTINGS)
     # Before torch (seconds to import) and the models: a weights file missing, a layer past the last, a
     # port in use, in a moment. Every refusal is one `ffn-serve: ...` line, as a settings mistake is.
-    from app.preflight import handoff_shortage, refusals
-    from app.preflight import listeners as bind_listeners
+    from app.process.preflight import handoff_shortage, refusals
+    from app.process.preflight import listeners as bind_listeners
 
     problems = refusals(settings)
     if problems:
@@ -129,12 +129,12 @@ def _start(settings: Settings, starting: Starting) -> int:
         if export is not None:
             log.info("tracing on: spans to %s (named by %s)", export.endpoint, export.named_by)
         if settings.workers > 1 or settings.shared_engine:  # one front and its engine are two processes too
-            from app.supervisor import Supervisor
+            from app.process.supervisor import Supervisor
 
             starting.end()  # the supervisor handles the signals from here, passing them to the workers
             return Supervisor(settings, listeners).run()
-        from app.metrics import Metrics
-        from app.server import serve_here
+        from app.observe.metrics import Metrics
+        from app.process.server import serve_here
 
         return serve_here(settings, listeners, Metrics(), starting=starting)
     finally:
@@ -155,12 +155,12 @@ def _runtime(settings: Settings) -> str:
     and the threads each worker will set; each worker names its models' devices as it loads them.
     """
     if settings.shared_engine:
-        from app.supervisor import engines_named
+        from app.process.supervisor import engines_named
 
         fronts = f"{settings.workers} front{'' if settings.workers == 1 else 's'}"
         return f"torch {metadata.version('torch')}, {fronts} and {engines_named(settings)}"
     if settings.workers > 1:
-        from app.supervisor import threads_per_worker
+        from app.process.supervisor import threads_per_worker
 
         threads = _threads(threads_per_worker(settings))
         return f"torch {metadata.version('torch')}, {settings.workers} workers of {threads} each"

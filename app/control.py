@@ -3,7 +3,7 @@
 A request to change the service arrives at one process, but with `workers > 1` every worker must
 apply it. `broadcast(name, args)` runs the handler registered under `name` in every live serving
 process (this one included) and returns one `Reply` per process; in a single process it is a plain
-call. Between workers it travels through the supervisor (app/supervisor.py), which relays it to each
+call. Between workers it travels through the supervisor (app/process/supervisor.py), which relays it to each
 worker over that worker's pipe and collects the replies.
 
 - Order: commands with the same key (their `sticky` key, else their name) are applied in the order

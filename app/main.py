@@ -14,6 +14,8 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from app import __version__
+from app.config.settings import Settings
+from app.config.tracing import traces_export
 from app.control import Control
 from app.engine.facade import ServingEngine
 from app.http import ops
@@ -26,15 +28,13 @@ from app.http.native import routes as native
 from app.http.openapi import document_validation_errors_as_400
 from app.http.transport import lean
 from app.http.v2 import routes as v2
-from app.metrics import Metrics
+from app.observe.metrics import Metrics
+from app.observe.triton_metrics import TritonNames
 from app.protocol.admission import HeldBytes
 from app.protocol.shared_memory import SharedMemoryRegions
 from app.protocol.state import ServiceState
 from app.protocol.v2 import log_settings, system_shared_memory, trace_extension
-from app.settings import Settings
 from app.tracing import TraceSettings, start_tracing
-from app.tracing.config import traces_export
-from app.triton_metrics import TritonNames
 
 if TYPE_CHECKING:
     from app.engine.registry import Registry

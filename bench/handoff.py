@@ -7,7 +7,7 @@ same engine called in-process, in one run.
 
 In-process: C tasks of this process, pinned to core 0, call the model's `infer` (the engine
 facade's call, with its batcher) back to back. Hand-off: an engine process (`python -m
-app.handoff.engine_process`) pinned to core 0 serves the same model, and this process, pinned to
+app.process.engine_process`) pinned to core 0 serves the same model, and this process, pinned to
 core 1, is the front: C tasks call `EngineClient.infer`. Each cell reports requests/s and CPU
 per request: this process's in-process, and with the hand-off the engine process's (its
 /proc/<pid>/stat times over the measured window) and the front's. The engine's CPU per request
@@ -33,13 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.config.settings import load_settings
 from app.engine.registry import Registry
 from app.engine.service import Engine
-from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.handoff.loop import run_on_served_loop
-from app.metrics import Metrics
-from app.settings import load_settings
+from app.observe.metrics import Metrics
+from app.process.engine_process import launch
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_core.dtypes import DTYPES
 from ffn_testing import tree_cpu_seconds

@@ -16,8 +16,8 @@ import sys
 
 import uvicorn
 
+from app.config.settings import Settings
 from app.http.transport.protocol import uvicorn_options
-from app.settings import Settings
 from bench.gpu.echo import app
 
 

@@ -54,9 +54,9 @@ async def per_call_us(app, scope: Scope, calls: int) -> float:
 def timer_over(app):
     # Imported here: the multiprocess case must set PROMETHEUS_MULTIPROC_DIR before prometheus_client
     # builds a histogram's values, which happens per child at .labels().
+    from app.config.settings import Settings
     from app.http.edge import Edge, route_templates
     from app.main import ENDPOINTS, create_app
-    from app.settings import Settings
 
     routes = route_templates(create_app(Settings(warmup=False)).routes, [e.path for e in ENDPOINTS if e.fast])
     histogram = Histogram(

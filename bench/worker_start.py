@@ -12,7 +12,7 @@ machine) and the workers' private dirty memory. Then one worker is SIGKILLed, an
 replacement spent until the supervisor logs it ready is read.
 
 The reference, measured in the same run: the CPU a fresh interpreter spends importing what a worker
-imports before it can load a model (`import app.server, app.engine.service`), which every worker
+imports before it can load a model (`import app.process.server, app.engine.service`), which every worker
 paid when each was spawned anew. Medians over the repeats.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 from ffn_testing import ServerProcess, process_tree, start_server, tree_cpu_seconds
 
 READY = re.compile(r"worker \d+ \(pid (\d+)\) ready")
-WORKER_IMPORTS = "import app.server, app.engine.service"
+WORKER_IMPORTS = "import app.process.server, app.engine.service"
 
 
 @dataclass

@@ -117,8 +117,8 @@ def share(folder: Path) -> None:
 
 def file_digest(folder: Path) -> str:
     """The digest a server reports for the check model in `folder` (ffn_core/digest.py's construction)."""
+    from app.config.settings import ModelSpec
     from app.engine.registry import model_digest, read_weights
-    from app.settings import ModelSpec
 
     spec = ModelSpec(name=CHECK_MODEL, weights=folder / "check.safetensors", activation="relu")
     return model_digest(spec, read_weights(spec))

@@ -18,7 +18,7 @@ from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from app.settings import Settings
+from app.config.settings import Settings
 
 ENV_PREFIX = "FFN_"
 # Used only where a field has no description of its own.

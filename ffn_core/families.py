@@ -4,7 +4,7 @@ One small table per family says where a layer's FFN lives and how its modules ma
 `transformers` keeps one conversion per architecture (ffn_core/checkpoints.py reads the tensors).
 The table and the layer rules are apart from the reading so that the command can hold a
 `[[models]]` table and a safetensors file's header to them before it imports torch (seconds), and
-say "no layer 9" in a moment instead of after the import (app/preflight.py).
+say "no layer 9" in a moment instead of after the import (app/process/preflight.py).
 """
 
 from __future__ import annotations

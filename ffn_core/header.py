@@ -3,7 +3,7 @@
 The format opens with the header's length (8 bytes, little-endian) and the header, a JSON object
 from each tensor's name to its dtype, shape and offsets (and `__metadata__`). Reading it takes a
 moment, so the command can hold a `[[models]]` table to the file (does layer 9 exist?) before it
-imports torch (app/preflight.py). Whatever this cannot read is left to the loader, which says
+imports torch (app/process/preflight.py). Whatever this cannot read is left to the loader, which says
 why in full: here a file either gives its names or gives None.
 """
 

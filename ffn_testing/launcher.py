@@ -195,7 +195,7 @@ class ServerProcess:
         """A supervisor's worker (and engine) processes, not its fork server or resource tracker.
 
         The fronts are spawned (`spawn_main` in their command line); the processes that compute are
-        forked by the supervisor's fork server, whose children they are (app/supervisor.py).
+        forked by the supervisor's fork server, whose children they are (app/process/supervisor.py).
         """
         found: set[int] = set()
         for child in children(self.pid):

@@ -18,7 +18,7 @@ from tests import forkserver
 from tests.reference import assert_close, numpy_ffn
 
 if TYPE_CHECKING:  # imported when used, so that ffn_core's tests do not load the server
-    from app.settings import Settings
+    from app.config.settings import Settings
     from tests.in_process import InProcessApp
 
 # One torch thread in each test process and in each server a test starts (start_server passes the

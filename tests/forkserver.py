@@ -3,7 +3,7 @@
 A fresh `python -m app.cli` spends about 3.5 s of CPU before it listens, most of it importing
 torch, FastAPI and grpc, and a run of the suite starts some 120 of them: on a 2-core machine
 that was a third of the run. The fork server (one per pytest process, started at its first
-server) imports app.cli and app.server once; every start then forks it, and the child runs
+server) imports app.cli and app.process.server once; every start then forks it, and the child runs
 app.cli's main with the start's arguments, environment, folder and log file. The server is the
 same code in a real process, on real sockets, taking real signals, for about 0.5 s of CPU.
 
@@ -268,8 +268,8 @@ def _text(fd: int) -> io.TextIOWrapper:
 
 def main() -> int:
     # What every start would import, as the supervisor's own fork server does: the web stack and grpc,
-    # torch and the engine (app.server imports no torch), and what a server loads before it is ready.
-    from app.supervisor import WORKER_PRELOAD
+    # torch and the engine (app.process.server imports no torch), and what a server loads before it is ready.
+    from app.process.supervisor import WORKER_PRELOAD
 
     for module in ("app.cli", *WORKER_PRELOAD):
         importlib.import_module(module)

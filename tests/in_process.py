@@ -15,8 +15,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from app.config.settings import Settings
 from app.main import create_app
-from app.settings import Settings
 from ffn_testing import StartPatience
 
 BASE_URL = "http://ffn.test"

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from app.config.settings import Settings
 from app.engine.batcher import Batcher
 from app.engine.runner import ModelRunner
-from app.metrics import Metrics
-from app.settings import Settings
-from app.supervisor import threads_per_worker
+from app.observe.metrics import Metrics
+from app.process.supervisor import threads_per_worker
 from ffn_core import FFNConfig, build_ffn, demo_ffn, fuse_gate
 from tests.reference import demo_reference
 

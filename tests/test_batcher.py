@@ -13,9 +13,9 @@ import torch
 
 from app.engine.batcher import Batcher
 from app.engine.errors import DeadlineExceeded, ModelError, NotTogether, Overloaded, RequestTooLarge, Unavailable
-from app.logs import RequestIds
-from app.metrics import Metrics
-from app.protocol.identity import CURRENT, RequestContext
+from app.observe.identity import CURRENT, RequestContext
+from app.observe.logs import RequestIds
+from app.observe.metrics import Metrics
 
 D = 4
 

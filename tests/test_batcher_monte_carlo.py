@@ -18,7 +18,7 @@ import torch
 from app.engine import errors
 from app.engine.batcher import Batcher
 from app.engine.montecarlo import MonteCarloRequest
-from app.metrics import Metrics
+from app.observe.metrics import Metrics
 from ffn_core import FFNConfig, MonteCarloPasses, build_ffn, mc_dropout
 from ffn_testing import metric_value
 

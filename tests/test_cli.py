@@ -15,7 +15,7 @@ import torch
 
 from app import __version__
 from app.cli import main
-from app.settings import Settings, misspelt_variables
+from app.config.settings import Settings, misspelt_variables
 from ffn_testing import start_server
 
 pytestmark = pytest.mark.server  # ffn-serve processes: real servers, or the command exiting early
@@ -141,7 +141,7 @@ def test_settings_are_checked_before_torch_or_the_server_is_imported(tmp_path: P
     config.write_text("max_bach_rows = 8\n")
     code = (
         "import sys; from app.cli import main; code = main(['--config', sys.argv[1]]); "
-        "heavy = sorted(m for m in ('torch', 'app.server', 'app.engine', 'uvicorn', 'fastapi') if m in sys.modules); "
+        "heavy = sorted(m for m in ('torch', 'app.process.server', 'app.engine', 'uvicorn', 'fastapi') if m in sys.modules); "
         "print('imported:', heavy); sys.exit(code)"
     )
     result = subprocess.run(
@@ -187,7 +187,7 @@ def test_a_port_in_use_exits_3_before_loading_anything(tmp_path) -> None:
 
 @pytest.mark.parametrize("flag", ["--no-warmup", "--warmup"])
 def test_boolean_flags_parse(flag: str) -> None:
-    from app.settings import command_line
+    from app.config.settings import command_line
 
     assert command_line([flag]) == {"warmup": flag == "--warmup"}
 

@@ -31,7 +31,7 @@ import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 from tritonclient.grpc import service_pb2 as pb
 
-from app.settings import Settings
+from app.config.settings import Settings
 from ffn_client.http1 import Response
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp

@@ -1,6 +1,6 @@
 """Control commands: applied in every serving process, in order per key, replayed to workers started later.
 
-The relay between workers is the supervisor's own (app/relay.py), driven here over real pipes by a
+The relay between workers is the supervisor's own (app/process/relay.py), driven here over real pipes by a
 thread that plays the supervisor's loop (answering heartbeats as it does); each worker is a Control
 on this test's event loop. Holding the cluster's lock stops that supervisor, as SIGSTOP would.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from app.control import ALIVE, HEARTBEAT, Control, Reply, Unanswered, command_number
 from app.errors import ServiceError
-from app.relay import Relay
+from app.process.relay import Relay
 
 
 def recorder(log: list[tuple[int, Any]], worker: int):
@@ -174,7 +174,7 @@ async def test_a_worker_started_later_gets_the_sticky_commands_in_order_before_i
 
 
 async def test_a_process_that_accepts_some_commands_gets_only_those_sent_and_replayed(cluster: Cluster) -> None:
-    # The engine process of shared_engine applies the log settings alone (app/supervisor.py's ENGINE_COMMANDS).
+    # The engine process of shared_engine applies the log settings alone (app/process/supervisor.py's ENGINE_COMMANDS).
     front = cluster.start_worker(1)
     await front.open()
     await front.broadcast("set", {"value": "before"}, sticky="level")
@@ -190,7 +190,7 @@ async def test_a_process_that_accepts_some_commands_gets_only_those_sent_and_rep
 
 
 async def test_a_process_that_refuses_some_commands_is_neither_sent_nor_replayed_them(cluster: Cluster) -> None:
-    # A front of engine processes refuses the model loads (app/supervisor.py's MODEL_COMMANDS): the
+    # A front of engine processes refuses the model loads (app/process/supervisor.py's MODEL_COMMANDS): the
     # engines apply them, and a front, which holds no model, is neither sent them nor waited for.
     engine = cluster.start_worker(0, accepts=frozenset({"set", "other"}))
     engine.register("other", recorder(cluster.log, 0))
@@ -318,7 +318,7 @@ async def test_a_broadcast_to_a_stopped_supervisor_is_unanswered_and_never_appli
     # Wide margins: a loaded host may hold the relay thread for a while, and a broadcast it takes up
     # late for that reason would be dropped too.
     monkeypatch.setattr("app.control.SUPERVISOR_SILENCE_S", 1.5)
-    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 1.0)
+    monkeypatch.setattr("app.process.relay.RELAY_WITHIN_S", 1.0)
     one, two = cluster.start_worker(1), cluster.start_worker(2)
     await one.open()
     await two.open()
@@ -338,7 +338,7 @@ async def test_a_broadcast_to_a_stopped_supervisor_is_unanswered_and_never_appli
 async def test_a_broadcast_taken_up_late_is_refused_by_every_worker_with_why(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("app.relay.RELAY_WITHIN_S", 0.2)
+    monkeypatch.setattr("app.process.relay.RELAY_WITHIN_S", 0.2)
     one, two = cluster.start_worker(1), cluster.start_worker(2)
     await one.open()
     await two.open()

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.settings import Settings
+from app.config.settings import Settings
 from tests.reference import demo_reference
 
 ALLOWED = "https://app.example"

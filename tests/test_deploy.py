@@ -33,10 +33,10 @@ import uvicorn
 import yaml
 from fastapi import FastAPI
 
+from app.config.settings import Settings, read_config_file
 from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
-from app.preflight import bind
-from app.settings import Settings, read_config_file
+from app.process.preflight import bind
 from ffn_testing import HOST, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,8 +25,8 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from safetensors.numpy import load_file
 
+from app.config.settings import ModelSpec
 from app.engine.registry import model_digest, read_weights
-from app.settings import ModelSpec
 from ffn_core import demo_ffn, digest
 from ffn_testing import ServerProcess, start_server
 from tests.model_files import write_ffn

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings, read_config_file
+from app.config.settings import Settings, read_config_file
 from ffn_testing import ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.server

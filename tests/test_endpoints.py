@@ -20,9 +20,9 @@ import pytest
 import pytest_asyncio
 from starlette.middleware.errors import ServerErrorMiddleware
 
+from app.config.settings import Settings
 from app.http.endpoints import FastPath
 from app.main import ENDPOINTS, create_app
-from app.settings import Settings
 from tests.in_process import serve_in_process
 
 D = 512

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from app.config.settings import ModelSpec, Settings
 from app.engine.registry import answer_as_array, rows_as_tensor
 from app.protocol import tensors
-from app.settings import ModelSpec, Settings
 from ffn_core.dtypes import BY_ARRAY, DTYPES
 
 FLOAT32, FLOAT16, BFLOAT16 = DTYPES["float32"], DTYPES["float16"], DTYPES["bfloat16"]

@@ -9,8 +9,8 @@ import torch
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from app.config.settings import ModelSpec
 from app.engine.registry import load_weights
-from app.settings import ModelSpec
 from ffn_core import FFNConfig, FusedGatedFeedForward, GatedFeedForward, build_ffn, fuse_gate, load_ffn, save_ffn
 from tests.reference import numpy_weights
 

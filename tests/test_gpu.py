@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from app.config.settings import ModelSpec, Settings
 from app.engine.graphs import relative_error
 from app.engine.runner import ModelRunner, set_tf32
 from app.engine.staging import InFlight
-from app.settings import ModelSpec, Settings
 from ffn_core import FFNConfig, build_ffn, demo_ffn, fuse_gate
 from tests.reference import numpy_ffn, numpy_weights
 

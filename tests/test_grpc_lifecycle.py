@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
-from app.preflight import ANOTHER_SERVER
-from app.settings import GRPC_PORT_FIX
+from app.config.settings import GRPC_PORT_FIX
+from app.process.preflight import ANOTHER_SERVER
 from ffn_testing import free_port, metric_value, start_server, wait_for_metrics
 from tests.grpc_helpers import D_MODEL, infer_request, output_of, stub
 from tests.reference import demo_reference

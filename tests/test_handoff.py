@@ -18,18 +18,18 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.config.settings import load_settings
 from app.engine.errors import ModelNotFound, Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.registry import Registry, ServedModel
 from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
-from app.handoff.engine_process import launch
 from app.handoff.frames import LENGTH, encode
 from app.handoff.front import EngineClient
 from app.handoff.messages import Hello
-from app.metrics import Metrics
-from app.settings import load_settings
+from app.observe.metrics import Metrics
+from app.process.engine_process import launch
 from ffn_core import load_ffn
 from ffn_core.dtypes import DTYPES
 from tests.reference import assert_close, demo_reference, numpy_ffn, numpy_weights

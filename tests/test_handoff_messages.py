@@ -11,7 +11,6 @@ import asyncio
 import msgspec
 import pytest
 
-from app.collectors import GpuReading
 from app.engine.description import ModelDescription, listing
 from app.engine.errors import Overloaded
 from app.engine.status import READY, UNLOADED
@@ -37,6 +36,7 @@ from app.handoff.messages import (
     rides_as_recorded,
     rides_of,
 )
+from app.observe.collectors import GpuReading
 
 TRACE = TraceContext.of((1 << 127) + 12345, (1 << 63) + 7, 1)  # ids past 64 bits, as OpenTelemetry's are
 DESCRIPTION = ModelDescription(

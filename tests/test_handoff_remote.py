@@ -18,20 +18,20 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from app.collectors import GpuReading
+from app.config.settings import load_settings
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.handoff import engine as engine_side
 from app.handoff.engine import EngineServer
-from app.handoff.engine_process import launch
 from app.handoff.front import EngineClient
 from app.handoff.remote import RemoteEngine
-from app.metrics import MULTIPROCESS_VARIABLE, Metrics
-from app.protocol.identity import CURRENT, RequestContext
+from app.observe.collectors import GpuReading
+from app.observe.identity import CURRENT, RequestContext
+from app.observe.metrics import MULTIPROCESS_VARIABLE, Metrics
+from app.observe.triton_metrics import TritonNames
+from app.process.engine_process import launch
 from app.protocol.v2.statistics import model_stats
-from app.settings import load_settings
-from app.triton_metrics import TritonNames
 from ffn_core.dtypes import DTYPES
 from tests.reference import assert_close, demo_reference
 

@@ -440,7 +440,7 @@ async def test_no_cors_unless_configured(server: ServerProcess) -> None:
 
 
 def test_binds_loopback_by_default() -> None:
-    from app.settings import load_settings
+    from app.config.settings import load_settings
 
     assert load_settings().host == "127.0.0.1"  # conftest cleared FFN_HOST and FFN_CONFIG
 

@@ -6,7 +6,7 @@ import asyncio
 
 import numpy as np
 
-from app.settings import Settings
+from app.config.settings import Settings
 from tests.reference import assert_close, demo_reference, demo_weights
 
 V1 = "/v1/models/demo/transform"

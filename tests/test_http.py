@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from app.settings import Settings
+from app.config.settings import Settings
 from ffn_testing import metric_value
 from tests.in_process import serve_in_process
 from tests.reference import bf16_round, demo_reference

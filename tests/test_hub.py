@@ -25,9 +25,9 @@ import pytest
 from pydantic import ValidationError
 from safetensors.numpy import load_file, save_file
 
+from app.config.settings import ModelSpec
 from app.engine.errors import LoadFailed
 from app.engine.repository import spec_from_config
-from app.settings import ModelSpec
 from ffn_core import WeightsError
 from ffn_testing import ServerFailed, ServerProcess, start_server
 from tests.hub_cache import add_repo, repo_folder
@@ -266,8 +266,8 @@ def test_a_layer_the_cached_hub_checkpoint_lacks_is_refused_before_torch(
 
 
 def test_an_hf_model_the_cache_may_not_hold_as_loaded_is_left_to_the_load(offline: Cache, monkeypatch) -> None:
-    from app.preflight import missing_layers
-    from app.settings import load_settings
+    from app.config.settings import load_settings
+    from app.process.preflight import missing_layers
 
     settings = load_settings(models=[{"name": "m", "hf_model": REPO, "layer": 6}])
     assert missing_layers(settings) != []  # offline: the cache is what loads
@@ -341,7 +341,7 @@ async def test_a_load_reads_the_hub_model_again_through_the_cache(
     offline: Cache, start_app, minilm_path: Path, tmp_path: Path
 ) -> None:
     """Model control: a load of a config file's hf_model table finds its file once and every worker reads it."""
-    from app.settings import load_settings
+    from app.config.settings import load_settings
 
     (tmp_path / "ffn.toml").write_text(f'[[models]]\nname = "m"\nhf_model = "{REPO}"\nlayer = 2\n')
     app = await start_app(load_settings(config=tmp_path / "ffn.toml", model_control="explicit", warmup=False))

@@ -27,7 +27,7 @@ import numpy as np
 import orjson
 import pytest
 
-from app.settings import Settings
+from app.config.settings import Settings
 from ffn_testing import ServerProcess, metric_value, start_server
 from tests.reference import assert_close, demo_reference
 

@@ -23,9 +23,9 @@ import pytest
 
 import ffn_core
 from app import __version__
+from app.config.settings import ModelSpec
 from app.engine import errors as engine_errors
 from app.protocol import errors as protocol_errors
-from app.settings import ModelSpec
 from ffn_core import ACTIVATIONS, FORMATS
 from ffn_core.dtypes import DTYPE_NAMES
 
@@ -160,6 +160,45 @@ def test_ffn_core_modules_import_each_other_in_one_direction():
     assert set(graph) == {"ffn_core", *SUBMODULES}
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
     assert order[-1] == "ffn_core"  # the package comes last: it only re-exports
+
+
+APP_TOP_LEVEL = {"__init__", "cli", "main", "control", "errors"}  # the command, the app factory, two shared leaves
+
+
+def test_app_holds_its_folders_and_a_handful_of_modules() -> None:
+    """app/'s top level shows the architecture: folders named for their job, at most six modules beside them."""
+    modules = {path.stem for path in (ROOT / "app").glob("*.py")}
+    assert modules == APP_TOP_LEVEL
+    assert len(modules - {"__init__"}) <= 6
+    folders = {path.name for path in (ROOT / "app").iterdir() if (path / "__init__.py").exists()}
+    assert {"config", "observe", "process", "engine", "protocol", "http", "grpc", "handoff", "tracing"} <= folders
+
+
+def _folder_of(module: str) -> str | None:
+    """The folder of app a module is in (app.engine.batcher: engine); None for app's top-level modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (ROOT / "app" / parts[1]).is_dir()) else None
+
+
+def test_no_folder_of_app_imports_back_one_that_imports_it() -> None:
+    """Module-level imports only (a function's own import runs when called, as a TYPE_CHECKING one never does)."""
+    graph: dict[str, set[str]] = {}
+    for path in (ROOT / "app").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        source = _folder_of(module)
+        if source is None:
+            continue
+        targets = graph.setdefault(source, set())
+        for node in ast.parse(path.read_text()).body:  # the module's own statements: its top level
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                target = _folder_of(name) if name.startswith("app.") else None
+                if target is not None and target != source:
+                    targets.add(target)
+    assert {"config", "observe", "process", "engine"} <= set(graph)
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert order.index("config") < order.index("engine") < order.index("process")
 
 
 def test_every_service_error_has_one_row_in_the_table() -> None:

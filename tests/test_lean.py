@@ -23,10 +23,10 @@ import orjson
 import pytest
 import uvicorn
 
+from app.config.settings import Settings
 from app.http.transport import lean
 from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
-from app.settings import Settings
 from ffn_client.http1 import Response
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference

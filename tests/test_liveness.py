@@ -1,4 +1,4 @@
-"""Liveness on its own (app/liveness.py): the verdicts on a worker, and a stretch the supervisor did not run.
+"""Liveness on its own (app/process/liveness.py): the verdicts on a worker, and a stretch the supervisor did not run.
 
 No processes and no clock: a Slot's times are plain numbers, as the supervisor's loop would set them.
 """
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.liveness import (
+from app.config.settings import Settings
+from app.process.liveness import (
     DRAIN_OVERDUE,
     LATE,
     SILENT,
@@ -20,7 +21,6 @@ from app.liveness import (
     reason,
     verdict,
 )
-from app.settings import Settings
 
 SETTINGS = Settings(heartbeat_timeout_s=5.0, worker_start_timeout_s=60.0, drain_timeout_s=20.0)
 

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.logs import LogSettings, apply_log_settings, configure_logging, current_log_settings
+from app.config.settings import Settings
+from app.observe.logs import LogSettings, apply_log_settings, configure_logging, current_log_settings
 from app.protocol.errors import ERRORS
-from app.settings import Settings
 from ffn_testing import ServerProcess, start_server
 from tests.worker_logs import pids_that_served, records, replaced, worker_pids
 

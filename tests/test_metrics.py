@@ -14,9 +14,9 @@ import torch
 from prometheus_client.metrics import MetricWrapperBase
 
 from app import __version__
-from app.metrics import Metrics
+from app.config.settings import ModelSpec, Settings
+from app.observe.metrics import Metrics
 from app.protocol.errors import ERRORS
-from app.settings import ModelSpec, Settings
 from ffn_testing import free_port, metric_value, read_rss, start_server
 
 D_MODEL = 512
@@ -240,7 +240,7 @@ def test_observe_many_counts_as_observe_does() -> None:
     """observe_many (a batch's values at once) leaves a histogram as one observe per value would."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from app.metrics import LATENCY_BUCKETS, observe_many
+    from app.observe.metrics import LATENCY_BUCKETS, observe_many
 
     registry = CollectorRegistry()
     histogram = Histogram("t", "t", ["k"], buckets=LATENCY_BUCKETS, registry=registry)

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.metrics_folder import MetricsFolderError, check_metrics_dir, metrics_folder
+from app.observe.metrics_folder import MetricsFolderError, check_metrics_dir, metrics_folder
 from ffn_testing import free_port, metric_value, start_server
 from tests.wire import raw_headers
 

@@ -25,10 +25,10 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
+from app.config.settings import load_settings
+from app.config.settings_problems import SettingsError
 from app.engine import lifecycle
 from app.engine.runner import ModelRunner
-from app.settings import load_settings
-from app.settings_problems import SettingsError
 from ffn_testing import metric_value
 from tests.in_process import InProcessApp
 from tests.model_files import matches, write_ffn

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from app.config.settings import ModelSpec, Settings
 from app.engine.errors import Unavailable
 from app.engine.runner import ModelRunner
 from app.engine.service import _outcome
 from app.main import create_app
-from app.settings import ModelSpec, Settings
 from ffn_testing import metric_value
 from tests.in_process import BASE_URL
 

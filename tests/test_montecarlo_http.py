@@ -21,7 +21,7 @@ import pytest_asyncio
 import torch
 import tritonclient.http as triton
 
-from app.settings import ModelSpec, Settings
+from app.config.settings import ModelSpec, Settings
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_testing import ServerProcess
 from tests.in_process import InProcessApp, serve_in_process

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from app.config.settings import Settings
 from app.engine.batcher import Batcher
 from app.engine.errors import InsufficientMemory
 from app.engine.runner import ModelRunner
-from app.metrics import Metrics
+from app.observe.metrics import Metrics
 from app.protocol.errors import kind_of
-from app.settings import Settings
 from ffn_core import demo_ffn
 from ffn_testing import metric_value
 from tests.in_process import InProcessApp

@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.preflight import missing_gpus, missing_layers, torch_build
-from app.settings import load_settings
-from app.settings_problems import SettingsError
+from app.config.settings import load_settings
+from app.config.settings_problems import SettingsError
+from app.process.preflight import missing_gpus, missing_layers, torch_build
 from ffn_core import WeightsError, load_ffn
 from ffn_core.header import safetensors_keys
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import tritonclient.http as triton
 
-from app.settings import Settings
+from app.config.settings import Settings
 from ffn_testing import ServerProcess, start_server
 
 KEY = "probe-test-key"

@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
+from app.config.settings import Settings
 from app.engine.loop_watch import LoopWatch
-from app.settings import Settings
 from ffn_client.http1 import read_response
 from ffn_testing import HOST, http_request, metric_value, raw_request, start_server
 from tests import worker_logs
@@ -346,7 +346,7 @@ def test_sighup_keeps_serving_and_a_later_stop_leaves_no_metrics_folder(tmp_path
 
 
 def test_the_switch_interval_setting_sets_pythons_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.server import set_switch_interval
+    from app.process.server import set_switch_interval
 
     before = sys.getswitchinterval()
     try:

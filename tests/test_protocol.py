@@ -29,10 +29,10 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.server import ServerState
 
 from app import cli
+from app.config.settings import Settings
 from app.http.transport import uvicorn_members
 from app.http.transport.budgets import ConnectionBudget, PipelineTurns
 from app.http.transport.protocol import MAX_UNANSWERED, ConnectionLimits, LimitedHttpToolsProtocol, uvicorn_options
-from app.settings import Settings
 from ffn_client.http1 import Response, build_request, read_response
 
 HOST = "127.0.0.1"

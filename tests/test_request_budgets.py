@@ -14,9 +14,9 @@ import numpy as np
 import orjson
 import pytest
 
+from app.config.settings import Settings
 from app.engine.service import ServedModel
 from app.protocol.limits import MAX_JSON_OBJECTS, MAX_JSON_STRINGS
-from app.settings import Settings
 from ffn_core.dtypes import DType
 from tests.in_process import InProcessApp
 from tests.reference import assert_close, demo_reference
@@ -117,8 +117,8 @@ async def test_past_the_held_budget_a_request_is_429_before_its_body_is_read(
 
 
 def test_the_held_budget_must_fit_the_largest_body() -> None:
-    from app.settings import load_settings
-    from app.settings_problems import SettingsError
+    from app.config.settings import load_settings
+    from app.config.settings_problems import SettingsError
 
     with pytest.raises(SettingsError, match="max_held_bytes"):
         load_settings(max_body_bytes=2_000_000, max_held_bytes=1_000_000)

@@ -16,9 +16,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.protocol import identity
-from app.protocol.throttle import Throttle
-from app.settings import Settings
+from app.config.settings import Settings
+from app.observe import identity
+from app.observe.throttle import Throttle
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.in_process import InProcessApp
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from app.config.settings import ModelSpec, Settings
 from app.engine.registry import Registry, build_runner
 from app.engine.runner import ModelRunner, resolve_device, set_tf32
-from app.metrics import Metrics
-from app.settings import ModelSpec, Settings
+from app.observe.metrics import Metrics
 from ffn_core import FFNConfig, build_ffn, demo_ffn, fuse_gate
 from tests.reference import numpy_ffn, numpy_weights
 

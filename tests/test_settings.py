@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.settings import Settings, load_settings
+from app.config.settings import Settings, load_settings
 from ffn_testing import HOST, free_port, metric_value, start_server
 
 DEFAULTS = Settings()

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.settings import command_line, load_settings
-from app.settings_problems import SettingsError
+from app.config.settings import command_line, load_settings
+from app.config.settings_problems import SettingsError
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_testing import free_port
 
@@ -225,11 +225,11 @@ async def test_a_signal_handled_inside_a_requests_context_logs_and_drains_outsid
     """A signal handler runs in whatever context it interrupted: here, a request's, as under load."""
     import uvicorn
 
+    from app.config.settings import Settings
     from app.http.transport.protocol import uvicorn_options
     from app.main import create_app
-    from app.protocol import identity as request_context
-    from app.server import DrainingServer
-    from app.settings import Settings
+    from app.observe import identity as request_context
+    from app.process.server import DrainingServer
 
     settings = Settings(warmup=False)
     app = create_app(settings)

@@ -1,4 +1,4 @@
-"""app/starting.py: a SIGTERM or SIGINT while starting stops the start, even where the code it
+"""app/process/starting.py: a SIGTERM or SIGINT while starting stops the start, even where the code it
 interrupted turned the stop into an error of its own."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from app.exits import EXIT_START_FAILED
-from app.starting import Starting, StartStopped
+from app.process.exits import EXIT_START_FAILED
+from app.process.starting import Starting, StartStopped
 
 
 def read_as_a_library_might() -> None:

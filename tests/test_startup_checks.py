@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from app import settings as settings_module
+from app.config import settings as settings_module
+from app.config.settings import ROUTE_WORDS, Settings, load_settings
+from app.config.settings_problems import SettingsError
+from app.config.tracing import problems
 from app.http.edge import GuardMiddleware
 from app.main import ENDPOINTS
-from app.settings import ROUTE_WORDS, Settings, load_settings
-from app.settings_problems import SettingsError
-from app.tracing.config import problems
 from ffn_testing import start_server
 
 CLI = [sys.executable, "-m", "app.cli"]

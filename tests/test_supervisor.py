@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from app.config.settings import Settings
 from app.control import ALIVE, APPLIED, HEARTBEAT, Reply
-from app.listeners import Listeners
-from app.liveness import DRAIN_OVERDUE, SILENT, STARTING_SILENCE_S, TURN_S, drain_allowance_s, verdict
-from app.settings import Settings
-from app.supervisor import Supervisor
+from app.process.listeners import Listeners
+from app.process.liveness import DRAIN_OVERDUE, SILENT, STARTING_SILENCE_S, TURN_S, drain_allowance_s, verdict
+from app.process.supervisor import Supervisor
 
 
 def test_a_worker_ready_after_the_stop_began_announces_nothing(caplog: pytest.LogCaptureFixture) -> None:
@@ -197,8 +197,8 @@ class Finished(Exception):
 
 
 def run(supervisor: Supervisor, script: Script, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("app.supervisor.time", SimpleNamespace(monotonic=script.monotonic))
-    monkeypatch.setattr("app.supervisor.wait", script.wait)
+    monkeypatch.setattr("app.process.supervisor.time", SimpleNamespace(monotonic=script.monotonic))
+    monkeypatch.setattr("app.process.supervisor.wait", script.wait)
     wakeup, other = socket.socketpair()
     with pytest.raises(Finished):
         supervisor._loop(wakeup)

@@ -21,9 +21,9 @@ import httpx
 import numpy as np
 import pytest
 
+from app.config.settings import Settings
 from app.protocol.errors import InvalidInput, RegionNotFound
 from app.protocol.shared_memory import SHM_FOLDER, SharedMemoryRegions
-from app.settings import Settings
 from ffn_testing import ServerProcess, start_server
 from tests.reference import demo_reference
 from tests.worker_logs import pids_that_served, replaced, worker_pids

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.settings import ModelSpec, Settings
+from app.config.settings import ModelSpec, Settings
 from bench.otlp_receiver import OtlpReceiver
 from ffn_testing import ServerProcess, start_server
 from tests.in_process import InProcessApp

@@ -276,7 +276,7 @@ async def test_requests_that_share_a_batch_all_link_to_its_one_span(
     receiver: OtlpReceiver, start_app, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In-process, four 1-row requests against a batch of 4 rows cut only when full (or after a second)."""
-    from app.settings import Settings
+    from app.config.settings import Settings
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     served = await start_app(Settings(otlp_endpoint=receiver.url, max_batch_rows=4, max_wait_ms=1000, warmup=False))
@@ -415,15 +415,15 @@ async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared
     each, in the engine's one batch of 4 rows (cut only when full, or after a second). The engine's batch
     span names the traced request and counts all four; the front's request span links to it, and its
     queue and compute stages are the engine's times."""
+    from app.config.settings import Settings
+    from app.config.tracing import traces_export
     from app.engine.registry import Registry
     from app.engine.service import Engine
     from app.handoff.engine import EngineServer
     from app.handoff.front import EngineClient
-    from app.metrics import Metrics
-    from app.protocol.identity import CURRENT, RequestContext
-    from app.settings import Settings
+    from app.observe.identity import CURRENT, RequestContext
+    from app.observe.metrics import Metrics
     from app.tracing import TraceSettings
-    from app.tracing.config import traces_export
     from app.tracing.spans import Tracing
     from ffn_core.dtypes import DTYPES
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.tracing.config import Export, problems, traces_export
+from app.config.tracing import Export, problems, traces_export
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def _sdk_loaded_after_create_app(env: dict[str, str]) -> bool:
     code = (
         "import sys, json\n"
         "from app.main import create_app\n"
-        "from app.settings import Settings\n"
+        "from app.config.settings import Settings\n"
         "create_app(Settings())\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk') "
         "or m.startswith('opentelemetry.exporter'))))\n"

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.collectors import GpuReading, _from_nvml, read_gpus
-from app.settings import ModelSpec, Settings, load_settings
-from app.triton_metrics import INFERENCE_SERIES, TritonNames
+from app.config.settings import ModelSpec, Settings, load_settings
+from app.observe.collectors import GpuReading, _from_nvml, read_gpus
+from app.observe.triton_metrics import INFERENCE_SERIES, TritonNames
 from ffn_testing import free_port, metric_value, start_server
 from tests.exposition import samples_as_written, value_as_written
 from tests.in_process import InProcessApp

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from app.settings import Settings
+from app.config.settings import Settings
 from tests.reference import bf16_round, demo_reference
 from tests.wire import bf16_bytes, from_bf16_bytes
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.settings import ModelSpec, Settings
+from app.config.settings import ModelSpec, Settings
 from ffn_core import FFNConfig, build_ffn, save_ffn
 from ffn_core.dtypes import DTYPES
 from ffn_testing import metric_value

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from app.settings import ModelSpec, Settings
+from app.config.settings import ModelSpec, Settings
 from ffn_core import demo_ffn
 from tests.in_process import serve_in_process
 from tests.reference import numpy_ffn, numpy_weights

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.logs import JsonFormatter, configure_logging
+from app.observe.logs import JsonFormatter, configure_logging
 from ffn_testing import (
     ServerProcess,
     free_port,
@@ -244,7 +244,7 @@ async def request_id_prefixes(port: int) -> set[str]:
 async def test_the_workers_are_forked_from_one_fork_server_that_imported_torch(
     workers: tuple[ServerProcess, int],
 ) -> None:
-    # A worker starts from a process that imported torch once (app/supervisor.py), not from a fresh
+    # A worker starts from a process that imported torch once (app/process/supervisor.py), not from a fresh
     # interpreter, and yet each draws its own request ids.
     server, _ = workers
     fork_server = fork_server_of(server)
@@ -359,7 +359,7 @@ async def test_sigterm_under_load_loses_nothing_and_exits_0(drain_config: Path) 
 
 
 def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
-    # A file there but not weights: a missing one is refused before any worker starts (app/preflight.py).
+    # A file there but not weights: a missing one is refused before any worker starts (app/process/preflight.py).
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "broken.safetensors"\n')
     scratch = tmp_path / "tmp"
@@ -442,7 +442,7 @@ def test_a_workers_log_records_name_it() -> None:
 # still import after the fork, each time, at its own cost.
 IMPORTED_AFTER_PRELOAD = """
 import importlib, json, os, signal, sys, threading, time, urllib.request
-from app.supervisor import WORKER_PRELOAD
+from app.process.supervisor import WORKER_PRELOAD
 for module in WORKER_PRELOAD:
     importlib.import_module(module)
 import app.cli
@@ -466,7 +466,7 @@ sys.exit(app.cli.main(["--host", "127.0.0.1", "--port", port]))
 
 
 def test_the_fork_server_imports_all_of_ours_and_torch_that_a_worker_needs() -> None:
-    # Before: app.server stopped importing torch (the doors import none), and every forked start
+    # Before: app.process.server stopped importing torch (the doors import none), and every forked start
     # paid for torch again, unnoticed.
     run = subprocess.run(
         [sys.executable, "-c", IMPORTED_AFTER_PRELOAD, str(free_port())],

@@ -49,7 +49,7 @@ from app.engine.montecarlo import MonteCarloRequest
 from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
 from app.engine.staging import Pending
-from app.metrics import Metrics, ModelInstruments, observe_many
+from app.observe.metrics import Metrics, ModelInstruments, observe_many
 from ffn_core import MonteCarloPasses
 from ffn_core.dtypes import DType
 from ffn_core.torch_dtypes import TORCH

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from app.config.settings import Settings
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import ModelStatus
-from app.settings import Settings
 from ffn_core.dtypes import DType
 
-if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
-    from app.collectors import GpuReading
+if TYPE_CHECKING:  # a type only: app.observe.collectors imports torch within its readers (pyproject: no torch here)
+    from app.observe.collectors import GpuReading
 
 
 class Device(Protocol):
@@ -159,7 +159,7 @@ class EngineFacade(Protocol):
 
 
 class ServingEngine(EngineFacade, Protocol):
-    """The engine as a serving process runs it (app/main.py's lifespan, app/server.py's signals): the
+    """The engine as a serving process runs it (app/main.py's lifespan, app/process/server.py's signals): the
     in-process Engine (app/engine/service.py), or a front's RemoteEngine (app/handoff/remote.py)."""
 
     @property

@@ -34,13 +34,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from app.config.settings import ModelSpec
 from app.control import command_number
 from app.engine.batcher import OUT_OF_MEMORY
 from app.engine.errors import LoadFailed, ModelNotFound, Unavailable
 from app.engine.registry import Registry, ServedModel, model_digest, place, read_weights
 from app.engine.repository import WeightsFile
-from app.metrics import OTHER_MODELS
-from app.settings import ModelSpec
+from app.observe.metrics import OTHER_MODELS
 from ffn_core import FeedForward, WeightsError
 
 log = logging.getLogger("ffn_serve")

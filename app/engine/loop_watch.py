@@ -6,7 +6,7 @@ again, a tick that was due meanwhile runs late by about as long. The watch keeps
 lateness of the last LAG_MEMORY_S seconds, which readiness reports past `max_loop_lag_s` (so a
 probe answered just after the loop was held still hears of it), and calls `beat` on every tick:
 in a worker, a heartbeat to the supervisor, which replaces a worker whose beats stop
-(app/supervisor.py). A tick comes every min(0.5 s, max_loop_lag_s / 2), so a hold longer than
+(app/process/supervisor.py). A tick comes every min(0.5 s, max_loop_lag_s / 2), so a hold longer than
 the bound always spans one. The tick is a timer callback, not a task: a timer that fell due
 while the loop was held runs in the loop's very next turn, before any request that turn reads.
 """

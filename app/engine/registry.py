@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.config.settings import ModelSpec, Settings
 from app.engine.batcher import Batcher, answer_as_array, future_as_array, rows_as_tensor
 from app.engine.description import ModelDescription, listing
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
@@ -27,8 +28,7 @@ from app.engine.repository import Served, WeightsFile, weights_format, weights_p
 from app.engine.runner import ModelRunner, device_executor, resolve_device, set_tf32
 from app.engine.status import DRAINING, READY, UNLOADED, WARMING, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, not_ready_error
-from app.metrics import Metrics, ModelInstruments
-from app.settings import ModelSpec, Settings
+from app.observe.metrics import Metrics, ModelInstruments
 from ffn_core import FeedForward, FFNConfig, GatedFeedForward, WeightsError, demo_ffn, fuse_gate, load_ffn
 from ffn_core.digest import short, weights_digest
 from ffn_core.dtypes import DTYPES, DType

@@ -22,8 +22,8 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from app.config.settings import ModelSpec
 from app.engine.errors import LoadFailed
-from app.settings import ModelSpec
 from ffn_core import WeightsError
 from ffn_core.hub import hub_format, hub_weights
 

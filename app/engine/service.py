@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from app.collectors import GpuReading, read_gpus
+from app.config.settings import ModelSpec, Settings, configured_models
+from app.config.settings_problems import SettingsError
 from app.control import Control, Reply
 from app.engine.errors import LoadFailed, ModelControlOff, ModelNotFound, Unavailable
 from app.engine.lifecycle import LOAD_MODEL, UNLOAD_MODEL, Lifecycle, model_key
@@ -49,9 +50,8 @@ from app.engine.repository import changes, identify, spec_from_config
 from app.engine.status import DRAINING, READY, ModelState, ModelStatus
 from app.engine.unloaded import UnloadedModel, not_served_error
 from app.errors import ServiceError
-from app.metrics import OTHER_MODELS
-from app.settings import ModelSpec, Settings, configured_models
-from app.settings_problems import SettingsError
+from app.observe.collectors import GpuReading, read_gpus
+from app.observe.metrics import OTHER_MODELS
 
 # The doors know these through app/engine/facade.py's protocols only (they never import torch).
 __all__ = ["Engine", "ServedModel", "UnloadedModel"]

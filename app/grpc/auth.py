@@ -1,7 +1,7 @@
 """The API key over gRPC: the `authorization: Bearer <key>` metadata, read as the HTTP guard reads the header.
 
 Installed only when a key is set (no cost otherwise). Every method but the probes needs the key,
-compared in constant time (app/protocol/identity.py: bearer_matches); a call without it ends
+compared in constant time (app/observe/identity.py: bearer_matches); a call without it ends
 UNAUTHENTICATED before its handler runs, with the same message as HTTP's 401. The probes are the
 same on both doors: the health service, ServerLive, ServerReady and ModelReady, as
 /v2/health/* and /v2/models/{name}/ready over HTTP (docs/api.md: the probe rule).
@@ -16,8 +16,8 @@ import grpc
 
 from app.grpc.health import HEALTH_SERVICE
 from app.grpc.status import refuse
+from app.observe.identity import bearer_matches
 from app.protocol.errors import Unauthorized
-from app.protocol.identity import bearer_matches
 
 OPEN_PREFIX = f"/{HEALTH_SERVICE}/"  # probes carry no key, as /v2/health/* over HTTP
 _INFERENCE = "/inference.GRPCInferenceService/"

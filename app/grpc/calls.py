@@ -1,8 +1,8 @@
 """A gRPC call's identity and trace: what RequestIds and the fast path give an HTTP request, for the gRPC door.
 
-Every call of the inference service runs in a RequestContext (app/protocol/identity.py) whose id is
+Every call of the inference service runs in a RequestContext (app/observe/identity.py) whose id is
 the client's `x-request-id` metadata when it follows the protocol core's rule, else one of the
-server's (app/protocol/identity.py), so that log lines name it as they name an HTTP request's.
+server's (app/observe/identity.py), so that log lines name it as they name an HTTP request's.
 Its answer carries that id in the trailing metadata, with the error's type and retry hint when it
 failed (app/grpc/status.py). An infer call is traced as an HTTP infer request is: with a
 `traceparent` in its metadata it joins the caller's trace; its span is named after the method
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from app.grpc.status import GrpcError
-from app.protocol.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, request_id_from
+from app.observe.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, request_id_from
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import RequestTrace, Tracing

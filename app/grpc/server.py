@@ -1,6 +1,6 @@
 """The gRPC server of one serving process: grpc.aio on uvicorn's event loop, beside the HTTP server.
 
-It runs in the same process and event loop as uvicorn (app/server.py starts it once the app has
+It runs in the same process and event loop as uvicorn (app/process/server.py starts it once the app has
 started, and stops it after the drain), so its calls reach the same engine, the same batchers
 and the same metrics as HTTP requests: gRPC and HTTP rows share batches. It serves Triton's
 inference.GRPCInferenceService (app/grpc/service.py), grpc.health.v1.Health (health.py) and

@@ -34,7 +34,8 @@ from app.grpc.malformed import Malformed
 from app.grpc.status import grpc_error, log_if_internal, refuse, set_status
 from app.grpc.stream import StreamInfer
 from app.grpc.wire import InferMessage
-from app.protocol import identity, mc_parameters
+from app.observe import identity
+from app.protocol import mc_parameters
 from app.protocol.admission import CallsInFlight, deadline_from
 from app.protocol.errors import TooManyCalls
 from app.protocol.state import ServiceState

@@ -1,7 +1,7 @@
 """The gRPC door's TLS: server credentials that take the rotation's pair at each new handshake.
 
 grpc core calls the fetcher before each handshake; it answers a new configuration when the pair
-(app/tls.py: Rotation) has changed since the last one it gave, and None (keep the one you have)
+(app/config/tls.py: Rotation) has changed since the last one it gave, and None (keep the one you have)
 otherwise. Connections already open keep the pair they shook hands with. grpc core's defaults:
 TLS 1.2 at the least, its own cipher list; with a client CA, a client certificate is required.
 """
@@ -12,7 +12,7 @@ import threading
 
 import grpc
 
-from app.tls import KeyPair, Rotation
+from app.config.tls import KeyPair, Rotation
 
 
 def server_credentials(rotation: Rotation) -> grpc.ServerCredentials:

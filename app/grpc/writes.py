@@ -18,7 +18,7 @@ import grpc
 
 from app.grpc.connections import close_connection
 from app.grpc.wire import InferMessage
-from app.protocol.throttle import Throttle
+from app.observe.throttle import Throttle
 
 log = logging.getLogger("ffn_serve")
 

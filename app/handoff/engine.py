@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.collectors import GpuReading
 from app.engine.errors import EngineError, NotTogether
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.service import Engine, ServedModel
@@ -66,7 +65,8 @@ from app.handoff.messages import (
     failed,
     rides_of,
 )
-from app.protocol.identity import CURRENT, RequestContext, RequestGroup
+from app.observe.collectors import GpuReading
+from app.observe.identity import CURRENT, RequestContext, RequestGroup
 from ffn_core.dtypes import DTYPES
 
 if TYPE_CHECKING:

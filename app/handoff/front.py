@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from app.collectors import GpuReading
 from app.engine.errors import Overloaded, RequestTooLarge, Unavailable
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.handoff.arena import Arena, NoRoom, Slot
@@ -43,7 +42,8 @@ from app.handoff.messages import (
     error_of,
     rides_as_recorded,
 )
-from app.protocol.identity import RequestContext
+from app.observe.collectors import GpuReading
+from app.observe.identity import RequestContext
 from ffn_core.dtypes import DType
 
 SLOTS, SLOT_BYTES = 64, 1 << 20  # 64 requests of up to 1 MiB each in flight per front: 64 MiB of shared memory
@@ -122,7 +122,7 @@ class EngineClient:
         context: RequestContext | None = None,
     ) -> np.ndarray:
         """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`.
-        `context`: the request's (app/protocol/identity.py); a traced one crosses with its trace."""
+        `context`: the request's (app/observe/identity.py); a traced one crosses with its trace."""
         link = await self._connected()
         (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
         return answer

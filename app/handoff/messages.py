@@ -38,9 +38,9 @@ from typing import Any
 
 import msgspec
 
-from app.collectors import GpuReading  # its readers import torch when they read, never at import
 from app.engine import errors
 from app.engine.description import ModelDescription
+from app.observe.collectors import GpuReading  # its readers import torch when they read, never at import
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, gc=False, tag_field="kind"):

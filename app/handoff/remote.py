@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from app.config.settings import Settings
 from app.engine.description import ModelDescription, listing
 from app.engine.errors import Unavailable
 from app.engine.facade import ModelFacade, ServingEngine
@@ -35,12 +36,11 @@ from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
 from app.handoff.front import EngineClient, EngineNotRunning
 from app.handoff.messages import Table
-from app.protocol.identity import current
-from app.settings import Settings
+from app.observe.identity import current
 from ffn_core.dtypes import DTYPES, DType
 
-if TYPE_CHECKING:  # a type only: app.collectors imports torch within its readers (pyproject: no torch here)
-    from app.collectors import GpuReading
+if TYPE_CHECKING:  # a type only: app.observe.collectors imports torch within its readers (pyproject: no torch here)
+    from app.observe.collectors import GpuReading
 
 log = logging.getLogger("ffn_serve.handoff")
 
@@ -169,7 +169,7 @@ class _Linked:
 
 class RemoteEngine:
     """The facade of the engines listening where `clients` connect (one, or one per device), with the
-    lifecycle a served process runs its engine by (app/main.py, app/server.py): start, until_warm,
+    lifecycle a served process runs its engine by (app/main.py, app/process/server.py): start, until_warm,
     drain, stop.
 
     `beat`: called on every tick of this process's loop watch (a worker's heartbeat to the supervisor).

@@ -4,7 +4,7 @@
 unexpected 500 carries what it adds), does two things with one wrapper of `send`:
 
 - The request's id: its RequestContext goes in the context variable that the error body, the
-  access log and the tracing read (app/protocol/identity.py), and `X-Request-Id` on the answer's
+  access log and the tracing read (app/observe/identity.py), and `X-Request-Id` on the answer's
   head. A client's id is kept when it follows the protocol core's rule, else replaced by a fresh
   one: never an id that could forge a log line, and never a request refused for an optional header.
 - The request's whole time in ffn_http_request_seconds{protocol, route, status}: what a client
@@ -53,8 +53,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
 from app.http.ops import HEALTH_PREFIX, METRICS_PATH
+from app.observe.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, bearer_matches, request_id_from
 from app.protocol.errors import HeaderTooLarge, InvalidInput, NotFound, Unauthorized, UnsupportedTransferEncoding
-from app.protocol.identity import CURRENT, REQUEST_ID_HEADER, RequestContext, bearer_matches, request_id_from
 
 UNMATCHED = "unmatched"
 _PROTOCOLS = (("/v1/", "native"), ("/v2", "v2"))

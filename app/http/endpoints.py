@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.errors import drop_frames
 from app.http.errors import error_response
 from app.http.transport.protocol import ON_DISCONNECT
-from app.protocol import identity
+from app.observe import identity
 from app.protocol.admission import Hold
 from app.protocol.content_coding import STEP, Coding, Inflater, compress
 from app.protocol.errors import INTERNAL, ClientDisconnected, PayloadTooLarge, kind_of

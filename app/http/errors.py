@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app.errors import ServiceError
-from app.protocol import identity
+from app.observe import identity
 from app.protocol.errors import INTERNAL, ClientDisconnected, ErrorKind, InvalidInput, message_of
 from app.protocol.errors import kind_of as protocol_kind_of
 
@@ -46,7 +46,7 @@ def kind_of(exc: Exception) -> ErrorKind:
 def error_body(message: str, error_type: str, request_id: str | None = None) -> bytes:
     """The one JSON error shape: {"error": what was wrong, "error_type": its kind, "request_id": ...}.
 
-    `request_id`: the current request's (app/protocol/identity.py) unless given; a fresh one for an
+    `request_id`: the current request's (app/observe/identity.py) unless given; a fresh one for an
     answer given outside any request (the transport's own refusals). A V2 request's `id` is added
     as "id" once its body has been read. Clients that read "error" and "error_type" read on.
     """

@@ -1,6 +1,6 @@
 """Every fixed limit on what a client may make the server do, named once, with why it is that size.
 
-The limits an operator tunes are settings (app/settings.py: max_body_bytes, max_held_bytes,
+The limits an operator tunes are settings (app/config/settings.py: max_body_bytes, max_held_bytes,
 max_header_bytes, the timeouts, max_connections, ...). These are the ones no deployment needs to
 change: far above what any request of the protocol needs, far below what makes parsing or
 holding it costly. Both doors read them from here, so that a budget is the same whichever door
@@ -24,9 +24,9 @@ NPY_MAX_HEADER = 65536  # an .npy header's length: numpy's own default limit
 MAX_INT_DIGITS = 19  # a text integer never becomes a big Python int: at most 2**63 - 1 is asked for
 MAX_TEXT_INT = 10**18 - 1  # lengths and counts written as text
 
-# ----- request identity (app/protocol/identity.py) ----------------------------------------------
+# ----- request identity (app/observe/identity.py) ----------------------------------------------
 
-MAX_REQUEST_ID_LENGTH = 200  # a client's X-Request-Id lands in log lines and spans
+# MAX_REQUEST_ID_LENGTH lives with the ids it bounds, in app/observe/identity.py.
 
 # ----- bodies of the control requests: the HTTP routes' body limit, the gRPC methods' message limit --
 

@@ -1,6 +1,6 @@
 """ServiceState: what both doors share, built by app/main.py's build_service: the engine, the settings, the budgets, the metrics.
 
-The serving process hands the one state to both doors (app/server.py): the HTTP app keeps it as
+The serving process hands the one state to both doors (app/process/server.py): the HTTP app keeps it as
 `app.state.service`, where its routes read it (app/http/endpoints.py), and the gRPC server is given
 it when it starts (app/grpc/server.py). Neither door reads the other's objects.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.config.settings import Settings
 from app.control import Control
 from app.engine.facade import ServingEngine
-from app.metrics import Metrics
+from app.observe.metrics import Metrics
 from app.protocol.admission import HeldBytes, Outcomes
 from app.protocol.shared_memory import SharedMemoryRegions
-from app.settings import Settings
 from app.tracing.trace_settings import TraceSettings
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on

@@ -5,14 +5,14 @@
 - spans.py: the spans themselves and their export; imported, with the OpenTelemetry SDK, only when on.
 
 The edge calls in at two places only (app/http/endpoints.py: FastPath, and the stage marks of
-app/protocol/identity.py); the engine reports batches through its observer hook (app/engine/observe.py).
+app/observe/identity.py); the engine reports batches through its observer hook (app/engine/observe.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from app.tracing.config import Export
+from app.config.tracing import Export
 from app.tracing.trace_settings import TraceSettings
 
 if TYPE_CHECKING:

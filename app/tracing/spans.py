@@ -60,10 +60,10 @@ from opentelemetry.trace import set_span_in_context as in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from app import __version__
+from app.config.tracing import Export
 from app.engine.observe import Entry
 from app.engine.service import ServedModel
-from app.protocol.identity import RequestContext, RequestGroup, current
-from app.tracing.config import Export
+from app.observe.identity import RequestContext, RequestGroup, current
 from app.tracing.trace_settings import Policy, TraceSettings
 
 SCOPE_NAME = "ffn_serve"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from app.settings import Settings
+from app.config.settings import Settings
 from bench.gpu import inprocess, report, service
 from ffn_core import FFNConfig, build_ffn, save_ffn
 

@@ -12,7 +12,8 @@ from app.http import tensor_route
 from app.http.endpoints import Endpoint, service_state
 from app.http.openapi import error_responses, json_body
 from app.http.tensor_route import TensorCall
-from app.protocol import identity, kserve_v1
+from app.observe import identity
+from app.protocol import kserve_v1
 from app.protocol.state import ServiceState
 
 READY_PATH = "/v1/models/{name}"  # probes: the guard lets them through without a key

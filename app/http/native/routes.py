@@ -15,7 +15,8 @@ from app.http.endpoints import Endpoint, StateDep
 from app.http.native.schemas import ModelList, MonteCarloResponse, TransformRequest, TransformResponse
 from app.http.openapi import error_responses
 from app.http.tensor_route import TensorCall
-from app.protocol import identity, mc_parameters
+from app.observe import identity
+from app.protocol import mc_parameters
 from app.protocol import native as codec
 from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import InvalidInput

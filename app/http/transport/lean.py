@@ -38,13 +38,13 @@ from prometheus_client import Histogram
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from app.http.errors import error_body
-from app.metrics import observe_many
+from app.observe.identity import CURRENT, RequestContext, bearer_matches, request_id_from
+from app.observe.metrics import observe_many
 from app.protocol import kserve_v1
 from app.protocol.admission import Hold, deadline_from
 from app.protocol.digest import DIGEST_HEADER
 from app.protocol.errors import INTERNAL, ClientDisconnected, error_type_of, kind_of, message_of
 from app.protocol.fields import answer_coding
-from app.protocol.identity import CURRENT, RequestContext, bearer_matches, request_id_from
 from app.protocol.native import DecodedInput
 from app.protocol.plans import NativePlan, PlanCache, native_plan
 from app.protocol.state import ServiceState
@@ -498,7 +498,7 @@ class LeanRequest:
         self._forget()
         transport = self.transport
         door = self.door
-        if self.logged is not None:  # as uvicorn logs an answer it starts (app/logs.py reads these five args)
+        if self.logged is not None:  # as uvicorn logs an answer it starts (app/observe/logs.py reads these five args)
             client = self.protocol.client
             path, version = self.logged
             address = f"{client[0]}:{client[1]}" if client else ""

@@ -76,10 +76,12 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.config.settings import Settings
 from app.errors import ServiceError
 from app.http.errors import error_body
 from app.http.transport.budgets import ConnectionBudget, PipelineTurns
 from app.http.transport.lean import LeanDoor, LeanRequest
+from app.observe.identity import new_request_id
 from app.protocol.errors import (
     HeaderTooLarge,
     HttpVersionNotSupported,
@@ -88,8 +90,6 @@ from app.protocol.errors import (
     TooManyConnections,
     kind_of,
 )
-from app.protocol.identity import new_request_id
-from app.settings import Settings
 
 log = logging.getLogger("ffn_serve")
 

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.protocol import identity, mc_parameters, tensors
+from app.observe import identity
+from app.protocol import mc_parameters, tensors
 from app.protocol.errors import InvalidInput, PayloadTooLarge, UnsupportedExtension, UnsupportedMediaType
 from app.protocol.fields import (
     bool_field,

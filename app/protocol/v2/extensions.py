@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from app.config.settings import Settings
 from app.engine.facade import ListedModel, ModelFacade
 from app.protocol.digest import MODEL_PARAMETER
 from app.protocol.errors import UnsupportedExtension
 from app.protocol.v2 import codec, system_shared_memory
 from app.protocol.v2.codec import PLATFORM
 from app.protocol.v2.schemas import RepositoryModel
-from app.settings import Settings
 
 # binary_tensor_data and parameters (mc_passes, ...) are the infer route's; the rest are here.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", "trace", "logging"]

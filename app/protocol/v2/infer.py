@@ -14,7 +14,8 @@ import numpy as np
 
 from app.engine.facade import ModelFacade
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
-from app.protocol import identity, mc_parameters
+from app.observe import identity
+from app.protocol import mc_parameters
 from app.protocol.admission import deadline_from
 from app.protocol.digest import ANSWER_PARAMETER, DIGEST_HEADER
 from app.protocol.state import ServiceState

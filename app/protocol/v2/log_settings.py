@@ -16,7 +16,7 @@ import logging
 from dataclasses import replace
 from typing import Any, get_args
 
-from app.logs import LogFormat, LogSettings, apply_log_settings, current_log_settings
+from app.observe.logs import LogFormat, LogSettings, apply_log_settings, current_log_settings
 from app.protocol.broadcast import apply_everywhere
 from app.protocol.errors import InvalidInput
 from app.protocol.fields import bool_field, int_field, str_field

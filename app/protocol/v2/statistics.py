@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from app.engine.facade import ModelFacade
-from app.metrics import samples_by_model
+from app.observe.metrics import samples_by_model
 
 _NOT_MEASURED = {"count": 0, "ns": 0}
 

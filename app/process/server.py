@@ -3,7 +3,7 @@
 The same code runs the whole service (`workers = 1`) and each of the supervisor's workers.
 SIGHUP reads the config file again and applies its [[models]] (Engine.apply_config_file); with
 workers the supervisor passes it to one of them, whose loads reach them all. With TLS, SIGHUP also
-reads the certificate and key again (app/tls.py); with workers the supervisor sends every front the
+reads the certificate and key again (app/config/tls.py); with workers the supervisor sends every front the
 control command TLS_RELOAD for that.
 """
 
@@ -26,18 +26,18 @@ from typing import Any
 
 import uvicorn
 
+from app.config.settings import Settings
+from app.config.tls import TLS_RELOAD, Rotation, TlsError, tls_files
 from app.control import Control
-from app.descriptors import fit_connection_cap
 from app.engine.facade import ServingEngine
-from app.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
 from app.grpc.server import GrpcServer
 from app.http.transport.protocol import LimitedHttpToolsProtocol, uvicorn_options
-from app.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
 from app.main import build_service, http_app
-from app.metrics import Metrics
-from app.settings import Settings
-from app.starting import Starting, StartStopped
-from app.tls import TLS_RELOAD, Rotation, TlsError, tls_files
+from app.observe.metrics import Metrics
+from app.process.descriptors import fit_connection_cap
+from app.process.exits import EXIT_BAD_SETTINGS, EXIT_CANNOT_BIND, EXIT_OK, EXIT_START_FAILED
+from app.process.listeners import CONNECTION_CLOSE_GRACE_S, Listeners, log_start
+from app.process.starting import Starting, StartStopped
 
 log = logging.getLogger("ffn_serve")
 
@@ -221,7 +221,7 @@ def serve_here(
     Alone (`on_ready` None): listen once loaded, and warm up while live but not yet ready.
     As a worker: accept nothing until warm (the port already serves through the other workers),
     then call `on_ready`. `control`: the worker's link to the others (app/control.py).
-    `starting`: the caller's SIGTERM/SIGINT guard of the start, if it began one (app/starting.py);
+    `starting`: the caller's SIGTERM/SIGINT guard of the start, if it began one (app/process/starting.py);
     a signal before the server serves stops the start, exit 0.
     """
     guard = starting or Starting()

@@ -27,7 +27,7 @@ from typing import Literal
 
 import orjson
 
-from app.protocol.identity import current
+from app.observe.identity import current
 
 LogFormat = Literal["text", "json"]
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

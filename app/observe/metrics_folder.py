@@ -55,7 +55,9 @@ def metrics_folder(setting: Path | None) -> Iterator[Path]:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         return
-    from app.collectors import PROCESSES_FILE  # here: collectors imports torch, which the start-up check must not
+    from app.observe.collectors import (
+        PROCESSES_FILE,  # here: collectors imports torch, which the start-up check must not
+    )
 
     for path in setting.iterdir():
         if _METRICS_FILE.fullmatch(path.name) or path.name.lstrip(".").startswith(PROCESSES_FILE):

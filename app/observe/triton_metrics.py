@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from prometheus_client.metrics_core import Metric
 
-from app.collectors import GpuReading
-from app.metrics import samples_by_model
+from app.observe.collectors import GpuReading
+from app.observe.metrics import samples_by_model
 
 MICROSECONDS = 1e6
 
@@ -89,7 +89,7 @@ GPU_SERIES = (
 @dataclass
 class TritonNames:
     """Writes Triton's series from a scrape's samples: `versions()` names the models served and their
-    version, `gpus()` reads the GPUs this process computes on (app/collectors.py: read_gpus)."""
+    version, `gpus()` reads the GPUs this process computes on (app/observe/collectors.py: read_gpus)."""
 
     versions: Callable[[], Mapping[str, int]]
     gpus: Callable[[], list[GpuReading]]

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any, Protocol
 
-from app.protocol.limits import MAX_REQUEST_ID_LENGTH
-from app.protocol.throttle import Throttle
+from app.observe.throttle import Throttle
 
 log = logging.getLogger("ffn_serve")
+MAX_REQUEST_ID_LENGTH = 200  # a client's X-Request-Id lands in log lines and spans (the protocol's limit)
 
 
 class StageMarks(Protocol):
@@ -80,7 +80,7 @@ CURRENT: ContextVar[RequestContext | None] = ContextVar("ffn_request", default=N
 
 # A request id is this process's random prefix and a counter: unique across processes and
 # restarts with overwhelming odds, and ~10x cheaper than a uuid4 on every request. The workers are
-# forked from a fork server that imported this module (app/supervisor.py): each child draws its own.
+# forked from a fork server that imported this module (app/process/supervisor.py): each child draws its own.
 _PREFIX = ""
 _COUNTER = itertools.count(1)
 

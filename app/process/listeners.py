@@ -1,7 +1,7 @@
 """The sockets a serving process is given, and the start-up lines that say where it listens.
 
-Apart from app/server.py, which imports torch and the web stack, so that the supervisor of worker
-processes (app/supervisor.py), which only holds the sockets and watches the workers, never loads
+Apart from app/process/server.py, which imports torch and the web stack, so that the supervisor of worker
+processes (app/process/supervisor.py), which only holds the sockets and watches the workers, never loads
 them: it starts a second sooner and holds some 40 MiB instead of 250.
 """
 
@@ -11,7 +11,7 @@ import logging
 import socket
 from dataclasses import dataclass
 
-from app.settings import Settings
+from app.config.settings import Settings
 
 log = logging.getLogger("ffn_serve")
 

@@ -13,7 +13,7 @@ Each worker loads its models, warms up, and only then accepts connections, telli
 - A fork server that dies (killed) leaves its workers running, but they read as exited (code 255):
   each still running is asked to drain (SIGTERM; its pipe closed too, which alone would drain it),
   with a log line that says so, and is replaced from a new fork server.
-- Liveness (app/liveness.py): a ready worker silent for `heartbeat_timeout_s` is asked to drain
+- Liveness (app/process/liveness.py): a ready worker silent for `heartbeat_timeout_s` is asked to drain
   (SIGTERM), and killed (SIGKILL) if it stays silent as long again; a starting worker silent for
   STARTING_SILENCE_S, or not ready within `worker_start_timeout_s`, is killed; each with a log line
   saying why, and started again like any dead worker. Silence is counted only over time this loop
@@ -29,7 +29,7 @@ Each worker loads its models, warms up, and only then accepts connections, telli
   replay those loads. With TLS, every front is also told to read the certificate and key again.
 - If the parent dies, each worker sees its pipe close and drains and exits by itself.
 - Metrics: the workers write theirs in one folder (prometheus_client's multiprocess mode): a fresh
-  one removed at exit, or `metrics_dir` (app/metrics_folder.py); a dead worker's gauges are
+  one removed at exit, or `metrics_dir` (app/observe/metrics_folder.py); a dead worker's gauges are
   dropped, its counters kept.
 - Control (app/control.py): a command one worker broadcasts is relayed to every live worker and
   their replies back to it; sticky commands are replayed to every worker started later.
@@ -54,18 +54,18 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
-from app.collectors import write_processes
+from app.config.settings import Settings
+from app.config.tls import TLS_RELOAD
 from app.control import ALIVE, HEARTBEAT, READY, Control
-from app.exits import EXIT_OK, EXIT_START_FAILED
-from app.listeners import Listeners, log_start
-from app.liveness import STOP_MARGIN_S, TURN_S, Slot, drain_allowance_s, reason, verdict
-from app.logs import configure_logging
-from app.metrics import MULTIPROCESS_VARIABLE, Metrics
-from app.metrics_folder import metrics_folder
-from app.relay import Relay
-from app.settings import Settings
-from app.starting import Starting, StartStopped
-from app.tls import TLS_RELOAD
+from app.observe.collectors import write_processes
+from app.observe.logs import configure_logging
+from app.observe.metrics import MULTIPROCESS_VARIABLE, Metrics
+from app.observe.metrics_folder import metrics_folder
+from app.process.exits import EXIT_OK, EXIT_START_FAILED
+from app.process.listeners import Listeners, log_start
+from app.process.liveness import STOP_MARGIN_S, TURN_S, Slot, drain_allowance_s, reason, verdict
+from app.process.relay import Relay
+from app.process.starting import Starting, StartStopped
 
 log = logging.getLogger("ffn_serve.supervisor")
 
@@ -87,14 +87,14 @@ ENGINE_COMMANDS = frozenset({"log_settings"}) | MODEL_COMMANDS
 # no torch threads, no sockets, which is all a spawned worker was spared by its fresh interpreter.
 # WORKER_PRELOAD is all of ours, and torch, that a worker imports before it is ready (a test holds it to that).
 WORKER_PRELOAD = (
-    "app.supervisor",
-    "app.server",
+    "app.process.supervisor",
+    "app.process.server",
     "app.engine.service",
     "app.engine.registry",
-    "app.preflight",
+    "app.process.preflight",
     "app.http.transport.uvicorn_members",
 )
-ENGINE_PRELOAD = ("app.supervisor", "app.handoff.engine_process")
+ENGINE_PRELOAD = ("app.process.supervisor", "app.process.engine_process")
 FORK_SERVER_LOST = 255  # the exit code multiprocessing gives each child of a fork server that died
 
 
@@ -338,7 +338,7 @@ class Supervisor:
                 log.info("ready: %d workers, %d torch threads each", len(self._slots), self.threads)
 
     def _judge(self, now: float) -> None:
-        """Ask to drain, or kill, every worker whose verdict is due (app/liveness.py), with a log line saying why."""
+        """Ask to drain, or kill, every worker whose verdict is due (app/process/liveness.py), with a log line saying why."""
         if self._stop_deadline is not None:
             return  # stopping: the drain has its own deadline, and a draining loop may stop beating
         for slot in self._slots:
@@ -414,7 +414,7 @@ class Supervisor:
         if self._stop_deadline is not None:
             return
         if self.settings.tls_cert_file is not None:
-            # Every front serves TLS from the same files, so every one reads them again (app/server.py's TLS_RELOAD).
+            # Every front serves TLS from the same files, so every one reads them again (app/process/server.py's TLS_RELOAD).
             reached = self._relay.tell(TLS_RELOAD, {"why": "SIGHUP"})
             log.info("received SIGHUP: %d front(s) read the TLS certificate and key again", reached)
         # One process applies the config file for all: its loads are broadcast to every worker, or, with
@@ -522,10 +522,10 @@ def _describe_exit(code: int | None) -> str:
 def engine_entry(
     settings: Settings, conn: Connection, path: Path, replacement: bool, index: int, device: str | None
 ) -> None:
-    """An engine process's life (shared_engine): app/handoff/engine_process.py, imported here, in it alone.
+    """An engine process's life (shared_engine): app/process/engine_process.py, imported here, in it alone.
     `index`: its slot's, the number its log lines carry; `device`: where it computes every model (None:
     where each model's table says)."""
-    from app.handoff.engine_process import engine_main  # torch: in the engine, never the supervisor
+    from app.process.engine_process import engine_main  # torch: in the engine, never the supervisor
 
     engine_main(settings, conn, path, replacement, index, device)
 
@@ -558,7 +558,9 @@ def worker_main(
     # The supervisor's SIGTERM while this worker starts (it is stopping the service) stops the start: exit 0.
     with Starting() as starting:
         try:
-            from app.server import serve_here  # torch and the web stack: in the workers only, never the supervisor
+            from app.process.server import (
+                serve_here,  # torch and the web stack: in the workers only, never the supervisor
+            )
         except StartStopped as stopped:
             log.info("%s: stopped before serving", stopped)
             sys.exit(EXIT_OK)

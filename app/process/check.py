@@ -15,11 +15,11 @@ import sys
 
 import numpy as np
 
+from app.config.settings import Settings
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine, ServedModel
-from app.exits import EXIT_BAD_SETTINGS, EXIT_OK
-from app.metrics import Metrics
-from app.settings import Settings
+from app.observe.metrics import Metrics
+from app.process.exits import EXIT_BAD_SETTINGS, EXIT_OK
 from ffn_core.dtypes import DTYPES
 
 CHECK_ROWS = 4  # the rows of each model's request: more than one, so that a row mix-up would show

@@ -2,7 +2,7 @@
 
 A worker is judged only over time the supervisor itself ran (issue 28, class 8): a worker is
 silent when the supervisor, running, heard nothing from it, never because the supervisor was not
-there to hear. The supervisor (app/supervisor.py) acts on the verdicts; the rules:
+there to hear. The supervisor (app/process/supervisor.py) acts on the verdicts; the rules:
 
 - A ready worker's event loop beats every half second (app/engine/loop_watch.py). One silent for
   `heartbeat_timeout_s` is asked to drain (SIGTERM): its loop may be held by work (a huge body
@@ -28,8 +28,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import NamedTuple
 
-from app.listeners import CONNECTION_CLOSE_GRACE_S
-from app.settings import Settings
+from app.config.settings import Settings
+from app.process.listeners import CONNECTION_CLOSE_GRACE_S
 
 TURN_S = 0.5  # the supervisor's loop turns at least this often
 # A starting worker silent this long is stopped: its beat thread waits for the interpreter, which

@@ -37,14 +37,14 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from app.settings import Settings
+from app.config.settings import Settings
 
 log = logging.getLogger("ffn_serve")
 
 # A stat of three files a second is nothing next to a request; a rotation is seen within two seconds.
 WATCH_INTERVAL_S = 1.0
 # The control command that reads the files again in a serving process: the supervisor sends it to every
-# front on SIGHUP (app/supervisor.py), a single process reloads on SIGHUP itself (app/server.py).
+# front on SIGHUP (app/process/supervisor.py), a single process reloads on SIGHUP itself (app/process/server.py).
 TLS_RELOAD = "tls.reload"
 _SPKI = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from app.config.settings import GRPC_PORT_FIX, Settings
 from app.grpc.ports import reserve
-from app.listeners import Listeners
-from app.settings import GRPC_PORT_FIX, Settings
+from app.process.listeners import Listeners
 from ffn_core.errors import WeightsError
 from ffn_core.families import FAMILIES, find_layers, layer_problem
 from ffn_core.files import file_kind

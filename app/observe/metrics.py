@@ -22,10 +22,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from app.collectors import BuildInfoCollector, GpuMemoryCollector, GpuReading, ProcessesCollector, read_gpus
+from app.observe.collectors import BuildInfoCollector, GpuMemoryCollector, GpuReading, ProcessesCollector, read_gpus
 
 if TYPE_CHECKING:
-    from app.triton_metrics import TritonNames
+    from app.observe.triton_metrics import TritonNames
 
 MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -7,7 +7,7 @@ started it in the background, which leaves SIGINT ignored: a Ctrl-C or `kill -IN
 long load was lost and the server went on to serve. Within `Starting`, either signal raises
 StartStopped in the main thread at its next Python line (a tensor read under way ends first),
 and the command, or the worker, exits 0 with a log line. Once uvicorn runs, its handlers take
-over (app/server.py: a signal before it serves stops the start there too, after that it drains).
+over (app/process/server.py: a signal before it serves stops the start there too, after that it drains).
 
 SIGINT is taken even where it was inherited ignored: uvicorn takes it once serving anyway, and
 docs/install.md promises that Ctrl-C stops ffn-serve the way `kill` does.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.settings_problems import url_problem, without_credentials
+from app.config.settings_problems import url_problem, without_credentials
 
 # The samplers OpenTelemetry's SDK environment specification names and the Python SDK implements.
 SAMPLERS = (
@@ -55,7 +55,7 @@ def traces_export(otlp_endpoint: str | None, environ: Mapping[str, str]) -> Expo
 
 
 def endpoint_problem(url: str, *, base: bool = True) -> str | None:
-    """Why `url` cannot be an OTLP/HTTP endpoint (app/settings_problems.py: url_problem); None if it can.
+    """Why `url` cannot be an OTLP/HTTP endpoint (app/config/settings_problems.py: url_problem); None if it can.
 
     `base`: /v1/traces is added to it (the setting, OTEL_EXPORTER_OTLP_ENDPOINT); else it is the
     traces endpoint itself (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT).

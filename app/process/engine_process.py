@@ -1,6 +1,6 @@
 """An engine process: the configured models, served to fronts through the hand-off's Unix socket.
 
-    python -m app.handoff.engine_process SOCKET [READY_FD]  # settings as the server reads them (FFN_*)
+    python -m app.process.engine_process SOCKET [READY_FD]  # settings as the server reads them (FFN_*)
 
 It loads and warms the models, then listens on SOCKET, removing a socket file a dead engine left
 there. Its log line "engine ready" (in the log format) says it listens, and so does a byte written
@@ -28,20 +28,20 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO
 
+from app.config.settings import Settings, load_settings
+from app.config.tracing import traces_export
 from app.control import Control
 from app.engine.registry import ModelLoadError, Registry
 from app.engine.service import Engine
-from app.exits import EXIT_OK, EXIT_START_FAILED
 from app.handoff.engine import EngineServer
 from app.handoff.loop import run_on_served_loop
-from app.logs import configure_logging
-from app.metrics import Metrics
+from app.observe.logs import configure_logging
+from app.observe.metrics import Metrics
+from app.process.exits import EXIT_OK, EXIT_START_FAILED
+from app.process.starting import Starting, StartStopped
+from app.process.supervisor import beat_until
 from app.protocol.v2 import log_settings
-from app.settings import Settings, load_settings
-from app.starting import Starting, StartStopped
-from app.supervisor import beat_until
 from app.tracing import TraceSettings, start_tracing
-from app.tracing.config import traces_export
 
 log = logging.getLogger("ffn_serve.engine")
 
@@ -53,7 +53,7 @@ def launch(path: Path, env: dict[str, str], prefix: Sequence[str] = ()) -> subpr
     ready_read, ready_write = os.pipe()
     try:
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "app.handoff.engine_process", str(path), str(ready_write)],
+            [*prefix, sys.executable, "-m", "app.process.engine_process", str(path), str(ready_write)],
             env=env,
             stderr=subprocess.PIPE,
             pass_fds=[ready_write],
@@ -183,7 +183,7 @@ def engine_main(
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or not all(arg.isdigit() for arg in args[1:]):
-        print("usage: python -m app.handoff.engine_process SOCKET [READY_FD]", file=sys.stderr)
+        print("usage: python -m app.process.engine_process SOCKET [READY_FD]", file=sys.stderr)
         return 2
     ready_fd = int(args[1]) if len(args) == 2 else None
 

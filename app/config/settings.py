@@ -4,7 +4,7 @@ Precedence, highest first: command-line flags, environment variables, the config
 The config file holds the same keys at its top level, plus one `[[models]]` table per model.
 The command line is generated from the Settings class by pydantic-settings' CLI source: each
 field is a `--kebab-case` flag whose help is the field's description, default and variable.
-Every mistake is a SettingsError, one line per problem (app/settings_problems.py). Nothing here
+Every mistake is a SettingsError, one line per problem (app/config/settings_problems.py). Nothing here
 imports torch, so a mistake is reported before the server and torch are imported.
 """
 
@@ -37,7 +37,7 @@ from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDic
 from pydantic_settings import SettingsError as SourceError
 
 from app import __version__
-from app.settings_problems import (
+from app.config.settings_problems import (
     Origins,
     SettingsError,
     nearest,
@@ -46,7 +46,7 @@ from app.settings_problems import (
     url_problem,
     validation_problems,
 )
-from app.tracing.config import endpoint_problem
+from app.config.tracing import endpoint_problem
 from ffn_core.families import table_problem
 from ffn_core.files import file_kind
 
@@ -770,7 +770,7 @@ class Command:
     """The command line: the settings given as flags, and what to do with them."""
 
     settings: dict[str, Any]
-    check: bool = False  # --check: load, warm up and ask every model once, in-process, then exit (app/check.py)
+    check: bool = False  # --check: load, warm up and ask every model once, in-process, then exit (app/process/check.py)
 
 
 def command_line(argv: Sequence[str] | None) -> dict[str, Any]:

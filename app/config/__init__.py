@@ -1,0 +1,1 @@
+"""The service's configuration: settings and their checks, TLS files, the OTLP export."""
