@@ -118,3 +118,19 @@ async def test_past_the_calls_that_may_wait_a_call_is_refused_at_once() -> None:
     await asyncio.gather(*waiting, return_exceptions=True)
     some.give(room)
     assert held.held == 0 and some.taken == 0
+
+
+async def test_a_waiting_call_cancelled_as_a_room_is_given_back_leaves_the_line_once() -> None:
+    # Cancelling a task cancels the turn it waits on at once; the room given back in the same turn of
+    # the loop passes that turn by (taking it out of the line) before the call itself wakes to leave.
+    held, some = rooms(128, 64)
+    room = await some.take()
+    leaving = asyncio.create_task(some.take())
+    staying = asyncio.create_task(some.take())
+    await asyncio.sleep(0)
+    leaving.cancel()
+    some.give(room)
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    some.give(await staying)
+    assert held.held == 0 and some.taken == 0

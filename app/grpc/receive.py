@@ -99,7 +99,7 @@ class Rooms:
         except BaseException as exc:
             if turn.done() and not turn.cancelled():  # handed a room as it gave up: hand it on
                 self._pass_on()
-            else:
+            elif turn in self._waiting:  # else a room given back meanwhile passed it by, cancelled
                 self._waiting.remove(turn)
             if isinstance(exc, TimeoutError):
                 raise TooManyBytesHeld(
