@@ -111,6 +111,7 @@ async def _flood(server: ServerProcess, calls: int, megabytes: int, bound: int) 
         assert trailers(error)["grpc-retry-pushback-ms"] == "1000"
     assert set(pids) <= set(process_tree(server.proc.pid)), "no process of the server was replaced"
     await _answered_right(server, x)
+    assert "Traceback" not in server.logs(), "no call ended in an error grpc logs"
     grew = f"grew by {memory.growth / MiB:.0f} MiB ({dict(kinds)})"
     if memory.growth >= bound and len(pids) > 1:
         # Measured at +412 to +708 MiB here: each front still holds a max_held_bytes of its own and the
