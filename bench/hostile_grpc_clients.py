@@ -256,7 +256,10 @@ async def unread_answers(
             chunk = payload[sent : sent + window]
             sent += len(chunk)
             raw.h2.send_data(stream, chunk, end_stream=sent >= len(payload))
-            await raw.flush()
+            try:
+                await raw.flush()
+            except ConnectionError:  # the server ended the connection: an answer before was not taken in time
+                raw.closed = True
     await asyncio.gather(*(raw.pump(hold_s) for raw in raws))
     return raws
 

@@ -43,11 +43,12 @@ LONGEST_FIRST = (
     "test_process_budgets.py",  # 193 s
     "test_shared_engine.py",  # 136
     "test_bench_gpu.py",  # 95
+    "test_grpc_budgets.py",  # 93 (at 52de824: both layouts, and a second budget)
     "test_model_control_workers.py",  # 87
     "test_bench_transport.py",  # 75
-    "test_grpc_budgets.py",  # 73
     "test_grpc_lifecycle.py",  # 66
     "test_tracing.py",  # 64
+    "test_grpc_floods.py",  # 63 (at 52de824: both layouts)
     "test_system_shared_memory.py",  # 62
     "test_startup_checks.py",  # 60
     "test_workers.py",  # 59

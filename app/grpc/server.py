@@ -29,6 +29,7 @@ from app.grpc import reflection, wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.ports import target
+from app.grpc.receive import Rooms, read_with_room
 from app.grpc.service import InferenceServicer
 from app.grpc.writes import answered_within
 from app.protocol.admission import CallsInFlight, HeldBytes
@@ -69,6 +70,11 @@ class GrpcServer:
                 # Per connection: a bounded number of streams at once, advertised (SETTINGS_MAX_CONCURRENT_STREAMS;
                 # grpc core counts a stream until it is freed, so streams reset at once count too: rapid reset).
                 ("grpc.max_concurrent_streams", GRPC_STREAMS_PER_CONNECTION),
+                # A stream's window stays at HTTP/2's 64 KiB until its handler reads (receive.py): without
+                # BDP probing grpc core does not grow it by the link's throughput, so a call refused before
+                # its message is read has cost at most that much. A read opens the window to the message's
+                # size (grpc core does so for a pending read), so one large message still arrives at speed.
+                ("grpc.http2.bdp_probe", 0),
                 # A connection that has not sent its preface and SETTINGS within header_timeout_s is closed,
                 # and so is one with nothing in flight for as long (grpc clients reconnect by themselves).
                 ("grpc.server_handshake_timeout_ms", _milliseconds(settings.header_timeout_s)),
@@ -87,8 +93,11 @@ class GrpcServer:
             ),
             (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine, probes)),
         )
+        # Room for ModelInfer messages on their way, from the same budget (receive.py); one message
+        # is at most max_body_bytes, grpc's max_receive_message_length above.
+        rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
         for name, register, servicer in services:
-            handlers = _tolerant_handlers(register, servicer, self._state.held, settings.send_timeout_s)
+            handlers = _tolerant_handlers(register, servicer, self._state.held, settings.send_timeout_s, rooms)
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
         reflection.enable(server, (INFERENCE_SERVICE, HEALTH_SERVICE))
@@ -122,7 +131,7 @@ class _Capture:
 
 
 def _tolerant_handlers(
-    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes, send_timeout_s: float
+    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes, send_timeout_s: float, rooms: Rooms
 ) -> dict[str, grpc.RpcMethodHandler]:
     """The method handlers that the generated `register` gives `servicer`, each parsing its requests within budget.
 
@@ -132,9 +141,10 @@ def _tolerant_handlers(
     budget becomes a Malformed, which its method answers through the error table naming what was
     wrong (INVALID_ARGUMENT, RESOURCE_EXHAUSTED): grpc's own handling would answer UNKNOWN.
 
-    ModelInfer's answer is watched (writes.answered_within): one not taken within `send_timeout_s`
-    ends the client's connection (connections.py), as the HTTP door drops it, and the request's and
-    answer's bytes are held until the call is done.
+    ModelInfer's message is read only with one of `rooms` (receive.py: served stream-unary, so
+    that grpc core holds no message the budget has not admitted), and its answer is watched (writes.answered_within): one not taken within
+    `send_timeout_s` ends the client's connection (connections.py), as the HTTP door drops it, and
+    the request's and answer's bytes are held until the call is done.
     """
     capture = _Capture()
     register(servicer, capture)
@@ -144,9 +154,10 @@ def _tolerant_handlers(
     }
     infer = handlers.get("ModelInfer")
     if infer is not None:
-        handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
-            answered_within(infer.unary_unary, send_timeout_s),
-            request_deserializer=infer.request_deserializer,
+        watched = answered_within(infer.unary_unary, send_timeout_s)
+        handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
+            read_with_room(watched, infer.request_deserializer, rooms),
+            request_deserializer=None,  # the raw bytes: parsed (and held) once the room is traded for them
             response_serializer=infer.response_serializer,
         )
     return handlers

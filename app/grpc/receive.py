@@ -1,0 +1,159 @@
+"""Room for a ModelInfer message, taken from `max_held_bytes` before grpc core receives it.
+
+grpc core receives a unary call's message whole before the servicer sees a byte of it, and a
+message's size is not in its headers: so a budget checked on the message itself (wire.py) is
+checked after its memory is spent. 48 concurrent 31 MiB calls against one process with a 256 MiB
+budget grew it by 1.4 to 1.9 GB while all but one were refused (issue 40).
+
+So ModelInfer is served as a stream-unary method, which grpc gives its handler before any message
+is read, and the handler reads the one message only once it has a room: the largest message the
+door admits (`max_body_bytes`, grpc's `max_receive_message_length`), taken from the process's
+budget of held bytes. Once the message has arrived the room is traded for its real size, which
+wire.py holds until the call is answered. A call that gets no room is refused RESOURCE_EXHAUSTED
+with a retry hint, its message never read. Until its handler reads, grpc core holds at most the
+stream's flow-control window of a message (server.py keeps it at HTTP/2's 64 KiB). So what grpc
+core holds ahead of admission counts against the budget, as the HTTP door counts a body's declared
+length before reading it.
+
+Rooms take at most half the budget (one at least), so that messages on their way, or clients that
+start messages and stall, never hold what the calls being answered and the HTTP door need. A call
+that finds every room taken waits for one in turn (Rooms); a message must arrive whole within
+`read_timeout_s` of its room (grpc core shows no progress before the whole; the HTTP door bounds a
+body's pauses by the same setting), else DEADLINE_EXCEEDED and its room goes to the next call.
+
+The cost: a message holds a whole room while it arrives, whatever its size, so clients that open
+calls and stall hold rooms until `read_timeout_s`, and calls behind them wait or are refused with
+the retry hint; the HTTP door, which reads Content-Length first, counts only what a body declares.
+A small message holds its room for microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from app.grpc.malformed import Malformed
+from app.protocol.admission import HeldBytes, Hold
+from app.protocol.errors import InvalidInput, RequestTimeout, TooManyBytesHeld
+
+# HTTP/2's initial flow-control window, which grpc core keeps for a stream that has no read pending
+# while BDP probing is off (server.py): what a waiting call's message may have put in memory.
+STREAM_WINDOW = 65535
+
+Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+class Rooms:
+    """Rooms of `largest` bytes for messages on their way, taken from `held`: at most half of it, one at least.
+
+    A call that finds every room taken waits for one, first come first served, up to `read_timeout_s`
+    (a small message holds its room for microseconds: calls arriving together must not refuse each
+    other); at most `max_waiting` calls wait, each held back by HTTP/2 flow control at 64 KiB of its
+    message (a quarter of the budget in all). A message must then arrive whole within `read_timeout_s`.
+    """
+
+    def __init__(self, held: HeldBytes, largest: int, read_timeout_s: float) -> None:
+        self._held = held
+        self.largest = largest
+        self.read_timeout_s = read_timeout_s
+        self.limit = max(1, held.limit // 2 // largest)
+        self.max_waiting = max(self.limit, held.limit // 4 // STREAM_WINDOW)
+        self.taken = 0  # rooms held, and rooms handed to a waiter that has not woken yet
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    async def take(self) -> Hold:
+        """A room, or TooManyBytesHeld (RESOURCE_EXHAUSTED, retry shortly): too many waiting, none free in
+        time, or the calls being answered holding the budget."""
+        if self.taken < self.limit and not self._waiting:
+            self.taken += 1
+        elif len(self._waiting) >= self.max_waiting:
+            raise TooManyBytesHeld(
+                f"{self.taken} ModelInfer messages are arriving, each with room for {self.largest} bytes "
+                f"(max_body_bytes) of max_held_bytes ({self._held.limit}), and {len(self._waiting)} wait; retry shortly"
+            )
+        else:
+            await self._turn()
+        room = Hold(self._held)
+        try:
+            room.grow(self.largest)
+        except TooManyBytesHeld:
+            self._pass_on()
+            raise
+        return room
+
+    def give(self, room: Hold) -> None:
+        """The room back: to the call waiting longest, else free."""
+        room.resize(0)
+        self._pass_on()
+
+    async def _turn(self) -> None:
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                await turn
+        except BaseException as exc:
+            if turn.done() and not turn.cancelled():  # handed a room as it gave up: hand it on
+                self._pass_on()
+            elif turn in self._waiting:  # else a room given back meanwhile passed it by, cancelled
+                self._waiting.remove(turn)
+            if isinstance(exc, TimeoutError):
+                raise TooManyBytesHeld(
+                    f"no room for a ModelInfer message within {self.read_timeout_s:g} s: {self.taken} messages "
+                    f"of up to {self.largest} bytes (max_body_bytes) are arriving; retry shortly"
+                ) from None
+            raise
+
+    def _pass_on(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)  # still counted in `taken`: the room is the waiter's now
+                return
+        self.taken -= 1
+
+
+def read_with_room(unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms) -> Callable[..., Awaitable[Any]]:
+    """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms`.
+
+    The message, once read, is parsed by `parse` (which holds its real size) and answered by
+    `unary`; a call refused, `unary` answers a Malformed: no room (TooManyBytesHeld, its
+    RESOURCE_EXHAUSTED and retry hint), no whole message within the rooms' `read_timeout_s` (RequestTimeout,
+    DEADLINE_EXCEEDED), or none at all (INVALID_ARGUMENT).
+    """
+
+    async def behaviour(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        try:
+            room = await rooms.take()
+        except TooManyBytesHeld as exc:
+            return await unary(Malformed(exc), context)
+        read = asyncio.ensure_future(anext(aiter(messages), None))
+        try:
+            done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
+        finally:
+            rooms.give(room)  # before `parse` holds the message's own size: the trade never fails
+            if not read.done():  # it ends with the call, which grpc core ends once answered
+                read.add_done_callback(_retrieved)
+        if not done:
+            late = RequestTimeout(
+                f"the ModelInfer message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
+            )
+            return await unary(Malformed(late), context)
+        data = read.result()
+        if data is None:
+            return await unary(
+                Malformed(InvalidInput("a ModelInfer call carries one request message; got none")), context
+            )
+        return await unary(parse(data), context)
+
+    return behaviour
+
+
+def _retrieved(read: asyncio.Future[Any]) -> None:
+    """A read left behind ends when its call does, in an error of grpc's that nobody needs: taken, so never logged."""
+    if not read.cancelled():
+        read.exception()
