@@ -31,7 +31,7 @@ from typing import Protocol
 from ffn_client.client import Client
 from ffn_client.tls import CertFiles
 from ffn_testing.ports import HOST, free_ports
-from ffn_testing.procfs import children, command_line, process_tree, read_rss, tree_cpu_seconds
+from ffn_testing.procfs import children, command_line, process_tree, read_pss, read_rss, tree_cpu_seconds
 
 SERVE_COMMAND = (sys.executable, "-m", "app.cli")
 
@@ -181,12 +181,13 @@ class ServerProcess:
         return read_rss(self.proc.pid)
 
     def tree_rss_bytes(self) -> int:
-        """The resident memory of the process and its descendants now (the fronts and engines of a layout):
-        shared pages counted in each process that maps them, so an upper bound of what the tree holds."""
+        """The memory the process and its descendants hold now (the fronts and engines of a layout): each
+        process's proportional set size, so that a page the hand-off shares between a front and an engine
+        counts once, as the host spends it once (read_pss)."""
         total = 0
         for pid in process_tree(self.proc.pid):
             try:
-                total += read_rss(pid)
+                total += read_pss(pid)
             except (OSError, RuntimeError):  # exited meanwhile, or a zombie: it holds nothing
                 continue
         return total

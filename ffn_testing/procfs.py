@@ -41,6 +41,20 @@ def read_rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def read_pss(pid: int) -> int:
+    """A process's proportional set size in bytes (Pss, /proc/<pid>/smaps_rollup): each page shared with
+    other processes counted as its share, so that a tree's sum is the memory it holds; VmRSS where the
+    kernel has no smaps_rollup."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return read_rss(pid)
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (none if it has exited)."""
     try:
