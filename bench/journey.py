@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = (str(ROOT / "app") + os.sep, str(ROOT / "ffn_core") + os.sep)
 D_MODEL = 512  # the demo model's
-LIMITS = {"native binary": 13, "V2 JSON": 14, "gRPC ModelInfer": 15, "model reload": 18}
+LIMITS = {"native binary": 14, "V2 JSON": 15, "gRPC ModelInfer": 17, "model reload": 19}
 # Answers uncompressed, as ffn_client asks: httpx's default Accept-Encoding would have them compressed.
 IDENTITY = {"accept-encoding": "identity"}
 RECORD_ENV = "FFN_JOURNEY_FILE"  # where the served process writes what it recorded

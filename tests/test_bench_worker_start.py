@@ -23,7 +23,7 @@ def test_a_quick_run_prints_the_fresh_import_and_a_row_for_two_workers() -> None
         timeout=600,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    fresh = re.search(r"`import app\.server, app\.engine\.service`: ([\d.]+) CPU s", run.stdout)
+    fresh = re.search(r"`import app\.process\.server, app\.engine\.service`: ([\d.]+) CPU s", run.stdout)
     assert fresh is not None and float(fresh.group(1)) > 0, run.stdout
     (row,) = [line for line in run.stdout.splitlines() if line.startswith("| 2 |")]
     ready, cpu, replacement, ratio, pss, dirty = (float(cell) for cell in row.strip("| ").split(" | ")[1:])

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -362,8 +363,9 @@ def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
     # A file there but not weights: a missing one is refused before any worker starts (app/process/preflight.py).
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "bad.toml").write_text('[[models]]\nname = "broken"\nweights = "broken.safetensors"\n')
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # A short TMPDIR of its own: multiprocessing's fork server binds a Unix socket inside it, whose path
+    # may not pass 107 bytes (a pytest tmp_path deep in a machine's hundredth run would).
+    scratch = Path(tempfile.mkdtemp(prefix="w", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FFN_")} | {"TMPDIR": str(scratch)}
     result = subprocess.run(
         [
@@ -390,6 +392,7 @@ def test_a_worker_that_cannot_load_stops_the_start(tmp_path: Path) -> None:
     assert result.stderr.count("started (pid") == 2, "each worker starts once: no restart"
     assert "starting another" not in result.stderr
     assert list(scratch.iterdir()) == [], "the metrics folder is removed"
+    scratch.rmdir()
 
 
 def test_a_metrics_port_in_use_exits_3() -> None:
