@@ -234,13 +234,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_started = 0.0  # time.monotonic() at the end of its head
         self._body_paused_base = 0.0  # flow.paused_s() then
         self._last_progress = 0.0
-        # One timer per connection for both idle bounds (the head's and the keep-alive's): a request
-        # moves the deadlines (two floats), and the timer, armed for the soonest, re-arms itself
-        # for the next when it fires early. Two timers armed and cancelled per request were 2-3 µs of it.
-        self._head_deadline: float | None = None  # loop time by which the next head must be in
-        self._keep_alive_deadline: float | None = None  # loop time at which an idle connection is closed
-        self._watch: asyncio.TimerHandle | None = None
-        self._watch_at = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent_at_check = 0
@@ -490,7 +484,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._completion_deferred:
             self._completion_deferred = False
-            self._end_answer()  # pops the next pipelined request and starts its task
+            super().on_response_complete()  # pops the next pipelined request and starts its task
             if self.transport.is_closing():
                 return
         self._feed_held()
@@ -608,7 +602,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._completion_deferred = True
             self.turns.ask(self, self.loop)
             return
-        self._end_answer()
+        super().on_response_complete()
         if self.transport.is_closing():
             return
         if self._holding():
@@ -618,23 +612,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_head_timer()
             if not (self._unanswered or self._overhead or self._in_body):
                 self.budget.idle(self)
-
-    def _end_answer(self) -> None:
-        """uvicorn's on_response_complete, its keep-alive timer made a deadline of the connection's one timer."""
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():
-            return
-        self._unset_keepalive_if_required()
-        self.flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-        else:
-            self._keep_alive_deadline = self.loop.time() + self.timeout_keep_alive
-            self._watch_until(self._keep_alive_deadline)
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._keep_alive_deadline = None
 
     def _content_length(self) -> int | None:
         """The body's length as the parser reads it (one Content-Length of digits); None if chunked."""
@@ -721,39 +698,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ----- the head timeout ------------------------------------------------------------------
 
     def _arm_head_timer(self) -> None:
-        self._head_deadline = self.loop.time() + self.limits.header_timeout_s
-        self._watch_until(self._head_deadline)
-
-    def _watch_until(self, deadline: float) -> None:
-        """The connection's timer fires by `deadline`: armed anew only when it would fire later."""
-        if self._watch is not None:
-            if self._watch_at <= deadline:
-                return
-            self._watch.cancel()
-        self._watch_at = deadline
-        self._watch = self.loop.call_at(deadline, self._watched)
-
-    def _watched(self) -> None:
-        """The timer fired: act on each deadline passed, then re-arm for the soonest still ahead."""
-        self._watch = None
-        if self.transport.is_closing():
-            return
-        now = self.loop.time()
-        if self._keep_alive_deadline is not None and now >= self._keep_alive_deadline:
-            self._keep_alive_deadline = None
-            self.timeout_keep_alive_handler()
-            if self.transport.is_closing():
-                return
-        if self._head_deadline is not None and now >= self._head_deadline:
-            self._head_deadline = None
-            self._head_timed_out()
-            if self.transport.is_closing():
-                return
-        ahead = [d for d in (self._keep_alive_deadline, self._head_deadline) if d is not None]
-        if ahead:
-            self._watch_until(min(ahead))
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
+        self._head_timer = None
         if self.transport.is_closing():
             return
         if self._head_begun or self._overhead:
@@ -764,7 +713,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()  # an idle connection: closed quietly, as a keep-alive timeout does
 
     def _cancel_head_timer(self) -> None:
-        self._head_deadline = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     # ----- the body's pause bound and deadline -----------------------------------------------
 
@@ -798,11 +749,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _cancel_timers(self) -> None:
-        self._head_deadline = self._keep_alive_deadline = None
-        for timer in (self._watch, self._quiet_timer, self._body_timer, self._send_timer):
+        for timer in (self._head_timer, self._quiet_timer, self._body_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
-        self._watch = self._quiet_timer = self._body_timer = self._send_timer = None
+        self._head_timer = self._quiet_timer = self._body_timer = self._send_timer = None
 
     # ----- answering an error from the protocol ----------------------------------------------
 

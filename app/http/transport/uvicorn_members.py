@@ -24,8 +24,6 @@ FLOW_MODULE = ("FlowControl",)
 PROTOCOL_METHODS = (
     "_should_upgrade",
     "_unset_keepalive_if_required",
-    "_start_asgi_task",
-    "timeout_keep_alive_handler",
     "send_400_response",
     "connection_made",
     "connection_lost",
@@ -61,10 +59,9 @@ PROTOCOL_STATE = (
     "scheme",
     "access_log",
     "access_logger",
-    "timeout_keep_alive",
 )
 FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
-SERVER_STATE = ("default_headers", "total_requests")
+SERVER_STATE = ("default_headers",)
 CYCLE_STATE = (
     "response_started",
     "response_complete",
