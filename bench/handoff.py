@@ -36,7 +36,7 @@ import torch
 from app.config.settings import load_settings
 from app.engine.registry import Registry
 from app.engine.service import Engine
-from app.handoff.front import EngineClient
+from app.handoff.front import Ask, EngineClient
 from app.handoff.loop import run_on_served_loop
 from app.observe.metrics import Metrics
 from app.process.engine_process import launch
@@ -111,10 +111,12 @@ async def handed_off(socket: Path, engine_pid: int, rows: int, concurrency: int,
     client = EngineClient(socket)
     x = np.random.default_rng(rows).standard_normal((rows, D_MODEL)).astype(np.float32)
     try:
-        await closed_loop(lambda: client.infer("ffn", None, x, F32, deadline=None), concurrency, 0.3)
+        await closed_loop(lambda: client.infer(Ask("ffn", None, x, F32, deadline=None)), concurrency, 0.3)
         engine_cpu, cpu = tree_cpu_seconds(engine_pid), time.process_time()
         start = time.monotonic()
-        answered = await closed_loop(lambda: client.infer("ffn", None, x, F32, deadline=None), concurrency, seconds)
+        answered = await closed_loop(
+            lambda: client.infer(Ask("ffn", None, x, F32, deadline=None)), concurrency, seconds
+        )
         wall, cpu = time.monotonic() - start, time.process_time() - cpu
         engine_after = tree_cpu_seconds(engine_pid)
     finally:

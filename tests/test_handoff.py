@@ -26,7 +26,7 @@ from app.engine.service import Engine
 from app.handoff.arena import Arena
 from app.handoff.engine import EngineServer
 from app.handoff.frames import LENGTH, encode
-from app.handoff.front import EngineClient
+from app.handoff.front import Ask, EngineClient
 from app.handoff.messages import Hello
 from app.observe.metrics import Metrics
 from app.process.engine_process import launch
@@ -71,10 +71,10 @@ async def test_answers_equal_numpy_through_a_slot_and_a_large_slot_of_their_own(
         small, large = rows(3, 1), rows(40, 2)  # large: 80 KiB, past a slot: a slot of its own size
         half = rows(12, 4).astype(np.float16)  # fits a slot; its float32 answer does not: a large slot
         answers = await asyncio.gather(
-            client.infer("demo", None, small, F32, deadline=None),
-            client.infer("demo", None, large, F32, deadline=None),
-            client.infer("demo", None, small, F16, deadline=None),
-            client.infer("demo", None, half, F32, deadline=None),
+            client.infer(Ask("demo", None, small, F32, deadline=None)),
+            client.infer(Ask("demo", None, large, F32, deadline=None)),
+            client.infer(Ask("demo", None, small, F16, deadline=None)),
+            client.infer(Ask("demo", None, half, F32, deadline=None)),
         )
         assert_close(answers[0], demo_reference(small.astype(np.float64)))
         assert_close(answers[1], demo_reference(large.astype(np.float64)))
@@ -86,7 +86,28 @@ async def test_answers_equal_numpy_through_a_slot_and_a_large_slot_of_their_own(
         link = client._link
         assert link is not None and link.arena.large_free == 2 << 20  # every large slot given back, merged
         with pytest.raises(RequestTooLarge, match="more than this process's hand-off holds"):
-            await client.infer("demo", None, rows(1100, 3), F32, deadline=None)  # 2.1 MiB
+            await client.infer(Ask("demo", None, rows(1100, 3), F32, deadline=None))  # 2.1 MiB
+    finally:
+        await client.close()
+
+
+async def test_infer_soon_sends_at_once_once_linked_and_an_ask_goes_to_the_call_of_its_kind(served: Path) -> None:
+    client = EngineClient(served)
+    try:
+        x, request = rows(3, 5), MonteCarloRequest(passes=2, dropout=0.1, seed=1)
+        with pytest.raises(ValueError, match="infer_monte_carlo"):
+            await client.infer(Ask("demo", None, x, F32, deadline=None, monte_carlo=request))
+        with pytest.raises(ValueError, match="infer_monte_carlo"):
+            client.infer_soon(Ask("demo", None, x, F32, deadline=None, monte_carlo=request))
+        with pytest.raises(ValueError, match="monte_carlo"):
+            await client.infer_monte_carlo(Ask("demo", None, x, F32, deadline=None))
+        first = client.infer_soon(Ask("demo", None, x, F32, deadline=None))  # no link yet: a task waits for one
+        assert client.in_flight == 0
+        assert_close(await first, demo_reference(x))
+        second = client.infer_soon(Ask("demo", None, x, F32, deadline=None))  # linked: sent before it returns
+        assert client.in_flight == 1
+        assert_close(await second, demo_reference(x))
+        assert client.in_flight == 0
     finally:
         await client.close()
 
@@ -94,9 +115,9 @@ async def test_answers_equal_numpy_through_a_slot_and_a_large_slot_of_their_own(
 async def test_a_monte_carlo_answer_crosses_whole(served: Path, engine: Engine) -> None:
     client = EngineClient(served)
     try:
-        x, ask = rows(4, 3), MonteCarloRequest(passes=8, dropout=0.25, seed=7)
-        crossed = await client.infer_monte_carlo("demo", None, x, ask, F32, deadline=None)
-        direct = await engine.model("demo").infer_monte_carlo(x, ask, F32, deadline=None)
+        x, request = rows(4, 3), MonteCarloRequest(passes=8, dropout=0.25, seed=7)
+        crossed = await client.infer_monte_carlo(Ask("demo", None, x, F32, deadline=None, monte_carlo=request))
+        direct = await engine.model("demo").infer_monte_carlo(x, request, F32, deadline=None)
         np.testing.assert_array_equal(crossed.mean, direct.mean)  # the same seed: the same passes
         np.testing.assert_array_equal(crossed.std, direct.std)
         assert crossed.mean.shape == crossed.std.shape == (4, D_MODEL) and np.all(crossed.std > 0)
@@ -108,10 +129,10 @@ async def test_the_engines_errors_cross_as_it_raised_them(served: Path) -> None:
     client = EngineClient(served)
     try:
         with pytest.raises(ModelNotFound) as missing:
-            await client.infer("nope", None, rows(1), F32, deadline=None)
+            await client.infer(Ask("nope", None, rows(1), F32, deadline=None))
         assert missing.value.name == "nope" and missing.value.version is None
         assert "is not served here" in missing.value.message
-        assert_close(await client.infer("demo", None, rows(1), F32, deadline=None), demo_reference(rows(1)))
+        assert_close(await client.infer(Ask("demo", None, rows(1), F32, deadline=None)), demo_reference(rows(1)))
     finally:
         await client.close()
 
@@ -141,13 +162,13 @@ async def test_a_frames_requests_are_queued_together_each_answered_and_counted(
     await server.start()
     client = EngineClient(tmp_path / "engine.sock")
     try:
-        assert_close(await client.infer("demo", None, rows(1), F32, deadline=None), demo_reference(rows(1)))
+        assert_close(await client.infer(Ask("demo", None, rows(1), F32, deadline=None)), demo_reference(rows(1)))
         offered.clear()  # that one opened the link; what follows is asked in one turn: one frame
         sizes = [1 + i % 4 for i in range(30)]  # 75 rows in 30 requests
         xs = [rows(n, seed) for seed, n in enumerate(sizes)]
         answers = await asyncio.gather(
-            *(client.infer("demo", None, x, F32, deadline=None) for x in xs),
-            *(client.infer("demo", None, x, F16, deadline=None) for x in xs[:3]),
+            *(client.infer(Ask("demo", None, x, F32, deadline=None)) for x in xs),
+            *(client.infer(Ask("demo", None, x, F16, deadline=None)) for x in xs[:3]),
         )
         for x, answer in zip(xs, answers[:30], strict=True):
             assert answer.dtype == np.float32
@@ -182,13 +203,13 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
     client = EngineClient(tmp_path / "engine.sock", slots=8)
     weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
     try:
-        blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
+        blocker = asyncio.create_task(client.infer(Ask("slow", None, rows(3000, 99), F32, deadline=None)))
         # Its pass holds the model thread (seconds, longer on a busy machine); what follows queues behind it.
         async with asyncio.timeout(60):
             while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
                 await asyncio.sleep(0.01)
         xs = [rows(2, seed) for seed in range(4)]
-        members = [asyncio.create_task(client.infer("slow", None, x, F32, deadline=None)) for x in xs]
+        members = [asyncio.create_task(client.infer(Ask("slow", None, x, F32, deadline=None))) for x in xs]
         async with asyncio.timeout(60):  # the four go in one frame, queued as one entry
             while client.in_flight < 5:
                 await asyncio.sleep(0)
@@ -226,11 +247,11 @@ async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers
     client = EngineClient(tmp_path / "engine.sock", slots=2, slot_bytes=4096, large_bytes=large)
     weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
     try:
-        blocker = asyncio.create_task(client.infer("slow", None, rows(3000, 99), F32, deadline=None))
+        blocker = asyncio.create_task(client.infer(Ask("slow", None, rows(3000, 99), F32, deadline=None)))
         async with asyncio.timeout(60):  # its pass holds the model thread; what follows queues behind it
             while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
                 await asyncio.sleep(0.01)
-        gone = asyncio.create_task(client.infer("slow", None, rows(1000, 5), F32, deadline=None))
+        gone = asyncio.create_task(client.infer(Ask("slow", None, rows(1000, 5), F32, deadline=None)))
         async with asyncio.timeout(60):
             while client.in_flight < 2:
                 await asyncio.sleep(0)
@@ -243,7 +264,7 @@ async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers
             await gone
         assert link.arena.large_free == taken  # not given back before the engine says so
         x = rows(1000, 6)
-        later = await asyncio.wait_for(client.infer("slow", None, x, F32, deadline=None), 120)
+        later = await asyncio.wait_for(client.infer(Ask("slow", None, x, F32, deadline=None)), 120)
         assert_close(later, numpy_ffn(x, weights), rtol=1e-4)
         assert_close(await asyncio.wait_for(blocker, 120), numpy_ffn(rows(3000, 99), weights), rtol=1e-4)
         assert client.in_flight == 0 and link.arena.large_free == large  # every large slot back, merged
@@ -257,13 +278,13 @@ async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered
     client = EngineClient(served, slots=1)
     try:
         first, second = await asyncio.gather(
-            client.infer("demo", None, rows(2), F32, deadline=None),
-            client.infer("demo", None, rows(2), F32, deadline=None),
+            client.infer(Ask("demo", None, rows(2), F32, deadline=None)),
+            client.infer(Ask("demo", None, rows(2), F32, deadline=None)),
             return_exceptions=True,
         )
         assert_close(first, demo_reference(rows(2)))
         assert isinstance(second, Overloaded) and second.retry_after_s == 1
-        assert_close(await client.infer("demo", None, rows(2), F32, deadline=None), demo_reference(rows(2)))
+        assert_close(await client.infer(Ask("demo", None, rows(2), F32, deadline=None)), demo_reference(rows(2)))
     finally:
         await client.close()
 
@@ -333,7 +354,7 @@ async def test_a_connection_without_a_block_of_memory_is_closed_and_a_front_stil
     client = EngineClient(served, slots=2)  # the engine serves on
     try:
         x = rows(2, 5)
-        assert_close(await client.infer("demo", None, x, F32, deadline=None), demo_reference(x))
+        assert_close(await client.infer(Ask("demo", None, x, F32, deadline=None)), demo_reference(x))
     finally:
         await client.close()
 
@@ -371,11 +392,18 @@ async def test_a_killed_engine_fails_what_is_in_flight_and_a_restarted_one_serve
     first = await asyncio.to_thread(start_engine, path, started)
     client = EngineClient(path)
     try:
-        assert_close(await client.infer("demo", None, rows(2), F32, deadline=None), demo_reference(rows(2)))
+        assert_close(await client.infer(Ask("demo", None, rows(2), F32, deadline=None)), demo_reference(rows(2)))
         # Long enough to be in the engine when it is killed: 10,000 passes over 64 rows.
         long = asyncio.create_task(
             client.infer_monte_carlo(
-                "demo", None, rows(64), MonteCarloRequest(passes=10_000, dropout=0.1, seed=1), F32, deadline=None
+                Ask(
+                    "demo",
+                    None,
+                    rows(64),
+                    F32,
+                    deadline=None,
+                    monte_carlo=MonteCarloRequest(passes=10_000, dropout=0.1, seed=1),
+                )
             )
         )
         await asyncio.sleep(0.5)
@@ -386,9 +414,9 @@ async def test_a_killed_engine_fails_what_is_in_flight_and_a_restarted_one_serve
         print(f"failed {time.monotonic() - killed_at:.3f} s after the kill")
         await asyncio.to_thread(first.wait, 30)  # its listening socket closed with it
         with pytest.raises(Unavailable, match="not running"):  # nothing listens until the restart
-            await client.infer("demo", None, rows(1), F32, deadline=None)
+            await client.infer(Ask("demo", None, rows(1), F32, deadline=None))
         await asyncio.to_thread(start_engine, path, started)
         x = rows(5, 9)
-        assert_close(await client.infer("demo", None, x, F32, deadline=None), demo_reference(x))
+        assert_close(await client.infer(Ask("demo", None, x, F32, deadline=None)), demo_reference(x))
     finally:
         await client.close()

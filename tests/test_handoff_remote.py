@@ -24,7 +24,7 @@ from app.engine.registry import Registry
 from app.engine.service import Engine
 from app.handoff import engine as engine_side
 from app.handoff.engine import EngineServer
-from app.handoff.front import EngineClient
+from app.handoff.front import Ask, EngineClient
 from app.handoff.remote import RemoteEngine
 from app.observe.collectors import GpuReading
 from app.observe.identity import CURRENT, RequestContext
@@ -227,7 +227,7 @@ async def test_no_memory_for_a_new_link_is_said_by_readiness_and_each_request_no
         assert "--memory" in reason
         client = EngineClient(served.socket)  # a request through the hand-off: 503 naming why
         with pytest.raises(Unavailable, match="no room for the hand-off's slots"):
-            await client.infer("demo", None, rows(1), F32, deadline=None)
+            await client.infer(Ask("demo", None, rows(1), F32, deadline=None))
         await client.close()
         monkeypatch.undo()  # room again: the front links at its next try
         await asyncio.wait_for(front.until_warm(), 10)

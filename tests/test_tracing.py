@@ -420,7 +420,7 @@ async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared
     from app.engine.registry import Registry
     from app.engine.service import Engine
     from app.handoff.engine import EngineServer
-    from app.handoff.front import EngineClient
+    from app.handoff.front import Ask, EngineClient
     from app.observe.identity import CURRENT, RequestContext
     from app.observe.metrics import Metrics
     from app.tracing import TraceSettings
@@ -456,10 +456,10 @@ async def test_a_traced_request_handed_to_an_engine_links_to_the_batch_it_shared
         inputs = [np.random.default_rng(i).standard_normal((1, D)).astype(np.float32) for i in range(4)]
         f32 = DTYPES["float32"]
         answers = await asyncio.gather(
-            client.infer("demo", None, inputs[0], f32, deadline=None, context=traced),
+            client.infer(Ask("demo", None, inputs[0], f32, deadline=None, context=traced)),
             # Untraced, sent in one turn: they cross in one frame and the engine queues them as one group.
             *(
-                client.infer("demo", None, x, f32, deadline=None, context=RequestContext(f"untraced-{i}"))
+                client.infer(Ask("demo", None, x, f32, deadline=None, context=RequestContext(f"untraced-{i}")))
                 for i, x in enumerate(inputs[1:], 1)
             ),
         )

@@ -14,10 +14,11 @@ batches across every front. Between them:
 - small control messages (messages.py) over a Unix socket, written as one frame per turn of the
   sender's event loop, however many requests or answers the turn produced (frames.py).
 
-The front's side is front.py (EngineClient: `infer` and `infer_monte_carlo`, as the engine
-facade's models take them; model control) and remote.py (RemoteEngine: the engine facade the
-doors are served in a front, from the engine's table); the engine's is engine.py (EngineServer,
-on the engine: the requests of a frame queued together, the table sent to every front).
+The front's side is front.py (EngineClient: `infer`, `infer_soon` and `infer_monte_carlo`, each of
+one `Ask`: what the engine facade's models take, with the model's name and the request's context;
+model control) and remote.py (RemoteEngine: the engine facade the doors are served in a front, from
+the engine's table); the engine's is engine.py (EngineServer, on the engine: the requests of a frame
+queued together, the table sent to every front).
 
 What may go wrong, and what each side does:
 - The engine process dies: the front reads the socket's end, answers every request it had in

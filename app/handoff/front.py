@@ -1,7 +1,8 @@
 """EngineClient: a front process's side of the hand-off. No torch: numpy arrays in, numpy arrays out.
 
-`infer` and `infer_monte_carlo` take what the engine facade's models take (app/engine/facade.py)
-and answer the same, or raise the engine's error as the engine raised it. The first call
+`infer`, `infer_soon` and `infer_monte_carlo` each take an `Ask`: what the engine facade's models take
+(app/engine/facade.py), with the model's name and the request's context; they answer what the facade
+answers, or raise the engine's error as the engine raised it. The first call
 connects; a connection the engine ended (it died, or is restarting) fails what it had in flight
 Unavailable at once, and the next call connects again, with a new arena. Each arena's memory is
 reserved before its connection is made (`reserve`: at a front's start, so that a host without the
@@ -16,7 +17,7 @@ import math
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,20 @@ LARGE_BYTES = 256 << 20
 
 class EngineNotRunning(Unavailable):
     """Nothing listens on the engine's socket: it is starting, or restarting after it died."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One request to the engine, as the front hands it off: written once here, read by field name."""
+
+    model: str  # the served model's name
+    version: str | None  # None: the version the engine serves
+    rows: np.ndarray  # (n, d_model), in the dtype the request carried (a uint16 array carries bfloat16)
+    answer_dtype: DType  # the dtype the answer is computed and carried in
+    _: KW_ONLY
+    deadline: float | None  # on the front's event loop clock (loop.time()); None: no deadline
+    monte_carlo: MonteCarloRequest | None = None  # None: the plain FFN; else the passes' mean and std
+    context: RequestContext | None = None  # the request's (app/observe/identity.py): a traced one crosses traced
 
 
 @dataclass
@@ -111,57 +126,31 @@ class EngineClient:
         link.tell(what, arguments)
         return True
 
-    async def infer(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        answer_dtype: DType,
-        *,
-        deadline: float | None,
-        context: RequestContext | None = None,
-    ) -> np.ndarray:
-        """The FFN of `rows` (n, d_model) from model `model`, as an array carrying `answer_dtype`.
-        `context`: the request's (app/observe/identity.py); a traced one crosses with its trace."""
+    async def infer(self, ask: Ask) -> np.ndarray:
+        """The FFN of `ask.rows` from model `ask.model`, as an array carrying `ask.answer_dtype`."""
+        if ask.monte_carlo is not None:
+            raise ValueError("a Monte Carlo request is asked with infer_monte_carlo")
         link = await self._connected()
-        (answer,) = await link.ask(model, version, rows, answer_dtype, deadline, None, context)
+        (answer,) = await link.ask(ask)
         return answer
 
-    def infer_soon(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        answer_dtype: DType,
-        *,
-        deadline: float | None,
-        context: RequestContext | None = None,
-    ) -> asyncio.Future[np.ndarray]:
+    def infer_soon(self, ask: Ask) -> asyncio.Future[np.ndarray]:
         """`infer` without a coroutine where the link is up: sent now, the answer's future (cancelling it
         withdraws the request). While there is no link yet, a task that waits for one, as `infer` does."""
+        if ask.monte_carlo is not None:
+            raise ValueError("a Monte Carlo request is asked with infer_monte_carlo")
         link = self._link
         if link is None or link.closed:
-            return asyncio.ensure_future(
-                self.infer(model, version, rows, answer_dtype, deadline=deadline, context=context)
-            )
-        future: asyncio.Future[np.ndarray] = link.ask_soon(
-            model, version, rows, answer_dtype, deadline, None, context, single=True
-        )
+            return asyncio.ensure_future(self.infer(ask))
+        future: asyncio.Future[np.ndarray] = link.ask_soon(ask, single=True)
         return future
 
-    async def infer_monte_carlo(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        request: MonteCarloRequest,
-        answer_dtype: DType,
-        *,
-        deadline: float | None,
-        context: RequestContext | None = None,
-    ) -> MonteCarloResult:
+    async def infer_monte_carlo(self, ask: Ask) -> MonteCarloResult:
+        """The mean and std of `ask.monte_carlo`'s passes over `ask.rows`, each as `infer` answers."""
+        if ask.monte_carlo is None:
+            raise ValueError("infer_monte_carlo needs the request's monte_carlo")
         link = await self._connected()
-        mean, std = await link.ask(model, version, rows, answer_dtype, deadline, request, context)
+        mean, std = await link.ask(ask)
         return MonteCarloResult(mean, std)
 
     def _took_gpus(self, gpus: list[GpuReading]) -> None:
@@ -272,60 +261,39 @@ class _Link:
     def tell(self, what: str, arguments: dict[str, Any]) -> None:
         self._frames.send(Control(0, what, arguments))
 
-    async def ask(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        answer_dtype: DType,
-        deadline: float | None,
-        monte_carlo: MonteCarloRequest | None,
-        context: RequestContext | None,
-    ) -> list[np.ndarray]:
-        answer: list[np.ndarray] = await self.ask_soon(
-            model, version, rows, answer_dtype, deadline, monte_carlo, context
-        )
+    async def ask(self, ask: Ask) -> list[np.ndarray]:
+        answer: list[np.ndarray] = await self.ask_soon(ask)
         return answer
 
-    def ask_soon(
-        self,
-        model: str,
-        version: str | None,
-        rows: np.ndarray,
-        answer_dtype: DType,
-        deadline: float | None,
-        monte_carlo: MonteCarloRequest | None,
-        context: RequestContext | None,
-        *,
-        single: bool = False,
-    ) -> asyncio.Future[Any]:
-        """Send the request now; the future of its answer (`single`: the array itself, else a list of them).
+    def ask_soon(self, ask: Ask, *, single: bool = False) -> asyncio.Future[Any]:
+        """Send `ask` now; the future of its answer (`single`: the array itself, else a list of them).
 
         Cancelling the future withdraws the request: the engine is told, and its slot stays taken
         until the engine answers for it (see app/handoff/engine.py)."""
+        rows, answer_dtype, monte_carlo, context = ask.rows, ask.answer_dtype, ask.monte_carlo, ask.context
         parts = 1 if monte_carlo is None else 2
         slot = self._slot_for(max(rows.nbytes, rows.size * answer_dtype.itemsize * parts))
         target = self.arena.region(slot.place, slot.room, rows.nbytes)
         target[:] = np.ascontiguousarray(rows).data.cast("B")
         target.release()
         self.arena.let_go(slot)
-        ask = next(self._ids)
+        number = next(self._ids)
         loop = asyncio.get_running_loop()
         trace = None if context is None else context.trace
         pending = Pending(loop.create_future(), slot, answer_dtype, parts, context, single)
-        self.pending[ask] = pending
+        self.pending[number] = pending
         self._frames.send(
             Submit(
-                ask=ask,
+                ask=number,
                 place=slot.place,
                 room=slot.room,
                 generation=slot.generation,
-                model=model,
-                version=version,
+                model=ask.model,
+                version=ask.version,
                 shape=tuple(rows.shape),
                 rows_dtype=_dtype_name(rows),
                 answer_dtype=answer_dtype.name,
-                deadline=None if deadline is None else time.monotonic() + (deadline - loop.time()),
+                deadline=None if ask.deadline is None else time.monotonic() + (ask.deadline - loop.time()),
                 monte_carlo=None
                 if monte_carlo is None
                 else MonteCarlo(monte_carlo.passes, monte_carlo.dropout, monte_carlo.seed),
@@ -335,7 +303,7 @@ class _Link:
         )
         load = len(rows) * (1 if monte_carlo is None else monte_carlo.passes)
         self.rows_in_flight += load
-        pending.answer.add_done_callback(lambda answer: self._asked(ask, load, answer))
+        pending.answer.add_done_callback(lambda answer: self._asked(number, load, answer))
         return pending.answer
 
     def _asked(self, ask: int, load: int, answer: asyncio.Future[Any]) -> None:

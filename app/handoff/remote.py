@@ -34,7 +34,7 @@ from app.engine.loop_watch import LoopWatch
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.status import DRAINING, ModelState, ModelStatus
 from app.engine.unloaded import not_ready_error, not_served_error
-from app.handoff.front import EngineClient, EngineNotRunning
+from app.handoff.front import Ask, EngineClient, EngineNotRunning
 from app.handoff.messages import Table
 from app.observe.identity import current
 from ffn_core.dtypes import DTYPES, DType
@@ -139,14 +139,14 @@ class RemoteModel:
         """`infer` without a coroutine (the HTTP door's lean path): sent to the least loaded engine now, the
         answer's future; cancelling it withdraws the request. The current request's context crosses with it."""
         client = self._least_loaded()
-        return client.infer_soon(self.name, None, rows, answer_dtype, deadline=deadline, context=current())
+        return client.infer_soon(Ask(self.name, None, rows, answer_dtype, deadline=deadline, context=current()))
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None
     ) -> MonteCarloResult:
         client = self._least_loaded()
         return await client.infer_monte_carlo(
-            self.name, None, rows, request, answer_dtype, deadline=deadline, context=current()
+            Ask(self.name, None, rows, answer_dtype, deadline=deadline, monte_carlo=request, context=current())
         )
 
 
