@@ -123,12 +123,13 @@ def test_the_held_budget_must_fit_the_largest_body() -> None:
     with pytest.raises(SettingsError, match="max_held_bytes"):
         load_settings(max_body_bytes=2_000_000, max_held_bytes=1_000_000)
     # The fronts of a shared engine split the budget: each share must take the largest body.
-    with pytest.raises(SettingsError, match="split between 4 fronts"):
-        load_settings(max_body_bytes=2_000_000, max_held_bytes=6_000_000, shared_engine=True, workers=4)
-    shared = load_settings(max_body_bytes=2_000_000, max_held_bytes=8_000_000, shared_engine=True, workers=4)
+    # Each front's request is held twice (its bytes, and its rows in the hand-off): a share is a 2 x workers part.
+    with pytest.raises(SettingsError, match="split between 4 fronts and their hand-off memory"):
+        load_settings(max_body_bytes=2_000_000, max_held_bytes=15_000_000, shared_engine=True, workers=4)
+    shared = load_settings(max_body_bytes=2_000_000, max_held_bytes=16_000_000, shared_engine=True, workers=4)
     assert shared.held_bytes_per_process == 2_000_000
-    whole = load_settings(max_body_bytes=2_000_000, max_held_bytes=8_000_000, workers=4)
-    assert whole.held_bytes_per_process == 8_000_000  # workers that are whole processes: each its own
+    whole = load_settings(max_body_bytes=2_000_000, max_held_bytes=16_000_000, workers=4)
+    assert whole.held_bytes_per_process == 16_000_000  # workers that are whole processes: each its own
 
 
 # ----- class 6: the envelope around the tensor is bounded before parsing -----------------------------

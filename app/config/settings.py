@@ -479,18 +479,20 @@ class Settings(BaseSettings):
             )
         if self.held_bytes_per_process < self.max_body_bytes:
             raise ValueError(
-                f"max_held_bytes ({self.max_held_bytes}) split between {self.workers} fronts (shared_engine) is "
-                f"{self.held_bytes_per_process} each, less than max_body_bytes ({self.max_body_bytes}): else the "
-                "largest body could never be read; raise max_held_bytes or lower max_body_bytes"
+                f"max_held_bytes ({self.max_held_bytes}) split between {self.workers} fronts and their hand-off "
+                f"memory (shared_engine) is {self.held_bytes_per_process} each, less than max_body_bytes "
+                f"({self.max_body_bytes}): else the largest body could never be read; raise max_held_bytes "
+                f"to at least {2 * self.workers * self.max_body_bytes} or lower max_body_bytes"
             )
         return self
 
     @property
     def held_bytes_per_process(self) -> int:
-        """The bytes one serving process's requests may hold: max_held_bytes, or with shared_engine its share
-        between the fronts (the engine process holds only the slots they hand it), so that the budget bounds
-        the whole process tree."""
-        return self.max_held_bytes // self.workers if self.shared_engine else self.max_held_bytes
+        """The bytes one serving process's requests may hold: max_held_bytes, or with shared_engine a front's
+        share, so that the budget bounds the whole process tree. A front's request is held twice there: its
+        bytes in the front, and its rows (then its answer) in the hand-off's shared memory, which the engine
+        reads in place; so each front holds max_held_bytes / (2 x workers), and its slots as much again."""
+        return self.max_held_bytes // (2 * self.workers) if self.shared_engine else self.max_held_bytes
 
     @field_validator("api_key")
     @classmethod

@@ -57,7 +57,7 @@ def log_start(settings: Settings, listeners: Listeners) -> None:
     log.info("auth %s", "on (Bearer API key)" if settings.api_key else "off: no API key set")
     if settings.shared_engine:  # one budget for the whole tree: the engine holds only the slots the fronts hand it
         log.info(
-            "each front holds at most %s (max_held_bytes %s split between %d front%s)",
+            "each front holds at most %s, and as much in its hand-off memory (max_held_bytes %s split between %d front%s)",
             _mib(settings.held_bytes_per_process),
             _mib(settings.max_held_bytes),
             settings.workers,
