@@ -175,7 +175,7 @@ def encode(
         output = response.outputs.add(name=name, datatype=request.dtype.v2, shape=request.shape)
         span = request.shared_memory_outputs.get(name)
         if span is not None:  # written to the region; an empty raw entry keeps the entries in order
-            span.region.write(span.offset, tensors.raw_bytes(wire), f"output {name!r}")
+            span.write(tensors.raw_bytes(wire), f"output {name!r}")
             if not request.typed:
                 response.raw_output_contents.append(b"")
         elif request.typed:

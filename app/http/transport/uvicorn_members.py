@@ -18,9 +18,13 @@ from uvicorn import Config
 from uvicorn.protocols.http import flow_control, httptools_impl
 from uvicorn.server import ServerState
 
-# Kept in step with protocol.py: every uvicorn name it reads or overrides.
-MODULE = ("STATUS_LINE", "HttpToolsProtocol", "RequestResponseCycle")
-FLOW_MODULE = ("FlowControl",)
+# Kept in step with protocol.py: every uvicorn name it reads or overrides, by where it must be found.
+# In uvicorn's modules:
+IN_MODULES: dict[str, tuple[str, ...]] = {
+    "httptools_impl": ("STATUS_LINE", "HttpToolsProtocol", "RequestResponseCycle"),
+    "flow_control": ("FlowControl",),
+}
+# Methods of HttpToolsProtocol, callable on the class:
 PROTOCOL_METHODS = (
     "_should_upgrade",
     "_unset_keepalive_if_required",
@@ -38,45 +42,50 @@ PROTOCOL_METHODS = (
     "pause_writing",
     "resume_writing",
 )
-PROTOCOL_STATE = (
-    "app",
-    "loop",
-    "parser",
-    "connections",
-    "server_state",
-    "pipeline",
-    "cycle",
-    "transport",
-    "flow",
-    "scope",
-    "headers",
-    "expect_100_continue",
-    "asgi_version",
-    "root_path",
-    "app_state",
-    "server",
-    "client",
-    "scheme",
-    "access_log",
-    "access_logger",
-)
-FLOW_STATE = ("read_paused", "pause_reading", "resume_reading")
-SERVER_STATE = ("default_headers",)
-CYCLE_STATE = (
-    "response_started",
-    "response_complete",
-    "disconnected",
-    "message_event",
-    "scope",
-    "keep_alive",
-    "transport",
-)
+# Attributes set in __init__, found on an instance of each class:
+ON_INSTANCES: dict[str, tuple[str, ...]] = {
+    "HttpToolsProtocol": (
+        "app",
+        "loop",
+        "parser",
+        "connections",
+        "server_state",
+        "pipeline",
+        "cycle",
+        "transport",
+        "flow",
+        "scope",
+        "headers",
+        "expect_100_continue",
+        "asgi_version",
+        "root_path",
+        "app_state",
+        "server",
+        "client",
+        "scheme",
+        "access_log",
+        "access_logger",
+    ),
+    "ServerState": ("default_headers",),
+    "RequestResponseCycle": (
+        "response_started",
+        "response_complete",
+        "disconnected",
+        "message_event",
+        "scope",
+        "keep_alive",
+        "transport",
+    ),
+    "FlowControl": ("read_paused", "pause_reading", "resume_reading"),
+}
 
 
 def missing() -> list[str]:
     """The members protocol.py relies on that this uvicorn lacks, as `Owner.name`; empty when all are there."""
-    absent = [f"httptools_impl.{name}" for name in MODULE if not hasattr(httptools_impl, name)]
-    absent += [f"flow_control.{name}" for name in FLOW_MODULE if not hasattr(flow_control, name)]
+    modules = {"httptools_impl": httptools_impl, "flow_control": flow_control}
+    absent = [
+        f"{owner}.{name}" for owner, names in IN_MODULES.items() for name in names if not hasattr(modules[owner], name)
+    ]
     if absent:
         return absent
     protocol_class = httptools_impl.HttpToolsProtocol
@@ -106,12 +115,18 @@ def missing() -> list[str]:
         )
     finally:
         loop.close()
-    absent = [f"HttpToolsProtocol.{name}" for name in PROTOCOL_STATE if not hasattr(protocol, name)]
-    absent += [f"ServerState.{name}" for name in SERVER_STATE if not hasattr(protocol.server_state, name)]
-    absent += [f"RequestResponseCycle.{name}" for name in CYCLE_STATE if not hasattr(cycle, name)]
-    flow = flow_control.FlowControl(None)  # type: ignore[arg-type]
-    absent += [f"FlowControl.{name}" for name in FLOW_STATE if not hasattr(flow, name)]
-    return absent
+    instances = {
+        "HttpToolsProtocol": protocol,
+        "ServerState": protocol.server_state,
+        "RequestResponseCycle": cycle,
+        "FlowControl": flow_control.FlowControl(None),  # type: ignore[arg-type]
+    }
+    return [
+        f"{owner}.{name}"
+        for owner, names in ON_INSTANCES.items()
+        for name in names
+        if not hasattr(instances[owner], name)
+    ]
 
 
 def mismatch() -> str | None:

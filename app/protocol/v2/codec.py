@@ -57,6 +57,14 @@ class SharedMemorySpan:
     offset: int
     byte_size: int
 
+    def read(self, what: str) -> bytearray:
+        """The span's bytes, copied out of the region (the client cannot change them under the batch)."""
+        return self.region.read(self.offset, self.byte_size, what)
+
+    def write(self, data: memoryview, what: str) -> None:
+        """`data` written at the span's start (the caller has checked that it fits)."""
+        self.region.write(self.offset, data, what)
+
 
 @dataclass(frozen=True)
 class V2Request:
@@ -261,7 +269,7 @@ def shared_memory_tensor(
             f"an input of {rows} rows ({expected} bytes) in shared memory exceeds what a request may hold "
             f"({max_rows} rows, {max_bytes} bytes: the body limit)"
         )
-    data = span.region.read(span.offset, span.byte_size, "input")
+    data = span.read("input")
     return tensors.view_rows(data, dtype, rows, d_model)
 
 
@@ -388,7 +396,7 @@ def encode(
         described: dict[str, Any] = {"name": name, "datatype": request.dtype.v2, "shape": list(request.shape)}
         span = request.shared_memory_outputs.get(name)
         if span is not None:  # written to the region; the answer describes it without data, as Triton's
-            span.region.write(span.offset, tensors.raw_bytes(wire), f"output {name!r}")
+            span.write(tensors.raw_bytes(wire), f"output {name!r}")
         elif binary:
             blob = tensors.raw_bytes(wire)
             described["parameters"] = {"binary_data_size": len(blob)}
