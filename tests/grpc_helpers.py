@@ -54,5 +54,14 @@ async def stub(target: str, **options: object) -> AsyncIterator[service_pb2_grpc
         yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
+async def infer_or_error(target: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse | grpc.aio.AioRpcError:
+    """One ModelInfer on a channel of its own: its answer, or the error it ended with (a flood counts both)."""
+    async with stub(target) as client:
+        try:
+            return await client.ModelInfer(request, timeout=600)
+        except grpc.aio.AioRpcError as error:
+            return error
+
+
 def trailers(error: grpc.aio.AioRpcError) -> dict[str, str]:
     return {key: value for key, value in (error.trailing_metadata() or ())}

@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2 as pb
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from bench.hostile_grpc_clients import slow_messages
 from ffn_testing import ServerProcess, process_tree, start_server
-from tests.grpc_helpers import infer_request, output_of, stub, trailers
+from tests.grpc_helpers import infer_or_error, infer_request, output_of, stub, trailers
 from tests.model_files import matches, write_ffn
 
 pytestmark = pytest.mark.server
@@ -71,21 +71,13 @@ def small_budget_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         yield srv
 
 
-async def _call(target: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse | grpc.aio.AioRpcError:
-    async with stub(target) as client:
-        try:
-            return await client.ModelInfer(request, timeout=600)
-        except grpc.aio.AioRpcError as error:
-            return error
-
-
 def _rows(megabytes: int, seed: int) -> np.ndarray:
     rows = megabytes * MiB // (D * 4) - 16  # the message's other fields fit in the rest
     return np.random.default_rng(seed).standard_normal((rows, D)).astype(np.float32)
 
 
 async def _answered_right(server: ServerProcess, x: np.ndarray) -> None:
-    outcome = await _call(server.grpc_target, infer_request(x, "small"))
+    outcome = await infer_or_error(server.grpc_target, infer_request(x, "small"))
     assert isinstance(outcome, pb.ModelInferResponse), outcome
     assert matches(output_of(outcome), WEIGHTS, x)
 
@@ -99,7 +91,7 @@ async def _flood(server: ServerProcess, calls: int, megabytes: int, bound: int) 
     pids = process_tree(server.proc.pid)
     request = infer_request(x, "small")
     async with PeakMemory(server) as memory:
-        outcomes = await asyncio.gather(*(_call(server.grpc_target, request) for _ in range(calls)))
+        outcomes = await asyncio.gather(*(infer_or_error(server.grpc_target, request) for _ in range(calls)))
     kinds = Counter(type(outcome).__name__ for outcome in outcomes)
     refused = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
     for outcome in outcomes:
@@ -143,7 +135,7 @@ async def test_messages_waiting_for_a_room_are_not_received_ahead_of_it(small_bu
 
     async def calls_after_the_stall() -> list[pb.ModelInferResponse | grpc.aio.AioRpcError]:
         await asyncio.sleep(1.0)  # the stalled streams first (what is checked is what follows, not when)
-        return await asyncio.gather(*(_call(small_budget_server.grpc_target, request) for _ in range(16)))
+        return await asyncio.gather(*(infer_or_error(small_budget_server.grpc_target, request) for _ in range(16)))
 
     async with PeakMemory(small_budget_server) as memory:
         _, outcomes = await asyncio.gather(stall_and_leave(), calls_after_the_stall())

@@ -189,9 +189,9 @@ async def test_a_frames_requests_are_queued_together_each_answered_and_counted(
         await engine.stop()
 
 
-async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.fixture
+async def slow_served(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AsyncIterator[tuple[Path, Metrics]]:
+    """The slow model's engine (tests/slow_model.py), warm-up off, served on a socket: its path and its metrics."""
     monkeypatch.setenv("FFN_WARMUP", "0")
     metrics = Metrics()
     settings = load_settings(config=slow_model_config(tmp_path))
@@ -200,14 +200,31 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
     await engine.until_warm()
     server = EngineServer(engine, tmp_path / "engine.sock")
     await server.start()
-    client = EngineClient(tmp_path / "engine.sock", slots=8)
+    try:
+        yield tmp_path / "engine.sock", metrics
+    finally:
+        await server.close()
+        await engine.stop()
+
+
+async def blocking(client: EngineClient, metrics: Metrics) -> asyncio.Task[np.ndarray]:
+    """A 3000-row request, once its pass holds the model thread (seconds, longer on a busy machine): what follows
+    queues behind it."""
+    blocker = asyncio.create_task(client.infer(Ask("slow", None, rows(3000, 99), F32, deadline=None)))
+    async with asyncio.timeout(60):
+        while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
+            await asyncio.sleep(0.01)
+    return blocker
+
+
+async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
+    slow_served: tuple[Path, Metrics], tmp_path: Path
+) -> None:
+    socket_path, metrics = slow_served
+    client = EngineClient(socket_path, slots=8)
     weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
     try:
-        blocker = asyncio.create_task(client.infer(Ask("slow", None, rows(3000, 99), F32, deadline=None)))
-        # Its pass holds the model thread (seconds, longer on a busy machine); what follows queues behind it.
-        async with asyncio.timeout(60):
-            while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
-                await asyncio.sleep(0.01)
+        blocker = await blocking(client, metrics)
         xs = [rows(2, seed) for seed in range(4)]
         members = [asyncio.create_task(client.infer(Ask("slow", None, x, F32, deadline=None))) for x in xs]
         async with asyncio.timeout(60):  # the four go in one frame, queued as one entry
@@ -226,31 +243,19 @@ async def test_a_cancelled_request_leaves_its_group_and_the_others_are_answered(
         assert sample(metrics, "ffn_failed_request_seconds_count", "slow") == 0
     finally:
         await client.close()
-        await server.close()
-        await engine.stop()
 
 
 async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers_and_the_next_is_right(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    slow_served: tuple[Path, Metrics], tmp_path: Path
 ) -> None:
     """A large request's rows are read in place by the engine: its slot is taken again only once the engine
     has answered for it, and a later large request in the same memory is answered right."""
-    monkeypatch.setenv("FFN_WARMUP", "0")
-    metrics = Metrics()
-    settings = load_settings(config=slow_model_config(tmp_path))
-    engine = Engine(settings, Registry(settings, metrics))
-    await engine.start()
-    await engine.until_warm()
-    server = EngineServer(engine, tmp_path / "engine.sock")
-    await server.start()
+    socket_path, metrics = slow_served
     large = 16 << 20
-    client = EngineClient(tmp_path / "engine.sock", slots=2, slot_bytes=4096, large_bytes=large)
+    client = EngineClient(socket_path, slots=2, slot_bytes=4096, large_bytes=large)
     weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
     try:
-        blocker = asyncio.create_task(client.infer(Ask("slow", None, rows(3000, 99), F32, deadline=None)))
-        async with asyncio.timeout(60):  # its pass holds the model thread; what follows queues behind it
-            while sample(metrics, "ffn_queue_seconds_count", "slow") < 1:
-                await asyncio.sleep(0.01)
+        blocker = await blocking(client, metrics)
         gone = asyncio.create_task(client.infer(Ask("slow", None, rows(1000, 5), F32, deadline=None)))
         async with asyncio.timeout(60):
             while client.in_flight < 2:
@@ -270,8 +275,6 @@ async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers
         assert client.in_flight == 0 and link.arena.large_free == large  # every large slot back, merged
     finally:
         await client.close()
-        await server.close()
-        await engine.stop()
 
 
 async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:

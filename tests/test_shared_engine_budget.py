@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2 as pb
 from bench.hostile_clients import MEASURABLE_MALLOC, PeakMemory
 from ffn_client.http1 import Response
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
-from tests.grpc_helpers import infer_request, output_of, stub
+from tests.grpc_helpers import infer_or_error, infer_request, output_of
 from tests.model_files import matches, write_ffn
 from tests.wire import raw_headers
 from tests.worker_logs import worker_pids
@@ -103,24 +103,16 @@ async def test_a_flood_of_large_requests_holds_the_whole_tree_within_the_budget(
     assert matches(answer_of(await one(server.port, data), x), WEIGHTS, x)  # alone, after
 
 
-async def _call(target: str, request: pb.ModelInferRequest) -> pb.ModelInferResponse | grpc.aio.AioRpcError:
-    async with stub(target) as client:
-        try:
-            return await client.ModelInfer(request, timeout=600)
-        except grpc.aio.AioRpcError as error:
-            return error
-
-
 async def test_a_flood_of_large_grpc_calls_holds_the_whole_tree_within_the_budget(server: ServerProcess) -> None:
     x = np.random.default_rng(1).standard_normal((ROWS, D)).astype(np.float32)
     request = infer_request(x, "small")
-    alone = await _call(server.grpc_target, request)
+    alone = await infer_or_error(server.grpc_target, request)
     assert isinstance(alone, pb.ModelInferResponse), alone
     assert matches(output_of(alone), WEIGHTS, x)  # alone, before
     fronts = worker_pids(server)
     await asyncio.sleep(0.5)
     async with PeakMemory(server) as memory:
-        outcomes = await asyncio.gather(*(_call(server.grpc_target, request) for _ in range(CALLS)))
+        outcomes = await asyncio.gather(*(infer_or_error(server.grpc_target, request) for _ in range(CALLS)))
     answered = [outcome for outcome in outcomes if isinstance(outcome, pb.ModelInferResponse)]
     refused = [outcome for outcome in outcomes if isinstance(outcome, grpc.aio.AioRpcError)]
     print(
@@ -133,6 +125,6 @@ async def test_a_flood_of_large_grpc_calls_holds_the_whole_tree_within_the_budge
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
     assert memory.growth < HELD + 512 * MiB, f"grew by {memory.growth / MiB:.0f} MiB"
     assert worker_pids(server) == fronts, "a front was replaced"
-    after = await _call(server.grpc_target, request)
+    after = await infer_or_error(server.grpc_target, request)
     assert isinstance(after, pb.ModelInferResponse), after
     assert matches(output_of(after), WEIGHTS, x)  # alone, after
