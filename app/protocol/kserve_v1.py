@@ -45,7 +45,8 @@ def check_content(content_type: str | None) -> None:
 def decode(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput:
     """`{"instances": [...]}` or `{"inputs": [...]}` -> (rows, d_model) float32, refused (400, 413) if anything is wrong."""
     # The tensor is the array of "instances", or of "inputs" (a body holding both is refused below).
-    parsed = read_json_body(body, "instances" if b'"instances"' in body else "inputs", max_rows, d_model)
+    key = "instances" if b'"instances"' in body else "inputs"
+    parsed = read_json_body(body, key, max_rows, d_model)
     document = parsed.envelope
     if not isinstance(document, dict):
         raise InvalidInput('a KServe V1 body is a JSON object {"instances": [...]}')
@@ -56,9 +57,10 @@ def decode(body: bytes | bytearray, d_model: int, max_rows: int) -> DecodedInput
     if len(given) != 1:
         raise InvalidInput('a KServe V1 body holds one of "instances" or "inputs": a list of instances')
     (field,) = given
-    if body.count(f'"{field}"'.encode()) > 1:
+    sightings = parsed.sightings if field == key else body.count(f'"{field}"'.encode())
+    if sightings > 1:
         raise InvalidInput(f'duplicate key "{field}" in the JSON body')
-    array = json_numbers_to_array(parsed.tensor(document[field]), field, body, FLOAT32)
+    array = json_numbers_to_array(parsed.tensor(document[field]), field, parsed.tensor_text, FLOAT32)
     if array.ndim == 1:  # [] or a flat list of numbers: not a list of instances
         raise InvalidInput(
             f'"{field}" must be a list of instances, each a list of d_model={d_model} numbers '

@@ -216,9 +216,9 @@ def decode_json(body: bytes | bytearray, d_model: int, max_rows: int) -> Decoded
     unknown = set(document) - {"inputs"}
     if unknown:
         raise InvalidInput(f'unknown fields {sorted(unknown)}; the body is {{"inputs": [[...], ...]}}')
-    if body.count(b'"inputs"') > 1:
+    if parsed.sightings > 1:
         raise InvalidInput('duplicate key "inputs" in the JSON body')
-    array = json_numbers_to_array(parsed.tensor(document["inputs"]), "inputs", body, FLOAT32)
+    array = json_numbers_to_array(parsed.tensor(document["inputs"]), "inputs", parsed.tensor_text, FLOAT32)
     rows = check_shape(array.shape, d_model)
     return DecodedInput(array.reshape(rows, d_model), array.shape, FLOAT32)
 

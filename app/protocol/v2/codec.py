@@ -141,7 +141,7 @@ def decode(
     else:
         if json_end != len(body):
             raise InvalidInput("binary data follows the JSON header but no input declares binary_data_size")
-        values = _json_tensor(parsed.tensor(tensor.get("data")), json_part, shape, rows, d_model, dtype)
+        values = _json_tensor(parsed.tensor(tensor.get("data")), parsed.tensor_text, shape, rows, d_model, dtype)
     return V2Request(
         values,
         shape,
