@@ -1,0 +1,22 @@
+"""bench/mosec_baseline.py's table: medians per server and cell, and ffn-serve as a multiple of each baseline."""
+
+from __future__ import annotations
+
+from bench.mosec_baseline import Cell, table
+
+
+def cell(server: str, encoding: str, round_: int, rows_per_s: float) -> Cell:
+    return Cell(server, encoding, 16, 16, round_, rows_per_s, 10.0 * round_, 20.0 * round_, 0)
+
+
+def test_the_table_reports_medians_and_multiples_of_each_baseline() -> None:
+    cells = [
+        *(cell("ffn-serve", "json", n, rate) for n, rate in enumerate((6_000, 7_000, 9_000), 1)),
+        *(cell("ffn-serve", "binary", n, rate) for n, rate in enumerate((14_000, 12_000, 13_000), 1)),
+        *(cell("mosec (stdlib)", "json", n, rate) for n, rate in enumerate((1_000, 1_400, 1_200), 1)),
+    ]
+    text = table(cells)
+    assert "| ffn-serve | json | 16 | 16 | 7,000 (6,000–9,000) | 20.00 | 40.00 | 0 |" in text
+    assert "| mosec (stdlib) | json | 16 | 16 | 1,200 (1,000–1,400) |" in text
+    # 7,000 / 1,200 and 13,000 / 1,200
+    assert "| 16 | 16 | mosec (stdlib) | 5.8 | 10.8 |" in text
