@@ -70,6 +70,7 @@ def build_service(
     front's RemoteEngine); by default an Engine of `registry`'s models, in this process.
     """
     control = control or Control()
+    arrivals = None
     if engine is None:
         # torch and the models: imported here, so that a front (engine given) never imports them.
         from app.engine.registry import Registry
@@ -77,6 +78,7 @@ def build_service(
 
         registry = registry or Registry(settings, Metrics())
         engine = Engine(settings, registry, control, beat=control.heartbeat), registry.metrics
+        arrivals = registry.arrivals
     served, metrics = engine
     export = traces_export(settings.otlp_endpoint, os.environ)
     trace_settings = TraceSettings(tracing=export is not None)
@@ -89,7 +91,15 @@ def build_service(
             versions=lambda: {model.name: model.version for model in served.models()}, gpus=served.gpus
         )
     state = ServiceState(
-        settings, served, metrics, control, held, trace_settings, tracing=tracing, shared_memory=regions
+        settings,
+        served,
+        metrics,
+        control,
+        held,
+        trace_settings,
+        tracing=tracing,
+        shared_memory=regions,
+        arrivals=arrivals,
     )
     control.register(trace_extension.COMMAND, trace_extension.apply_command(state))
     control.register(log_settings.COMMAND, log_settings.apply_command)

@@ -1,4 +1,5 @@
-"""A lone request's linger (app/engine/linger.py): the policy alone, then in a Batcher with a recording forward."""
+"""A batch's linger (app/engine/linger.py): the policy alone, then in a Batcher with a recording forward, lone
+requests and requests announced on their way (Arrivals)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from app.engine.linger import PROBE_FIRST, PROBE_MOST, Linger
+from app.engine.linger import PROBE_FIRST, PROBE_MOST, Arrival, Arrivals, Linger
 from tests.test_batcher import RecordingForward, executor, make, rows  # noqa: F401 (executor: a fixture)
 
 
@@ -83,3 +84,104 @@ async def test_without_a_linger_a_lone_request_is_computed_at_once_as_before(exe
     out = await asyncio.wait_for(batcher.submit(rows(1)), 15)
     assert torch.equal(out, rows(1) * 2 + 1) and forward.batches == [[1]]
     await batcher.stop()
+
+
+async def test_a_batch_waits_for_the_requests_announced_on_their_way_and_no_longer(executor):  # noqa: F811
+    """Two requests queued together (no lone request) and two announced: one pass for all four, formed as
+    soon as the last announced one is queued, long before the cap (60 s)."""
+    forward = RecordingForward()
+    arrivals = Arrivals()
+    batcher = await make(forward, executor, max_batch_rows=64, linger_s=60.0, arrivals=arrivals)
+
+    async def arrives(arrival: Arrival, x: torch.Tensor) -> torch.Tensor:
+        arrival.arrived()  # as a door does: in the step that queues its rows
+        return await batcher.submit(x)
+
+    with arrivals.announced() as third, arrivals.announced() as fourth:
+        queued = [asyncio.create_task(batcher.submit(rows(n, start=10.0 * n))) for n in (1, 2)]
+        await asyncio.sleep(0.05)
+        assert forward.batches == []  # waiting for the two on their way
+        queued.append(asyncio.create_task(arrives(third, rows(3, start=30.0))))
+        await asyncio.sleep(0.05)
+        assert forward.batches == []  # one is still on its way
+        queued.append(asyncio.create_task(arrives(fourth, rows(4, start=40.0))))
+        answers = await asyncio.wait_for(asyncio.gather(*queued), 30)
+    assert forward.batches == [[1, 2, 3, 4]]
+    for n, answer in zip((1, 2, 3, 4), answers, strict=True):
+        assert torch.equal(answer, rows(n, start=10.0 * n) * 2 + 1)
+    assert arrivals.on_the_way == 0
+    await batcher.stop()
+
+
+async def test_an_announced_request_that_never_comes_ends_the_wait_when_it_ends(executor):  # noqa: F811
+    """A call that fails before its rows are queued (its message refused, its client gone) wakes the batch."""
+    forward = RecordingForward()
+    arrivals = Arrivals()
+    batcher = await make(forward, executor, max_batch_rows=64, linger_s=60.0, arrivals=arrivals)
+    with arrivals.announced():
+        task = asyncio.create_task(batcher.submit(rows(2)))
+        await asyncio.sleep(0.05)
+        assert forward.batches == []
+    out = await asyncio.wait_for(task, 30)  # long before the 60 s cap
+    assert torch.equal(out, rows(2) * 2 + 1) and forward.batches == [[2]]
+    await batcher.stop()
+
+
+async def test_announced_requests_are_not_waited_for_without_a_linger(executor):  # noqa: F811
+    forward = RecordingForward()
+    arrivals = Arrivals()
+    batcher = await make(forward, executor, max_batch_rows=64, arrivals=arrivals)  # linger_s 0
+    with arrivals.announced():
+        out = await asyncio.wait_for(batcher.submit(rows(1)), 15)
+    assert torch.equal(out, rows(1) * 2 + 1) and forward.batches == [[1]]
+    await batcher.stop()
+
+
+def test_an_arrival_counts_once_however_often_it_ends():
+    arrivals = Arrivals()
+    woken: list[int] = []
+    with arrivals.lingering(lambda: woken.append(arrivals.on_the_way)):
+        with arrivals.announced() as first, arrivals.announced():
+            assert arrivals.on_the_way == 2
+            first.arrived()
+            first.arrived()
+            assert arrivals.on_the_way == 1 and woken == []
+        assert arrivals.on_the_way == 0 and woken == [0]
+    with arrivals.announced():  # no batcher lingers now: nobody is woken
+        pass
+    assert woken == [0]
+
+
+async def test_the_grpc_door_announces_a_call_until_its_message_is_read() -> None:
+    """receive.read_with_room: the call is on its way from its start until its message is read; by the
+    time the method (which queues its rows) runs, it has arrived, and a refused call arrives too."""
+    from app.grpc.receive import Rooms, read_with_room
+    from app.protocol.admission import HeldBytes
+
+    arrivals = Arrivals()
+    rooms = Rooms(HeldBytes(1 << 30), 1 << 20, read_timeout_s=60.0)
+    message_sent = asyncio.Event()
+    seen: list[tuple[object, int]] = []
+
+    async def messages():
+        await message_sent.wait()
+        yield b"the message"
+
+    async def unary(request: object, context: object) -> str:
+        seen.append((request, arrivals.on_the_way))
+        return "answered"
+
+    behaviour = read_with_room(unary, lambda data: data.decode(), rooms, arrivals)
+    call = asyncio.create_task(behaviour(messages(), None))
+    await asyncio.sleep(0.05)
+    assert arrivals.on_the_way == 1 and not seen  # on its way: its message has not come
+    message_sent.set()
+    assert await asyncio.wait_for(call, 30) == "answered"
+    assert seen == [("the message", 0)] and arrivals.on_the_way == 0
+
+    async def no_message():
+        return
+        yield
+
+    assert await asyncio.wait_for(behaviour(no_message(), None), 30) == "answered"  # refused: a Malformed
+    assert arrivals.on_the_way == 0

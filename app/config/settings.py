@@ -246,9 +246,9 @@ class Settings(BaseSettings):
         default=2.0,
         ge=0.0,
         le=100.0,
-        description="With max_wait_ms 0: how long a batch of one request may wait for others while waiting "
-        "lately caught some (a gRPC server takes its calls one at a time); tried again now and then "
-        "otherwise. 0 = never.",
+        description="With max_wait_ms 0: how long a batch of one request, or any batch while gRPC calls are on "
+        "their way, may wait for others while waiting lately caught some (a gRPC server takes its calls one "
+        "at a time); tried again now and then otherwise. 0 = never.",
     )
     max_queue_rows: int = Field(default=16384, ge=1, description="Rows that may wait per model before 429.")
     default_timeout_ms: float = Field(

@@ -44,7 +44,7 @@ from app.engine.errors import (
     RequestTooLarge,
     Unavailable,
 )
-from app.engine.linger import Linger
+from app.engine.linger import Arrivals, Linger
 from app.engine.montecarlo import MonteCarloRequest
 from app.engine.observe import BatchObserver
 from app.engine.queue import Entry, WorkQueue, fail
@@ -101,6 +101,7 @@ class Batcher:
         max_batch_rows: int = 1024,
         max_wait_s: float = 0.0,
         linger_s: float = 0.0,
+        arrivals: Arrivals | None = None,
         max_queue_rows: int = 16384,
         executor: Executor | None = None,
         metrics: Metrics | None = None,
@@ -113,7 +114,8 @@ class Batcher:
 
         `monte_carlo` starts a Monte Carlo request's passes; without it, such requests are refused.
         `linger_s`: with `max_wait_s` 0, how long a lone request may wait for others while waiting
-        catches some (app/engine/linger.py); 0, never.
+        catches some (app/engine/linger.py); 0, never. `arrivals`: requests the process's doors have
+        begun to receive, which a batch about to form lingers for too (within `linger_s`).
         `instruments`: the model's, bound already (every copy of a name shares them); else `metrics`'.
         """
         if max_batch_rows < 1 or max_queue_rows < 1 or max_wait_s < 0 or linger_s < 0 or max_in_flight < 1:
@@ -124,6 +126,7 @@ class Batcher:
         self.max_batch_rows = max_batch_rows
         self.max_wait_s = max_wait_s
         self._linger = Linger(linger_s) if linger_s > 0 and max_wait_s == 0 else None
+        self._arrivals = arrivals
         self.max_queue_rows = max_queue_rows
         self._forward = forward
         self._launch = launch
@@ -378,21 +381,38 @@ class Batcher:
         """With max_wait > 0: wait until the queue holds a full batch or the first entry's wait ends."""
         await self._gather_until(self._queue.first_enqueued_at() + self.max_wait_s, quiet_s=math.inf)
 
+    def _lingers(self, linger: Linger) -> bool:
+        """Whether the batch about to form waits for more: it would hold a lone request, or requests are
+        on their way (Arrivals), and lingering pays lately (or it is time to probe)."""
+        on_the_way = self._arrivals is not None and self._arrivals.on_the_way > 0
+        return (on_the_way or self._queue.lone_plain()) and linger.worth_it()
+
     async def _linger_for_more(self, linger: Linger) -> int:
-        """A lone request waits for others: until the queue holds a full batch, `linger.quiet_s` passes
-        with no arrival, or `linger.cap_s` has passed since it came (never past its deadline). Returns
-        how many requests came meanwhile."""
+        """The batch about to form waits for others: until the queue holds a full batch, `linger.quiet_s`
+        passes with no arrival, `linger.cap_s` has passed since its first request came (never past its
+        deadline), or, where requests were announced on their way, none is left. Returns how many came."""
         first = self._queue.first_plain()
         cut_at = first.enqueued_at + linger.cap_s
         if first.deadline is not None:
             cut_at = min(cut_at, first.deadline - linger.cap_s)  # a tight deadline is not spent waiting
-        await self._gather_until(cut_at, quiet_s=linger.quiet_s)
-        return self._queue.plain_count() - 1
+        before = self._queue.plain_count()
+        arrivals = self._arrivals
+        if arrivals is None or arrivals.on_the_way <= 0:
+            await self._gather_until(cut_at, quiet_s=linger.quiet_s)
+        else:
+            # Requests known to be coming: no quiet bound (a gRPC message can take longer than one to
+            # arrive while the loop is busy), and woken when the last one is in, or ends without its rows.
+            with arrivals.lingering(self._arrived.set):
+                await self._gather_until(cut_at, quiet_s=math.inf, announced=arrivals)
+        return self._queue.plain_count() - before
 
-    async def _gather_until(self, cut_at: float, *, quiet_s: float) -> None:
-        """Let arrivals join the queue until it holds a full batch, `cut_at` (loop time), or `quiet_s` without one."""
+    async def _gather_until(self, cut_at: float, *, quiet_s: float, announced: Arrivals | None = None) -> None:
+        """Let arrivals join the queue until it holds a full batch, `cut_at` (loop time), or `quiet_s` without
+        one; with `announced`, until none of its requests is on its way any more, too."""
         loop = asyncio.get_running_loop()
         while self._queue.work < self._ceiling:
+            if announced is not None and announced.on_the_way <= 0:
+                return
             remaining = min(cut_at - loop.time(), quiet_s)
             if remaining <= 0:
                 return
@@ -435,7 +455,7 @@ class Batcher:
                 continue
             if self.max_wait_s > 0:
                 await self._wait_for_more()
-            elif self._linger is not None and self._queue.lone_plain() and self._linger.worth_it():
+            elif self._linger is not None and self._lingers(self._linger):
                 self._linger.caught(await self._linger_for_more(self._linger))
             await self._slots.acquire()  # what arrives meanwhile joins this batch
             self._plain_went_last = True

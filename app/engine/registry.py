@@ -22,6 +22,7 @@ import torch
 from app.config.settings import ModelSpec, Settings
 from app.engine.batcher import Batcher, answer_as_array, future_as_array, rows_as_tensor
 from app.engine.description import ModelDescription, listing
+from app.engine.linger import Arrivals
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
 from app.engine.observe import BatchObserver
 from app.engine.repository import Served, WeightsFile, weights_format, weights_path
@@ -380,6 +381,8 @@ class Registry:
         self.models: dict[str, ServedModel] = {}
         self.unloaded: dict[str, UnloadedModel] = {}
         self.executors: dict[str, ThreadPoolExecutor] = {}
+        # Requests this process's doors have begun to receive: every batcher lingers for them (linger.py).
+        self.arrivals = Arrivals()
 
     def load(self) -> None:
         """Load every configured model as version 1; the first that fails raises ModelLoadError."""
@@ -418,6 +421,7 @@ class Registry:
             max_batch_rows=s.max_batch_rows,
             max_wait_s=s.max_wait_ms / 1000.0,
             linger_s=s.batch_linger_ms / 1000.0,
+            arrivals=self.arrivals,
             max_queue_rows=s.max_queue_rows,
             executor=executor,
             instruments=self.instruments(spec.name),

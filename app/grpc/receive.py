@@ -30,12 +30,14 @@ A small message holds its room for microseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
+from app.engine.linger import Arrivals
 from app.grpc.malformed import Malformed
 from app.protocol.admission import HeldBytes, Hold
 from app.protocol.errors import InvalidInput, RequestTimeout, TooManyBytesHeld
@@ -117,27 +119,34 @@ class Rooms:
         self.taken -= 1
 
 
-def read_with_room(unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms) -> Callable[..., Awaitable[Any]]:
+def read_with_room(
+    unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms, arrivals: Arrivals | None = None
+) -> Callable[..., Awaitable[Any]]:
     """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms`.
 
     The message, once read, is parsed by `parse` (which holds its real size) and answered by
     `unary`; a call refused, `unary` answers a Malformed: no room (TooManyBytesHeld, its
     RESOURCE_EXHAUSTED and retry hint), no whole message within the rooms' `read_timeout_s` (RequestTimeout,
     DEADLINE_EXCEEDED), or none at all (INVALID_ARGUMENT).
+
+    `arrivals`: the process's batchers (app/engine/linger.py), told the call is on its way from its
+    start until its message is read. Its rows are queued in the step that parses it (nothing awaits
+    between the parse and the batcher's queue), so no batch forms in the gap.
     """
 
     async def behaviour(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        try:
-            room = await rooms.take()
-        except TooManyBytesHeld as exc:
-            return await unary(Malformed(exc), context)
-        read = asyncio.ensure_future(anext(aiter(messages), None))
-        try:
-            done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
-        finally:
-            rooms.give(room)  # before `parse` holds the message's own size: the trade never fails
-            if not read.done():  # it ends with the call, which grpc core ends once answered
-                read.add_done_callback(_retrieved)
+        with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
+            try:
+                room = await rooms.take()
+            except TooManyBytesHeld as exc:
+                return await unary(Malformed(exc), context)
+            read = asyncio.ensure_future(anext(aiter(messages), None))
+            try:
+                done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
+            finally:
+                rooms.give(room)  # before `parse` holds the message's own size: the trade never fails
+                if not read.done():  # it ends with the call, which grpc core ends once answered
+                    read.add_done_callback(_retrieved)
         if not done:
             late = RequestTimeout(
                 f"the ModelInfer message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from tritonclient.grpc.service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 
+from app.engine.linger import Arrivals
 from app.grpc import reflection, wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
@@ -97,7 +98,9 @@ class GrpcServer:
         # is at most max_body_bytes, grpc's max_receive_message_length above.
         rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
         for name, register, servicer in services:
-            handlers = _tolerant_handlers(register, servicer, self._state.held, settings.send_timeout_s, rooms)
+            handlers = _tolerant_handlers(
+                register, servicer, self._state.held, settings.send_timeout_s, rooms, self._state.arrivals
+            )
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
             server.add_registered_method_handlers(name, handlers)
         reflection.enable(server, (INFERENCE_SERVICE, HEALTH_SERVICE))
@@ -131,7 +134,12 @@ class _Capture:
 
 
 def _tolerant_handlers(
-    register: Callable[[Any, Any], None], servicer: Any, held: HeldBytes, send_timeout_s: float, rooms: Rooms
+    register: Callable[[Any, Any], None],
+    servicer: Any,
+    held: HeldBytes,
+    send_timeout_s: float,
+    rooms: Rooms,
+    arrivals: Arrivals | None = None,
 ) -> dict[str, grpc.RpcMethodHandler]:
     """The method handlers that the generated `register` gives `servicer`, each parsing its requests within budget.
 
@@ -144,7 +152,8 @@ def _tolerant_handlers(
     ModelInfer's message is read only with one of `rooms` (receive.py: served stream-unary, so
     that grpc core holds no message the budget has not admitted), and its answer is watched (writes.answered_within): one not taken within
     `send_timeout_s` ends the client's connection (connections.py), as the HTTP door drops it, and
-    the request's and answer's bytes are held until the call is done.
+    the request's and answer's bytes are held until the call is done. A ModelInfer call is announced
+    to `arrivals` (the process's batchers, which linger for it) from its start until its message is read.
     """
     capture = _Capture()
     register(servicer, capture)
@@ -156,7 +165,7 @@ def _tolerant_handlers(
     if infer is not None:
         watched = answered_within(infer.unary_unary, send_timeout_s)
         handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(
-            read_with_room(watched, infer.request_deserializer, rooms),
+            read_with_room(watched, infer.request_deserializer, rooms, arrivals),
             request_deserializer=None,  # the raw bytes: parsed (and held) once the room is traded for them
             response_serializer=infer.response_serializer,
         )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from app.config.settings import Settings
 from app.control import Control
 from app.engine.facade import ServingEngine
+from app.engine.linger import Arrivals
 from app.observe.metrics import Metrics
 from app.protocol.admission import HeldBytes, Outcomes
 from app.protocol.shared_memory import SharedMemoryRegions
@@ -34,6 +35,9 @@ class ServiceState:
     trace_settings: TraceSettings  # Triton's trace settings, this process's copy (app/tracing/trace_settings.py)
     tracing: Tracing | None = None  # None: requests are not traced
     shared_memory: SharedMemoryRegions | None = None  # the registered regions; None: the extension is off
+    # Requests a door has begun to receive, which this process's batchers linger for (app/engine/linger.py);
+    # None in a front, whose engine batches in its own process.
+    arrivals: Arrivals | None = None
     # Each request's outcome in ffn_requests_total (app/protocol/admission.py), counted through `outcomes.count`.
     outcomes: Outcomes = field(init=False, repr=False)
 
