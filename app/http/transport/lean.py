@@ -66,7 +66,6 @@ _PATHS = re.compile(
     rb"|/v2/models/(?P<v2>%s)(?:/versions/(?P<version>%s))?/infer" % (_SEGMENT, _SEGMENT, _SEGMENT, _SEGMENT)
 )
 MAX_LENGTH_DIGITS = 18  # a Content-Length past this is no body this service takes (and int() stays cheap)
-ONE_WRITE_BYTES = 64 * 1024  # as protocol.py: an answer up to this size goes out with its head in one write
 HUNG_UP = error_type_of(ClientDisconnected(""))  # how a request whose client left is counted
 _PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding", b"inference-header-content-length")
 
@@ -493,7 +492,7 @@ class LeanRequest:
         self._answer(kind.status, lines, body, error_type_of(exc))
 
     def _answer(self, status: int, lines: bytes, body: bytes | memoryview, outcome: str) -> None:
-        """Write the answer, head and body in one write (up to ONE_WRITE_BYTES), and end the request."""
+        """Write the answer, head and body in one vectored write (the body not copied), and end the request."""
         self.response_complete = True
         self._forget()
         transport = self.transport
@@ -506,11 +505,7 @@ class LeanRequest:
         if not transport.is_closing():
             lines += b"x-request-id: " + self.request_id + b"\r\n"
             head = door.head(self.protocol, status, lines, len(body), self.keep_alive)
-            if len(body) <= ONE_WRITE_BYTES:
-                transport.write(head + body)
-            else:
-                transport.write(head)
-                transport.write(body)
+            transport.writelines((head, body))
             if not self.keep_alive:
                 transport.close()
         self.hold.resize(0)

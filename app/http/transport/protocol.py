@@ -32,8 +32,9 @@ is parsed and when. Each connection:
   parse, a stopped worker asked to drain as it resumes), the idle timers (uvicorn's keep-alive,
   the head timeout, the drain's quiet close) come due before the loop has read what clients sent
   meanwhile, and would close those connections under their requests;
-- writes an answer's head and its body (up to ONE_WRITE_BYTES) in one write: a process killed
-  between two writes would leave a head without its body, which a proxy can no longer retry.
+- writes an answer's head and its body in one write (a vectored one: the body is not copied to
+  join its head): a process killed between two writes would leave a head without its body, which
+  a proxy can no longer retry.
 
 It also tells a request that its client left, through the callback the request left in its
 scope under ON_DISCONNECT (app/http/endpoints.py: unless_disconnected), so that no task per request
@@ -103,7 +104,8 @@ LINGER_BYTES = 1024 * 1024  # ... and how much at most: then reading stops until
 # lose; and a loop that was held (a long parse, a stopped process asked to drain as it resumes) has
 # not yet read what arrived meanwhile, however long ago the last answer went out.
 IDLE_CLOSE_S = 0.5
-# Answers up to this size reach the socket in one write (a larger body is not copied to join its head).
+# A first write up to this size (a head) is held for the body that follows it in the same turn;
+# a larger one is no head, and goes straight through.
 ONE_WRITE_BYTES = 64 * 1024
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hyper: one at a time)
@@ -828,7 +830,8 @@ class OneWriteAnswers:
     SIGKILL, a crash) leaves its client a head without a body; behind a proxy that has passed the
     head on, the request can no longer be sent to another replica. In one write, the whole answer
     reaches the socket, whose data the kernel still sends after the process is gone, or none of
-    it does, and the proxy retries. A body above ONE_WRITE_BYTES is written apart, not copied.
+    it does, and the proxy retries. The two go out as one vectored write (`writelines`: uvloop's
+    one writev), so that a body of any size joins its head without being copied.
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
@@ -844,11 +847,8 @@ class OneWriteAnswers:
                 self._loop.call_soon(self.flush)
             else:
                 self._transport.write(data)
-        elif len(data) <= ONE_WRITE_BYTES:
-            self._transport.write(held + data)
         else:
-            self._transport.write(held)
-            self._transport.write(data)
+            self._transport.writelines((held, data))
 
     def close(self) -> None:
         self.flush()
