@@ -90,7 +90,7 @@ async def test_a_batch_waits_for_the_requests_announced_on_their_way_and_no_long
     """Two requests queued together (no lone request) and two announced: one pass for all four, formed as
     soon as the last announced one is queued, long before the cap (60 s)."""
     forward = RecordingForward()
-    arrivals = Arrivals()
+    arrivals = Arrivals(max_age_s=60.0)
     batcher = await make(forward, executor, max_batch_rows=64, linger_s=60.0, arrivals=arrivals)
 
     async def arrives(arrival: Arrival, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ async def test_a_batch_waits_for_the_requests_announced_on_their_way_and_no_long
 async def test_an_announced_request_that_never_comes_ends_the_wait_when_it_ends(executor):  # noqa: F811
     """A call that fails before its rows are queued (its message refused, its client gone) wakes the batch."""
     forward = RecordingForward()
-    arrivals = Arrivals()
+    arrivals = Arrivals(max_age_s=60.0)
     batcher = await make(forward, executor, max_batch_rows=64, linger_s=60.0, arrivals=arrivals)
     with arrivals.announced():
         task = asyncio.create_task(batcher.submit(rows(2)))
@@ -127,9 +127,26 @@ async def test_an_announced_request_that_never_comes_ends_the_wait_when_it_ends(
     await batcher.stop()
 
 
+async def test_a_request_on_its_way_longer_than_the_cap_is_not_waited_for(executor):  # noqa: F811
+    """A client that starts a call and stalls its message holds no batch past its max age (the linger's cap
+    in a server): two requests queued after it are computed at once, not after the 60 s linger."""
+    forward = RecordingForward()
+    arrivals = Arrivals(max_age_s=0.2)
+    batcher = await make(forward, executor, max_batch_rows=64, linger_s=60.0, arrivals=arrivals)
+    with arrivals.announced():  # never arrives
+        await asyncio.sleep(0.5)
+        assert arrivals.on_the_way == 0  # too old to wait for
+        answers = await asyncio.wait_for(
+            asyncio.gather(batcher.submit(rows(1)), batcher.submit(rows(2, start=50.0))), 30
+        )
+    assert sum(map(sum, forward.batches)) == 3
+    assert torch.equal(answers[0], rows(1) * 2 + 1) and torch.equal(answers[1], rows(2, start=50.0) * 2 + 1)
+    await batcher.stop()
+
+
 async def test_announced_requests_are_not_waited_for_without_a_linger(executor):  # noqa: F811
     forward = RecordingForward()
-    arrivals = Arrivals()
+    arrivals = Arrivals(max_age_s=60.0)
     batcher = await make(forward, executor, max_batch_rows=64, arrivals=arrivals)  # linger_s 0
     with arrivals.announced():
         out = await asyncio.wait_for(batcher.submit(rows(1)), 15)
@@ -138,7 +155,7 @@ async def test_announced_requests_are_not_waited_for_without_a_linger(executor):
 
 
 def test_an_arrival_counts_once_however_often_it_ends():
-    arrivals = Arrivals()
+    arrivals = Arrivals(max_age_s=60.0)
     woken: list[int] = []
     with arrivals.lingering(lambda: woken.append(arrivals.on_the_way)):
         with arrivals.announced() as first, arrivals.announced():
@@ -158,7 +175,7 @@ async def test_the_grpc_door_announces_a_call_until_its_message_is_read() -> Non
     from app.grpc.receive import Rooms, read_with_room
     from app.protocol.admission import HeldBytes
 
-    arrivals = Arrivals()
+    arrivals = Arrivals(max_age_s=60.0)
     rooms = Rooms(HeldBytes(1 << 30), 1 << 20, read_timeout_s=60.0)
     message_sent = asyncio.Event()
     seen: list[tuple[object, int]] = []

@@ -399,11 +399,11 @@ class Batcher:
         arrivals = self._arrivals
         if arrivals is None or arrivals.on_the_way <= 0:
             await self._gather_until(cut_at, quiet_s=linger.quiet_s)
-        else:
-            # Requests known to be coming: no quiet bound (a gRPC message can take longer than one to
-            # arrive while the loop is busy), and woken when the last one is in, or ends without its rows.
-            with arrivals.lingering(self._arrived.set):
-                await self._gather_until(cut_at, quiet_s=math.inf, announced=arrivals)
+            return self._queue.plain_count() - before
+        # Requests known to be coming: no quiet bound (a gRPC message can take longer than one to arrive
+        # while the loop is busy), and woken when the last one is in, or ends without its rows.
+        with arrivals.lingering(self._arrived.set):
+            await self._gather_until(cut_at, quiet_s=math.inf, announced=arrivals)
         return self._queue.plain_count() - before
 
     async def _gather_until(self, cut_at: float, *, quiet_s: float, announced: Arrivals | None = None) -> None:

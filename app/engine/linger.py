@@ -18,17 +18,24 @@ its way (`Arrivals`): a gRPC call is announced when it starts, before its messag
 counted until its rows are queued. A batch about to form while calls are on their way lingers
 for them too, whatever it holds, and ends its linger as soon as none is left: at 16 callers the
 batches formed went from 2.6 calls to 5.4, and a call's CPU from 2.4x a bare grpc.aio servicer's
-to 1.5x (docs/benchmarks.md). The same learning applies: calls announced that never come (a client
-that stalls its message) make lingers catch nothing, and then they stop.
+to 1.7x (docs/benchmarks.md). A call on its way for longer than MAX_ARRIVAL_AGE_S is not waited for
+(a client that stalls its message holds batches back for that long once, however long it stalls),
+and the learning applies: lingers that catch nothing stop.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 PROBE_FIRST = 8  # lone batches computed at once after a linger that caught nothing, before the next probe
 PROBE_MOST = 1024  # ... doubling after each probe that catches nothing, up to this many
+# A request announced this long ago and still on its way may never come (a client that stalls its
+# message): batches stop waiting for it. Under load a message can take milliseconds to be read,
+# longer than a linger's cap; a tenth of a second lets a stalled call hold batches back for that
+# long once, however long it stalls.
+MAX_ARRIVAL_AGE_S = 0.1
 
 
 class Linger:
@@ -64,29 +71,47 @@ class Linger:
 class Arrival:
     """One request on its way to a batcher (Arrivals.announced): `arrived` once it is queued, or given up."""
 
-    __slots__ = ("_arrivals",)
+    __slots__ = ("_arrivals", "at")
 
     def __init__(self, arrivals: Arrivals) -> None:
         self._arrivals: Arrivals | None = arrivals
-        arrivals.on_the_way += 1
+        self.at = time.monotonic()  # when it was announced
 
     def arrived(self) -> None:
         """Its rows are queued now (or it ended without): no batch waits for it any more. Once."""
         if self._arrivals is not None:
-            self._arrivals.one_arrived()
+            self._arrivals.one_arrived(self)
             self._arrivals = None
 
 
 class Arrivals:
-    """Requests the doors of this process have begun to receive and not yet queued, for every batcher to see."""
+    """Requests the doors of this process have begun to receive and not yet queued, for every batcher to see.
 
-    def __init__(self) -> None:
-        self.on_the_way = 0
+    Only those announced within `max_age_s` count: one on its way for longer may never come (a client
+    that stalls its message), and a batch does not wait for it. Stalled ones are few (a gRPC call is
+    announced once it holds one of the door's rooms), so skipping them, the oldest first, costs a
+    few steps at most.
+    """
+
+    def __init__(self, max_age_s: float = MAX_ARRIVAL_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._pending: dict[Arrival, None] = {}  # in the order announced (a dict keeps it; removal is O(1))
         self._lingering: set[Callable[[], None]] = set()  # the wake-ups of the batchers lingering for them
 
-    def one_arrived(self) -> None:
-        self.on_the_way -= 1
-        if not self.on_the_way:  # a request that ended without its rows queued wakes nobody else
+    @property
+    def on_the_way(self) -> int:
+        """Requests announced within max_age_s and not yet arrived."""
+        horizon = time.monotonic() - self.max_age_s
+        stale = 0
+        for arrival in self._pending:
+            if arrival.at >= horizon:
+                break
+            stale += 1
+        return len(self._pending) - stale
+
+    def one_arrived(self, arrival: Arrival) -> None:
+        del self._pending[arrival]
+        if self._lingering and not self.on_the_way:  # one that ended without its rows queued wakes them too
             for wake in list(self._lingering):
                 wake()
 
@@ -103,6 +128,7 @@ class Arrivals:
     def announced(self) -> Iterator[Arrival]:
         """A request on its way for the block, or until its `arrived` is called (before its rows are queued)."""
         arrival = Arrival(self)
+        self._pending[arrival] = None
         try:
             yield arrival
         finally:

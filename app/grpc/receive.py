@@ -129,17 +129,18 @@ def read_with_room(
     RESOURCE_EXHAUSTED and retry hint), no whole message within the rooms' `read_timeout_s` (RequestTimeout,
     DEADLINE_EXCEEDED), or none at all (INVALID_ARGUMENT).
 
-    `arrivals`: the process's batchers (app/engine/linger.py), told the call is on its way from its
-    start until its message is read. Its rows are queued in the step that parses it (nothing awaits
-    between the parse and the batcher's queue), so no batch forms in the gap.
+    `arrivals`: the process's batchers (app/engine/linger.py), told the call is on its way from the
+    moment it holds a room until its message is read. Its rows are queued in the step that parses it
+    (nothing awaits between the parse and the batcher's queue), so no batch forms in the gap.
     """
 
     async def behaviour(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        try:
+            room = await rooms.take()
+        except TooManyBytesHeld as exc:
+            return await unary(Malformed(exc), context)
+        # Announced once it holds a room: calls that stall their message are as few as the rooms.
         with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
-            try:
-                room = await rooms.take()
-            except TooManyBytesHeld as exc:
-                return await unary(Malformed(exc), context)
             read = asyncio.ensure_future(anext(aiter(messages), None))
             try:
                 done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
