@@ -72,7 +72,7 @@ class Rooms:
             self.taken += 1
         elif len(self._waiting) >= self.max_waiting:
             raise TooManyBytesHeld(
-                f"{self.taken} ModelInfer messages are arriving, each with room for {self.largest} bytes "
+                f"{self.taken} gRPC infer messages are arriving, each with room for {self.largest} bytes "
                 f"(max_body_bytes) of max_held_bytes ({self._held.limit}), and {len(self._waiting)} wait; retry shortly"
             )
         else:
@@ -103,7 +103,7 @@ class Rooms:
                 self._waiting.remove(turn)
             if isinstance(exc, TimeoutError):
                 raise TooManyBytesHeld(
-                    f"no room for a ModelInfer message within {self.read_timeout_s:g} s: {self.taken} messages "
+                    f"no room for a gRPC infer message within {self.read_timeout_s:g} s: {self.taken} messages "
                     f"of up to {self.largest} bytes (max_body_bytes) are arriving; retry shortly"
                 ) from None
             raise
@@ -117,8 +117,34 @@ class Rooms:
         self.taken -= 1
 
 
+async def receive(
+    read: Callable[[], Awaitable[bytes | None]], parse: Callable[[bytes], Any], rooms: Rooms, method: str
+) -> Any:
+    """One message of a `method` call, read (`read()`: its raw bytes, None if the client sends no more) only
+    with a room from `rooms`, then parsed by `parse` (which holds its real size); None for no more.
+
+    TooManyBytesHeld: no room (RESOURCE_EXHAUSTED, retry shortly), the message left unread. RequestTimeout
+    (DEADLINE_EXCEEDED): no whole message within the rooms' `read_timeout_s`; the read is left to end with the call.
+    The room is given back on every way out (cancelled, timed out, the read failing).
+    """
+    room = await rooms.take()
+    pending = asyncio.ensure_future(read())
+    try:
+        done, _ = await asyncio.wait((pending,), timeout=rooms.read_timeout_s)
+    finally:
+        rooms.give(room)  # before `parse` holds the message's own size, with no await between: the trade never fails
+        if not pending.done():  # it ends with the call, which grpc core ends once answered or cancelled
+            pending.add_done_callback(_retrieved)
+    if not done:
+        raise RequestTimeout(
+            f"the {method} message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
+        )
+    data = pending.result()
+    return None if data is None else parse(data)
+
+
 def read_with_room(unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms) -> Callable[..., Awaitable[Any]]:
-    """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms`.
+    """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms` (`receive`).
 
     The message, once read, is parsed by `parse` (which holds its real size) and answered by
     `unary`; a call refused, `unary` answers a Malformed: no room (TooManyBytesHeld, its
@@ -128,27 +154,12 @@ def read_with_room(unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms) ->
 
     async def behaviour(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
         try:
-            room = await rooms.take()
-        except TooManyBytesHeld as exc:
+            message = await receive(lambda: anext(aiter(messages), None), parse, rooms, "ModelInfer")
+        except (TooManyBytesHeld, RequestTimeout) as exc:
             return await unary(Malformed(exc), context)
-        read = asyncio.ensure_future(anext(aiter(messages), None))
-        try:
-            done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
-        finally:
-            rooms.give(room)  # before `parse` holds the message's own size: the trade never fails
-            if not read.done():  # it ends with the call, which grpc core ends once answered
-                read.add_done_callback(_retrieved)
-        if not done:
-            late = RequestTimeout(
-                f"the ModelInfer message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
-            )
-            return await unary(Malformed(late), context)
-        data = read.result()
-        if data is None:
-            return await unary(
-                Malformed(InvalidInput("a ModelInfer call carries one request message; got none")), context
-            )
-        return await unary(parse(data), context)
+        if message is None:
+            message = Malformed(InvalidInput("a ModelInfer call carries one request message; got none"))
+        return await unary(message, context)
 
     return behaviour
 

@@ -85,17 +85,17 @@ class GrpcServer:
         # key) can never take the slots of the calls that need one.
         calls = CallsInFlight(settings.max_connections, "calls")
         probes = CallsInFlight(settings.max_connections, "probes (health checks and streams)")
+        # Room for ModelInfer and ModelStreamInfer messages on their way, from the same budget (receive.py);
+        # one message is at most max_body_bytes, grpc's max_receive_message_length above.
+        rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
         services = (
             (
                 INFERENCE_SERVICE,
                 add_GRPCInferenceServiceServicer_to_server,
-                InferenceServicer(self._state, calls, probes),
+                InferenceServicer(self._state, calls, probes, rooms),
             ),
             (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine, probes)),
         )
-        # Room for ModelInfer messages on their way, from the same budget (receive.py); one message
-        # is at most max_body_bytes, grpc's max_receive_message_length above.
-        rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
         for name, register, servicer in services:
             handlers = _tolerant_handlers(register, servicer, self._state.held, settings.send_timeout_s, rooms)
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
@@ -144,7 +144,8 @@ def _tolerant_handlers(
     ModelInfer's message is read only with one of `rooms` (receive.py: served stream-unary, so
     that grpc core holds no message the budget has not admitted), and its answer is watched (writes.answered_within): one not taken within
     `send_timeout_s` ends the client's connection (connections.py), as the HTTP door drops it, and
-    the request's and answer's bytes are held until the call is done.
+    the request's and answer's bytes are held until the call is done. ModelStreamInfer's messages
+    come raw: the servicer reads each with one of the same rooms and parses it once it has arrived (stream.py).
     """
     capture = _Capture()
     register(servicer, capture)
@@ -152,6 +153,9 @@ def _tolerant_handlers(
         name: handler._replace(request_deserializer=wire.tolerant(name, handler.request_deserializer, held))
         for name, handler in capture.handlers.items()
     }
+    stream = handlers.get("ModelStreamInfer")
+    if stream is not None:  # parsed by the servicer once the room is traded for the message (stream.py)
+        handlers["ModelStreamInfer"] = stream._replace(request_deserializer=None)
     infer = handlers.get("ModelInfer")
     if infer is not None:
         watched = answered_within(infer.unary_unary, send_timeout_s)
