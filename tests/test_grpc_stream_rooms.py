@@ -43,8 +43,8 @@ class Door:
 
 
 @asynccontextmanager
-async def serving(start_app: StartApp, read_timeout_s: float = 60.0) -> AsyncIterator[Door]:
-    settings = Settings(max_body_bytes=ROOM, max_held_bytes=4 * ROOM, read_timeout_s=read_timeout_s, warmup=False)
+async def serving(start_app: StartApp, read_timeout_s: float = 60.0, held: int = 4 * ROOM) -> AsyncIterator[Door]:
+    settings = Settings(max_body_bytes=ROOM, max_held_bytes=held, read_timeout_s=read_timeout_s, warmup=False)
     state = (await start_app(settings)).app.state.service
     port = free_port()
     server = GrpcServer(state, "127.0.0.1", port)
@@ -89,11 +89,13 @@ async def answered_once(client: service_pb2_grpc.GRPCInferenceServiceStub, seed:
 
 
 async def nothing_held_and_both_rooms_free(door: Door) -> None:
-    """The budget back to 0, then both rooms taken by two streams waiting for a message, and given back."""
+    """The budget back to 0, then every room (two; one if the budget is one room) taken by streams waiting for a
+    message, and given back."""
     await until(lambda: door.held.held == 0, f"the budget back to 0 (held: {door.held.held})")
+    rooms = max(1, door.held.limit // 2 // ROOM)
     async with stub(door.target) as client:
-        calls = [await answered_once(client, seed) for seed in range(2)]
-        await until(lambda: door.held.held == 2 * ROOM, f"both rooms taken (held: {door.held.held})")
+        calls = [await answered_once(client, seed) for seed in range(rooms)]
+        await until(lambda: door.held.held == rooms * ROOM, f"every room taken (held: {door.held.held})")
         for call in calls:
             call.cancel()
     await until(lambda: door.held.held == 0, f"the budget back to 0 (held: {door.held.held})")
@@ -149,27 +151,18 @@ async def test_a_client_gone_in_the_middle_of_a_message_gives_its_room_back(door
     await nothing_held_and_both_rooms_free(door)
 
 
-async def test_a_stream_that_gets_no_room_answers_what_it_read_then_ends_resource_exhausted(door: Door) -> None:
-    first, second = rows(2, 1), rows(3, 2)
+async def test_a_stream_that_gets_no_room_ends_resource_exhausted_with_the_retry_hint(door: Door) -> None:
+    others = Hold(door.held)
+    others.grow(3 * ROOM + 1)  # what other requests hold: less than a room is left
     async with stub(door.target) as client:
-        call = client.ModelStreamInfer()
-        await call.write(infer_request(first, request_id="first"))
-        assert_right(await call.read(), first)
-        await until(lambda: door.held.held == ROOM, "the room taken for the next message")
-        others = Hold(door.held)
-        others.grow(3 * ROOM)  # what other requests hold: with this stream's room, the whole budget
-        await call.write(infer_request(second, request_id="second"))  # arrives in the room taken for it
-        answer = await call.read()
-        assert answer.infer_response.id == "second"
-        assert_right(answer, second)
-        with pytest.raises(grpc.aio.AioRpcError):  # no room for a third message: the stream ends
-            await call.read()
+        call = client.ModelStreamInfer()  # its first read is refused, whatever the client sends
         assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_held_bytes (4194304)" in (await call.details() or "")
         trailers = dict(await call.trailing_metadata() or ())
         assert trailers["ffn-error-type"] == "too_many_bytes_held"
         assert trailers["grpc-retry-pushback-ms"] == "1000"
         assert "x-request-id" in trailers
+        assert door.held.held == 3 * ROOM + 1
         others.resize(0)
         again = await answered_once(client, 3)  # a new stream, as a Triton client starts one: answered
         again.cancel()
@@ -192,4 +185,24 @@ async def test_a_message_not_whole_within_read_timeout_ends_its_stream_deadline_
                 await call.read()
             assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "did not arrive whole within 5 s (read_timeout_s)" in (await call.details() or "")
+        await nothing_held_and_both_rooms_free(door)
+
+
+async def test_with_one_room_for_the_whole_budget_a_stream_waits_for_its_answers_before_each_read(
+    start_app: StartApp,
+) -> None:
+    # max_held_bytes = max_body_bytes: a room and any request held pass the budget, so the stream, refused a room
+    # while its own requests hold bytes, waits for their answers and asks again, instead of ending.
+    sent = {f"r{i}": rows(1 + 100 * i, seed=i) for i in range(3)}
+    async with serving(start_app, held=ROOM) as door:
+        async with stub(door.target) as client:
+            call = client.ModelStreamInfer()
+            for request_id, x in sent.items():
+                await call.write(infer_request(x, request_id=request_id))
+            await call.done_writing()
+            answers = {answer.infer_response.id: answer async for answer in call}
+            assert await call.code() == grpc.StatusCode.OK
+        assert set(answers) == set(sent)
+        for request_id, x in sent.items():
+            assert_right(answers[request_id], x)
         await nothing_held_and_both_rooms_free(door)

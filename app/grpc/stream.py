@@ -14,7 +14,10 @@ one budget for what grpc core receives at the door), taken right before the read
 message's rows are counted, and given back as soon as the message has arrived, which then holds its
 own size (wire.py) until its answer is written. A message that gets no room, or does not arrive
 whole within read_timeout_s of its room, ends the stream, once the requests before it are answered:
-RESOURCE_EXHAUSTED with the retry hint, or DEADLINE_EXCEEDED. Not a per-message error: the message
+RESOURCE_EXHAUSTED with the retry hint, or DEADLINE_EXCEEDED. (A stream refused a room while requests
+of its own are in flight first waits for their answers, which may hold what it lacks, and asks again.
+Its end is a read too: a stream refused a room after its last answer ends RESOURCE_EXHAUSTED though
+its client had half-closed, which only a read would have shown.) Not a per-message error: the message
 cannot be skipped without receiving it whole (the very bytes the room bounds), nor named (its id is
 in it, unread); and a Triton client sees a stream's end with its status code (its callback gets an
 InferenceServerException naming RESOURCE_EXHAUSTED, and it starts a new stream), where a per-message
@@ -119,7 +122,7 @@ class StreamInfer:
             for n in itertools.count(1):
                 # The room only now: the previous message's rows are counted, so no room waits on them.
                 try:
-                    request = await receive(read, self._parse, self._rooms, "ModelStreamInfer")
+                    request = await self._receive(read, in_flight)
                 except (TooManyBytesHeld, RequestTimeout) as exc:
                     ended = exc
                     break
@@ -140,6 +143,22 @@ class StreamInfer:
             error = grpc_error(ended)
             drop_frames(ended)
             set_status(context, error, ((REQUEST_ID_KEY, call_id),))
+
+    async def _receive(
+        self, read: Callable[[], Awaitable[bytes | None]], in_flight: set[asyncio.Task[None]]
+    ) -> InferMessage | Malformed | None:
+        """The stream's next message, read with a room (None: the client half-closed).
+
+        Refused a room while requests of its own are in flight, which may hold what it lacks (always so
+        when max_held_bytes is max_body_bytes), the stream waits for them to be answered and asks once more.
+        """
+        try:
+            return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
+        except TooManyBytesHeld:
+            if not in_flight:
+                raise
+        await asyncio.gather(*in_flight)
+        return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
 
     async def _answer(
         self,
