@@ -1,4 +1,4 @@
-"""Room for a ModelInfer message, taken from `max_held_bytes` before grpc core receives it.
+"""Room for a ModelInfer or ModelStreamInfer message, taken from `max_held_bytes` before grpc core receives it.
 
 grpc core receives a unary call's message whole before the servicer sees a byte of it, and a
 message's size is not in its headers: so a budget checked on the message itself (wire.py) is
@@ -25,6 +25,12 @@ The cost: a message holds a whole room while it arrives, whatever its size, so c
 calls and stall hold rooms until `read_timeout_s`, and calls behind them wait or are refused with
 the retry hint; the HTTP door, which reads Content-Length first, counts only what a body declares.
 A small message holds its room for microseconds.
+
+ModelStreamInfer reads each of its messages with `receive` and the same rooms (stream.py): a read
+pending on a stream lets grpc core take a whole message in as well. There the cost is larger: a
+stream waiting for its next message holds a room while it waits, so at most as many streams as
+there are rooms wait for a message at once (the others wait their turn, their next message held back
+at 64 KiB), and one quiet for `read_timeout_s` ends DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
