@@ -206,3 +206,22 @@ async def test_with_one_room_for_the_whole_budget_a_stream_waits_for_its_answers
         for request_id, x in sent.items():
             assert_right(answers[request_id], x)
         await nothing_held_and_both_rooms_free(door)
+
+
+async def test_a_message_that_does_not_parse_is_answered_and_the_stream_goes_on_holding_nothing(door: Door) -> None:
+    x = rows(2, 5)
+    async with grpc.aio.insecure_channel(door.target) as channel:
+        call = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )()  # requests as raw bytes
+        await call.write(b"\xff\xff\xff")
+        await call.write(infer_request(x, request_id="after").SerializeToString())
+        await call.done_writing()
+        answers = [answer async for answer in call]
+        assert await call.code() == grpc.StatusCode.OK
+    assert answers[0].error_message.startswith("malformed protobuf")
+    assert answers[0].infer_response.parameters["error_type"].string_param == "invalid_input"
+    assert answers[1].infer_response.id == "after"
+    assert_right(answers[1], x)
+    await nothing_held_and_both_rooms_free(door)
