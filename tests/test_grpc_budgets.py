@@ -7,7 +7,8 @@ only with a room of max_body_bytes taken from max_held_bytes (app/grpc/receive.p
 core received every message whole first, and 48 concurrent 31 MiB calls against a 256 MiB budget
 grew one process by 1.4 to 1.9 GB (issue 40). Each ModelStreamInfer message takes the same rooms
 (app/grpc/stream.py); before, grpc core received it whole as soon as its stream read: 48 streams of
-one 31 MiB message grew one process by 854 MiB, the layout by 618 MiB.
+one 31 MiB message grew the server by 618 to 962 MiB (either layout), 16 of 24 MiB at 128 MiB by
+329 to 462 MiB.
 """
 
 from __future__ import annotations
