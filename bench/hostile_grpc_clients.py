@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from h2.config import H2Configuration
 from h2.connection import H2Connection
-from h2.events import ConnectionTerminated, StreamEnded, StreamReset
+from h2.events import ConnectionTerminated, ResponseReceived, StreamEnded, StreamReset, TrailersReceived
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame
@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 HOST = "127.0.0.1"
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_INFER_PATH = "/inference.GRPCInferenceService/ModelStreamInfer"
 WATCH_PATH = "/grpc.health.v1.Health/Watch"
 # A channel of its own connection: grpcio shares one connection among channels to the same target otherwise.
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
@@ -72,6 +73,7 @@ class RawConnection:
         self.resets = 0  # streams the server reset
         self.ended = 0  # streams the server ended (an answer or an error status)
         self.unexpected = ""  # the server answered a stream h2 did not know of (sent as raw frames)
+        self.statuses: list[str] = []  # the grpc-status of each stream the server ended with one
 
     @classmethod
     async def open(cls, port: int, *, window: int | None = None) -> RawConnection:
@@ -114,6 +116,8 @@ class RawConnection:
                     self.resets += 1
                 elif isinstance(event, StreamEnded):
                     self.ended += 1
+                elif isinstance(event, ResponseReceived | TrailersReceived):  # trailers, or a trailers-only answer
+                    self.statuses += [value for name, value in event.headers if name == "grpc-status"]
             with contextlib.suppress(ConnectionError):
                 await self.flush()
 
@@ -168,16 +172,17 @@ async def headers_only_streams(port: int, streams: int, hold_s: float, key: str 
 
 
 async def slow_messages(
-    port: int, calls: int, hold_s: float, key: str | None = None, declared: int = 1 << 20
+    port: int, calls: int, hold_s: float, key: str | None = None, declared: int = 1 << 20, path: str = INFER_PATH
 ) -> RawConnection:
-    """One connection with `calls` ModelInfer streams, each declaring a `declared`-byte message and sending 10 bytes."""
+    """One connection with `calls` ModelInfer (or `path`) streams, each declaring a `declared`-byte message and
+    sending 10 bytes."""
     raw = await RawConnection.open(port)
     for _ in range(calls):
         if raw.closed:
             break
         stream = raw.h2.get_next_available_stream_id()
         try:
-            raw.h2.send_headers(stream, request_headers(INFER_PATH, key))
+            raw.h2.send_headers(stream, request_headers(path, key))
             raw.h2.send_data(stream, grpc_message(b"\x0a\x04demo", declared))
         except Exception:
             break

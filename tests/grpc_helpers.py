@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -61,6 +62,35 @@ async def infer_or_error(target: str, request: pb.ModelInferRequest) -> pb.Model
             return await client.ModelInfer(request, timeout=600)
         except grpc.aio.AioRpcError as error:
             return error
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a ModelStreamInfer call went: the answers it got, then its status."""
+
+    answers: list[pb.ModelStreamInferResponse]
+    code: grpc.StatusCode
+    details: str
+    trailers: dict[str, str]
+
+
+def stream_once(target: str, request: pb.ModelInferRequest) -> StreamEnd:
+    """One ModelStreamInfer of one message, then half-closed, on a channel of its own: what it got and its end.
+
+    grpcio's blocking API, as tritonclient.grpc streams: it reports the status the server ended the call with
+    even when that came while the message was still being sent. (The asyncio API reports its failed write
+    instead: INTERNAL, "Internal error from Core".)
+    """
+    options = [("grpc.max_receive_message_length", 2**31 - 1)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request]), timeout=600)
+        answers = []
+        try:
+            answers.extend(call)
+        except grpc.RpcError:  # the server ended the call: its status follows
+            pass
+        metadata = call.trailing_metadata() or ()
+        return StreamEnd(answers, call.code(), call.details() or "", {key: value for key, value in metadata})
 
 
 def trailers(error: grpc.aio.AioRpcError) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Rooms for ModelInfer messages on their way (app/grpc/receive.py): taken from the held budget, handed on in turn.
+"""Rooms for ModelInfer and ModelStreamInfer messages on their way (app/grpc/receive.py): taken from the held budget, handed on in turn.
 
 No server: the rooms and a HeldBytes budget alone. The real door under floods is tests/test_grpc_budgets.py's.
 """
@@ -67,7 +67,7 @@ async def test_calls_past_the_rooms_wait_and_are_handed_a_room_in_turn() -> None
 async def test_a_call_that_gets_no_room_in_time_is_refused_and_leaves_nothing_behind() -> None:
     held, some = rooms(read_timeout_s=0.05)
     taken = [await some.take(), await some.take()]
-    with pytest.raises(TooManyBytesHeld, match="no room for a ModelInfer message within"):
+    with pytest.raises(TooManyBytesHeld, match="no room for a gRPC infer message within"):
         await some.take()
     for room in taken:
         some.give(room)

@@ -1,4 +1,4 @@
-"""Room for a ModelInfer message, taken from `max_held_bytes` before grpc core receives it.
+"""Room for a ModelInfer or ModelStreamInfer message, taken from `max_held_bytes` before grpc core receives it.
 
 grpc core receives a unary call's message whole before the servicer sees a byte of it, and a
 message's size is not in its headers: so a budget checked on the message itself (wire.py) is
@@ -25,6 +25,13 @@ The cost: a message holds a whole room while it arrives, whatever its size, so c
 calls and stall hold rooms until `read_timeout_s`, and calls behind them wait or are refused with
 the retry hint; the HTTP door, which reads Content-Length first, counts only what a body declares.
 A small message holds its room for microseconds.
+
+ModelStreamInfer reads each of its messages with `receive` and rooms of its own (stream.py, up to
+half the budget as well: STREAM_ROOMS_SHARE): a read pending on a stream lets grpc core take a whole
+message in as well. There the cost is larger: a stream waiting for its next message holds a room
+while it waits, so at most as many streams as there are stream rooms wait for a message at once (the
+others wait their turn, their next message held back at 64 KiB), and one quiet for `read_timeout_s`
+ends DEADLINE_EXCEEDED. Apart from ModelInfer's rooms, quiet streams never hold up unary calls.
 """
 
 from __future__ import annotations
@@ -49,21 +56,30 @@ STREAM_WINDOW = 65535
 Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
+# ModelInfer's rooms may take up to half the budget, and ModelStreamInfer's, apart, as much (server.py):
+# a stream waiting for its next message holds a room while it waits, so streams left open and quiet
+# must not take the rooms that unary calls need. Both full, the rooms hold the whole budget: a flood
+# of large messages is refused until some arrive, as the budget asks.
+INFER_ROOMS_SHARE = 2
+STREAM_ROOMS_SHARE = 2
+
+
 class Rooms:
-    """Rooms of `largest` bytes for messages on their way, taken from `held`: at most half of it, one at least.
+    """Rooms of `largest` bytes for messages on their way, taken from `held`: at most 1/`share` of it, one at least.
 
     A call that finds every room taken waits for one, first come first served, up to `read_timeout_s`
     (a small message holds its room for microseconds: calls arriving together must not refuse each
     other); at most `max_waiting` calls wait, each held back by HTTP/2 flow control at 64 KiB of its
-    message (a quarter of the budget in all). A message must then arrive whole within `read_timeout_s`.
+    message (half the rooms' share of the budget in all). A message must then arrive whole within
+    `read_timeout_s`.
     """
 
-    def __init__(self, held: HeldBytes, largest: int, read_timeout_s: float) -> None:
+    def __init__(self, held: HeldBytes, largest: int, read_timeout_s: float, share: int = INFER_ROOMS_SHARE) -> None:
         self._held = held
         self.largest = largest
         self.read_timeout_s = read_timeout_s
-        self.limit = max(1, held.limit // 2 // largest)
-        self.max_waiting = max(self.limit, held.limit // 4 // STREAM_WINDOW)
+        self.limit = max(1, held.limit // share // largest)
+        self.max_waiting = max(self.limit, held.limit // (2 * share) // STREAM_WINDOW)
         self.taken = 0  # rooms held, and rooms handed to a waiter that has not woken yet
         self._waiting: deque[asyncio.Future[None]] = deque()
 
@@ -74,7 +90,7 @@ class Rooms:
             self.taken += 1
         elif len(self._waiting) >= self.max_waiting:
             raise TooManyBytesHeld(
-                f"{self.taken} ModelInfer messages are arriving, each with room for {self.largest} bytes "
+                f"{self.taken} gRPC infer messages are arriving, each with room for {self.largest} bytes "
                 f"(max_body_bytes) of max_held_bytes ({self._held.limit}), and {len(self._waiting)} wait; retry shortly"
             )
         else:
@@ -105,7 +121,7 @@ class Rooms:
                 self._waiting.remove(turn)
             if isinstance(exc, TimeoutError):
                 raise TooManyBytesHeld(
-                    f"no room for a ModelInfer message within {self.read_timeout_s:g} s: {self.taken} messages "
+                    f"no room for a gRPC infer message within {self.read_timeout_s:g} s: {self.taken} messages "
                     f"of up to {self.largest} bytes (max_body_bytes) are arriving; retry shortly"
                 ) from None
             raise
@@ -119,46 +135,65 @@ class Rooms:
         self.taken -= 1
 
 
+async def receive(
+    read: Callable[[], Awaitable[bytes | None]],
+    parse: Callable[[bytes], Any],
+    rooms: Rooms,
+    method: str,
+    arrivals: Arrivals | None = None,
+) -> Any:
+    """One message of a `method` call, read (`read()`: its raw bytes, None if the client sends no more) only
+    with a room from `rooms`, then parsed by `parse` (which holds its real size); None for no more.
+
+    TooManyBytesHeld: no room (RESOURCE_EXHAUSTED, retry shortly), the message left unread. RequestTimeout
+    (DEADLINE_EXCEEDED): no whole message within the rooms' `read_timeout_s`; the read is left to end with the call.
+    The room is given back on every way out (cancelled, timed out, the read failing).
+
+    `arrivals`: the process's batchers (app/engine/linger.py), told the message is on its way from the
+    moment it holds a room (calls that stall their message are as few as the rooms) until it is read,
+    for a caller that queues its rows in the step that parses it (nothing awaiting between the parse
+    and the batcher's queue), so that no batch forms in the gap.
+    """
+    room = await rooms.take()
+    with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
+        pending = asyncio.ensure_future(read())
+        try:
+            done, _ = await asyncio.wait((pending,), timeout=rooms.read_timeout_s)
+        finally:
+            rooms.give(
+                room
+            )  # before `parse` holds the message's own size, with no await between: the trade never fails
+            if not pending.done():  # it ends with the call, which grpc core ends once answered or cancelled
+                pending.add_done_callback(_retrieved)
+    if not done:
+        raise RequestTimeout(
+            f"the {method} message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
+        )
+    data = pending.result()
+    return None if data is None else parse(data)
+
+
 def read_with_room(
     unary: Unary, parse: Callable[[bytes], Any], rooms: Rooms, arrivals: Arrivals | None = None
 ) -> Callable[..., Awaitable[Any]]:
-    """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms`.
+    """A stream-unary behaviour that reads one message (raw bytes) only with a room from `rooms` (`receive`).
 
     The message, once read, is parsed by `parse` (which holds its real size) and answered by
     `unary`; a call refused, `unary` answers a Malformed: no room (TooManyBytesHeld, its
     RESOURCE_EXHAUSTED and retry hint), no whole message within the rooms' `read_timeout_s` (RequestTimeout,
     DEADLINE_EXCEEDED), or none at all (INVALID_ARGUMENT).
 
-    `arrivals`: the process's batchers (app/engine/linger.py), told the call is on its way from the
-    moment it holds a room until its message is read. Its rows are queued in the step that parses it
-    (nothing awaits between the parse and the batcher's queue), so no batch forms in the gap.
+    `arrivals`: told the call is on its way until its message is read (`receive`).
     """
 
     async def behaviour(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
         try:
-            room = await rooms.take()
-        except TooManyBytesHeld as exc:
+            message = await receive(lambda: anext(aiter(messages), None), parse, rooms, "ModelInfer", arrivals)
+        except (TooManyBytesHeld, RequestTimeout) as exc:
             return await unary(Malformed(exc), context)
-        # Announced once it holds a room: calls that stall their message are as few as the rooms.
-        with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
-            read = asyncio.ensure_future(anext(aiter(messages), None))
-            try:
-                done, _ = await asyncio.wait((read,), timeout=rooms.read_timeout_s)
-            finally:
-                rooms.give(room)  # before `parse` holds the message's own size: the trade never fails
-                if not read.done():  # it ends with the call, which grpc core ends once answered
-                    read.add_done_callback(_retrieved)
-        if not done:
-            late = RequestTimeout(
-                f"the ModelInfer message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
-            )
-            return await unary(Malformed(late), context)
-        data = read.result()
-        if data is None:
-            return await unary(
-                Malformed(InvalidInput("a ModelInfer call carries one request message; got none")), context
-            )
-        return await unary(parse(data), context)
+        if message is None:
+            message = Malformed(InvalidInput("a ModelInfer call carries one request message; got none"))
+        return await unary(message, context)
 
     return behaviour
 

@@ -30,7 +30,7 @@ from app.grpc import reflection, wire
 from app.grpc.auth import ApiKeyInterceptor
 from app.grpc.health import HEALTH_SERVICE, INFERENCE_SERVICE, Health
 from app.grpc.ports import target
-from app.grpc.receive import Rooms, read_with_room
+from app.grpc.receive import STREAM_ROOMS_SHARE, Rooms, read_with_room
 from app.grpc.service import InferenceServicer
 from app.grpc.writes import answered_within
 from app.protocol.admission import CallsInFlight, HeldBytes
@@ -86,17 +86,20 @@ class GrpcServer:
         # key) can never take the slots of the calls that need one.
         calls = CallsInFlight(settings.max_connections, "calls")
         probes = CallsInFlight(settings.max_connections, "probes (health checks and streams)")
+        # Room for ModelInfer and ModelStreamInfer messages on their way, from the same budget (receive.py),
+        # each method its own rooms: streams left open and quiet hold theirs while they wait, and must
+        # not take those of unary calls. One message is at most max_body_bytes, grpc's
+        # max_receive_message_length above.
+        rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
+        stream_rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s, STREAM_ROOMS_SHARE)
         services = (
             (
                 INFERENCE_SERVICE,
                 add_GRPCInferenceServiceServicer_to_server,
-                InferenceServicer(self._state, calls, probes),
+                InferenceServicer(self._state, calls, probes, stream_rooms),
             ),
             (HEALTH_SERVICE, health_pb2_grpc.add_HealthServicer_to_server, Health(self._state.engine, probes)),
         )
-        # Room for ModelInfer messages on their way, from the same budget (receive.py); one message
-        # is at most max_body_bytes, grpc's max_receive_message_length above.
-        rooms = Rooms(self._state.held, settings.max_body_bytes, settings.read_timeout_s)
         for name, register, servicer in services:
             handlers = _tolerant_handlers(
                 register, servicer, self._state.held, settings.send_timeout_s, rooms, self._state.arrivals
@@ -153,7 +156,9 @@ def _tolerant_handlers(
     that grpc core holds no message the budget has not admitted), and its answer is watched (writes.answered_within): one not taken within
     `send_timeout_s` ends the client's connection (connections.py), as the HTTP door drops it, and
     the request's and answer's bytes are held until the call is done. A ModelInfer call is announced
-    to `arrivals` (the process's batchers, which linger for it) from its start until its message is read.
+    to `arrivals` (the process's batchers, which linger for it) from its room until its message is read.
+    ModelStreamInfer's messages come raw: the servicer reads each with a room and parses it once it
+    has arrived (stream.py).
     """
     capture = _Capture()
     register(servicer, capture)
@@ -161,6 +166,9 @@ def _tolerant_handlers(
         name: handler._replace(request_deserializer=wire.tolerant(name, handler.request_deserializer, held))
         for name, handler in capture.handlers.items()
     }
+    stream = handlers.get("ModelStreamInfer")
+    if stream is not None:  # parsed by the servicer once the room is traded for the message (stream.py)
+        handlers["ModelStreamInfer"] = stream._replace(request_deserializer=None)
     infer = handlers.get("ModelInfer")
     if infer is not None:
         watched = answered_within(infer.unary_unary, send_timeout_s)

@@ -27,10 +27,11 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
 from app.engine.facade import ModelFacade
 from app.errors import drop_frames
-from app.grpc import codec
+from app.grpc import codec, wire
 from app.grpc.auth import OPEN_NAMES as OPEN_METHODS
 from app.grpc.calls import Call
 from app.grpc.malformed import Malformed
+from app.grpc.receive import Rooms
 from app.grpc.status import grpc_error, log_if_internal, refuse, set_status
 from app.grpc.stream import StreamInfer
 from app.grpc.wire import InferMessage
@@ -107,14 +108,22 @@ def _version(version: str) -> str | None:
 class InferenceServicer(GRPCInferenceServiceServicer):
     """Triton's GRPCInferenceService, answered from the engine facade and the service state."""
 
-    def __init__(self, state: ServiceState, calls: CallsInFlight, probes: CallsInFlight) -> None:
-        """`calls`: the budget of the calls in flight; `probes`: that of the probes, which need no key."""
+    def __init__(self, state: ServiceState, calls: CallsInFlight, probes: CallsInFlight, rooms: Rooms) -> None:
+        """`calls`: the budget of the calls in flight; `probes`: that of the probes, which need no key; `rooms`:
+        those a ModelStreamInfer message is read with, ModelInfer's (receive.py)."""
         self._state = state
         self._engine = state.engine
         self._calls, self._probes = calls, probes
         settings = state.settings
+        # A stream's messages come raw (server.py): parsed here, as grpc would have, once each has its room.
+        parse = wire.tolerant("ModelStreamInfer", pb.ModelInferRequest.FromString, state.held)
         self._stream = StreamInfer(
-            self._infer, max_rows=settings.max_batch_rows, send_timeout_s=settings.send_timeout_s, tracing=state.tracing
+            self._infer,
+            rooms,
+            parse,
+            max_rows=settings.max_batch_rows,
+            send_timeout_s=settings.send_timeout_s,
+            tracing=state.tracing,
         )
 
     # ----- health and metadata --------------------------------------------------------------

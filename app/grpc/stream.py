@@ -8,6 +8,23 @@ and while the budget is spent the stream is not read, so a client that sends wit
 answers is held back by HTTP/2 flow control instead of filling the server's memory. When the
 client half-closes, every request still in flight is answered before the stream ends; when it
 cancels, they are dropped (their rows leave the queue uncomputed).
+
+Each message is read only with a room from the streams' rooms (app/grpc/receive.py: from the one
+budget for what grpc core receives at the door, apart from ModelInfer's, so that quiet streams never
+hold up unary calls), taken right before the read, once the previous
+message's rows are counted, and given back as soon as the message has arrived, which then holds its
+own size (wire.py) until its answer is written. A message that gets no room, or does not arrive
+whole within read_timeout_s of its room, ends the stream, once the requests before it are answered:
+RESOURCE_EXHAUSTED with the retry hint, or DEADLINE_EXCEEDED. (A stream refused a room while requests
+of its own are in flight first waits for their answers, which may hold what it lacks, and asks again.
+Its end is a read too: a stream refused a room after its last answer ends RESOURCE_EXHAUSTED though
+its client had half-closed, which only a read would have shown.) Not a per-message error: the message
+cannot be skipped without receiving it whole (the very bytes the room bounds), nor named (its id is
+in it, unread); and a Triton client sees a stream's end with its status code (its callback gets an
+InferenceServerException naming RESOURCE_EXHAUSTED, and it starts a new stream), where a per-message
+`error_message` reaches it without one. A stream waiting for its next message holds a room while it
+waits (a pending read lets grpc core take a whole message in), so one quiet for read_timeout_s ends
+DEADLINE_EXCEEDED too.
 """
 
 from __future__ import annotations
@@ -16,6 +33,7 @@ import asyncio
 import itertools
 import math
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -24,14 +42,17 @@ from tritonclient.grpc import service_pb2 as pb
 from app.errors import drop_frames
 from app.grpc.calls import REQUEST_ID_KEY, Call, call_request_id, metadata_of
 from app.grpc.malformed import Malformed
-from app.grpc.status import grpc_error, log_if_internal
+from app.grpc.receive import Rooms, receive
+from app.grpc.status import grpc_error, log_if_internal, set_status
 from app.grpc.wire import InferMessage
 from app.grpc.writes import send_within
+from app.protocol.errors import RequestTimeout, TooManyBytesHeld
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import Tracing
 
 Infer = Callable[[InferMessage, grpc.aio.ServicerContext], Awaitable[pb.ModelInferResponse]]
+Parse = Callable[[bytes], InferMessage | Malformed]
 
 
 class RowBudget:
@@ -62,11 +83,29 @@ def rows_claimed(message: InferMessage | Malformed, limit: int) -> int:
     return min(limit, math.prod(shape[:-1]))
 
 
-class StreamInfer:
-    """Serves ModelStreamInfer calls with `infer`, the unary infer's own path."""
+async def _next_message(context: grpc.aio.ServicerContext) -> bytes | None:
+    """The stream's next message, raw (its handler has no deserializer: server.py); None once the client half-closed."""
+    message = await context.read()
+    return None if message is grpc.aio.EOF else message
 
-    def __init__(self, infer: Infer, *, max_rows: int, send_timeout_s: float, tracing: Tracing | None = None) -> None:
+
+class StreamInfer:
+    """Serves ModelStreamInfer calls with `infer`, the unary infer's own path, each message read with a room of
+    `rooms` and parsed by `parse` (wire.tolerant: its bytes held against max_held_bytes, its failures a Malformed)."""
+
+    def __init__(
+        self,
+        infer: Infer,
+        rooms: Rooms,
+        parse: Parse,
+        *,
+        max_rows: int,
+        send_timeout_s: float,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._infer = infer
+        self._rooms = rooms
+        self._parse = parse
         self._max_rows = max_rows
         self._send_timeout_s = send_timeout_s
         self._tracing = tracing
@@ -78,9 +117,17 @@ class StreamInfer:
         metadata = metadata_of(context)
         call_id = call_request_id(metadata)
         context.set_trailing_metadata(((REQUEST_ID_KEY, call_id),))
+        read = partial(_next_message, context)
+        ended: TooManyBytesHeld | RequestTimeout | None = None
         try:
             for n in itertools.count(1):
-                if (request := await context.read()) is grpc.aio.EOF:
+                # The room only now: the previous message's rows are counted, so no room waits on them.
+                try:
+                    request = await self._receive(read, in_flight)
+                except (TooManyBytesHeld, RequestTimeout) as exc:
+                    ended = exc
+                    break
+                if request is None:
                     break
                 rows = rows_claimed(request, self._max_rows)
                 await budget.take(rows)
@@ -88,11 +135,31 @@ class StreamInfer:
                 task = asyncio.create_task(self._answer(request, call, rows, context, budget, writing))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
-            while in_flight:  # half-closed: answer what was sent before ending the stream
+            while in_flight:  # half-closed, or a message refused: answer what was read before ending the stream
                 await asyncio.gather(*in_flight)
         finally:
             for task in in_flight:  # the client left or the call was cancelled: nobody reads these answers
                 task.cancel()
+        if ended is not None:
+            error = grpc_error(ended)
+            drop_frames(ended)
+            set_status(context, error, ((REQUEST_ID_KEY, call_id),))
+
+    async def _receive(
+        self, read: Callable[[], Awaitable[bytes | None]], in_flight: set[asyncio.Task[None]]
+    ) -> InferMessage | Malformed | None:
+        """The stream's next message, read with a room (None: the client half-closed).
+
+        Refused a room while requests of its own are in flight, which may hold what it lacks (always so
+        when max_held_bytes is max_body_bytes), the stream waits for them to be answered and asks once more.
+        """
+        try:
+            return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
+        except TooManyBytesHeld:
+            if not in_flight:
+                raise
+        await asyncio.gather(*in_flight)
+        return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
 
     async def _answer(
         self,
