@@ -1,4 +1,5 @@
-"""bench/mosec_baseline.py's table: medians per server and cell, and ffn-serve as a multiple of each baseline."""
+"""The comparison benchmarks' own arithmetic: bench/mosec_baseline.py's table (medians, multiples of each baseline) and
+bench/codec.py's rounds."""
 
 from __future__ import annotations
 
@@ -20,3 +21,14 @@ def test_the_table_reports_medians_and_multiples_of_each_baseline() -> None:
     assert "| mosec (stdlib) | json | 16 | 16 | 1,200 (1,000–1,400) |" in text
     # 7,000 / 1,200 and 13,000 / 1,200
     assert "| 16 | 16 | mosec (stdlib) | 5.8 | 10.8 |" in text
+
+
+def test_bench_codec_times_each_cell_of_this_checkout() -> None:
+    """bench/codec.py's round, in-process: a decode and an encode time for each encoding and row count."""
+    from bench import codec
+
+    cells = codec.one_round([1, 2], ["json", "raw"], seconds=0.01)
+    assert set(cells) == {"json r=1", "raw r=1", "json r=2", "raw r=2"}
+    assert all(cell["decode_us"] > 0 and cell["encode_us"] > 0 for cell in cells.values())
+    text = codec.table({"this": [cells, cells]})
+    assert text.splitlines()[2].startswith("| json r=1 | ")
