@@ -14,11 +14,11 @@ and then (a probe), backing off the longer nothing is caught: a lone client pays
 interval on one batch in PROBE_MOST once it has backed off.
 
 A door that receives a request in several steps tells the batchers of its process that it is on
-its way (`Arrivals`): a gRPC call is announced when it starts, before its message is read, and
-counted until its rows are queued. A batch about to form while calls are on their way lingers
+its way (`Arrivals`): a gRPC call is announced from the moment it holds a room until its
+message is read, and its rows are queued in that same step. A batch about to form while calls are on their way lingers
 for them too, whatever it holds, and ends its linger as soon as none is left: at 16 callers the
-batches formed went from 2.6 calls to 5.4, and a call's CPU from 2.4x a bare grpc.aio servicer's
-to 1.7x (docs/benchmarks.md). A call on its way for longer than MAX_ARRIVAL_AGE_S is not waited for
+batches formed went from 2.6 calls to 4.5, and a call's CPU from 2.3x a bare grpc.aio servicer's
+to 2.0x (docs/benchmarks.md). A call on its way for longer than MAX_ARRIVAL_AGE_S is not waited for
 (a client that stalls its message holds batches back for that long once, however long it stalls),
 and the learning applies: lingers that catch nothing stop.
 """
