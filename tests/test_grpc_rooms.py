@@ -134,3 +134,39 @@ async def test_a_waiting_call_cancelled_as_a_room_is_given_back_leaves_the_line_
         await leaving
     some.give(await staying)
     assert held.held == 0 and some.taken == 0
+
+
+async def test_a_call_that_finds_no_room_asks_the_reader_quiet_longest_and_only_that_one() -> None:
+    """Rooms held by readers (streams between their messages): a call that finds none asks the reader that has
+    waited longest to give its room up, once it is quiet; one call, one reader asked."""
+    held, some = rooms(256, 64, read_timeout_s=10.0)  # two rooms; a reader is quiet after 5 s
+    assert some.quiet_s == 5.0
+    first_room = await some.take()
+    first = some.reader()
+    second_room = await some.take()
+    second = some.reader()
+    taker = asyncio.create_task(some.take())
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 60
+    while not first.asked.done():  # asked once it is quiet
+        assert loop.time() < give_up, "the quietest reader was never asked"
+        await asyncio.sleep(0.05)
+    assert not second.asked.done() and not taker.done()
+    some.give(first_room, first)  # as the stream does when asked: its room goes to the call
+    room = await asyncio.wait_for(taker, 30)
+    assert held.held == 2 * 64 * MiB and not second.asked.done()
+    some.give(room)
+    some.give(second_room, second)
+    assert held.held == 0 and some.taken == 0
+
+
+async def test_a_reader_not_yet_quiet_keeps_its_room_and_the_call_waits_its_read_timeout() -> None:
+    held, some = rooms(64, 64, read_timeout_s=1.0)  # the budget's one room
+    some.quiet_s = 3600.0  # this test's reader never becomes quiet
+    room = await some.take()
+    reader = some.reader()
+    with pytest.raises(TooManyBytesHeld, match="no room for a gRPC infer message within 1 s"):
+        await some.take()
+    assert not reader.asked.done()
+    some.give(room, reader)
+    assert held.held == 0 and some.taken == 0

@@ -159,8 +159,8 @@ async def test_streams_left_open_and_quiet_hold_their_own_rooms_not_those_of_una
     async with stub(door.target) as client:
         quiet = [await answered_once(client, seed) for seed in range(stream_rooms)]
         await until(lambda: door.held.held == stream_rooms * ROOM, "every stream room taken by a quiet stream")
-        # One more stream, its message sent: no room for its read until a quiet one ends (with one pool,
-        # it would take one of ModelInfer's, and wait again holding it once answered).
+        # One more stream, its message sent: no room for its read until the quietest gives its up (with one
+        # pool, it would take one of ModelInfer's, and wait again holding it once answered).
         waiting = client.ModelStreamInfer()
         y = rows(2, seed=8)
         await waiting.write(infer_request(y, request_id="after"))
@@ -194,23 +194,52 @@ async def test_a_stream_that_gets_no_room_ends_resource_exhausted_with_the_retry
     await nothing_held_and_both_rooms_free(door)
 
 
-async def test_a_message_not_whole_within_read_timeout_ends_its_stream_deadline_exceeded(start_app: StartApp) -> None:
-    async with serving(start_app, read_timeout_s=5.0) as door:
-        # Half a message, the rest never sent: DEADLINE_EXCEEDED once read_timeout_s has passed.
+async def test_a_quiet_stream_is_not_ended_by_time_but_the_quietest_gives_its_room_to_a_call_that_needs_one(
+    start_app: StartApp,
+) -> None:
+    """Both stream rooms held, by half a message never finished and by a stream between its messages: neither is
+    ended past read_timeout_s (1 s here); a new stream that finds no room takes the one of the stream quiet longest
+    (once QUIET_S has passed), which ends UNAVAILABLE, and the other goes on."""
+    async with serving(start_app, read_timeout_s=1.0) as door:
+        stream_rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+        assert stream_rooms == 2
         raw = await slow_messages(door.port, 1, 0.0, declared=512 << 10, path=STREAM_INFER_PATH)
-        while not raw.statuses and not raw.closed:
-            await raw.pump(1.0)
-        raw.close()
-        assert raw.statuses == [str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])]
-        await nothing_held_and_both_rooms_free(door)
-        # A stream quiet after its first answer: its wait for a message holds a room, so it ends likewise.
         async with stub(door.target) as client:
-            call = await answered_once(client)
-            with pytest.raises(grpc.aio.AioRpcError):
-                await call.read()
-            assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "did not arrive whole within 5 s (read_timeout_s)" in (await call.details() or "")
+            quiet = await answered_once(client)  # then waits for a next message
+            await until(lambda: door.held.held == 2 * ROOM, "both stream rooms held")
+            await raw.pump(2.5)  # past read_timeout_s: nothing ends by time
+            assert not raw.statuses and not raw.closed
+            y = rows(2, seed=5)
+            await quiet.write(infer_request(y, request_id="again"))
+            assert_right(await asyncio.wait_for(quiet.read(), PATIENCE_S), y)  # quiet, not ended: it serves
+            # A new stream: no room free, so the stream quiet longest (the half-sent message's) gives its up.
+            newcomer = await answered_once(client, 9)
+            while not raw.statuses and not raw.closed:
+                await raw.pump(1.0)
+            assert raw.statuses == [str(grpc.StatusCode.UNAVAILABLE.value[0])]
+            z = rows(3, seed=6)
+            await quiet.write(infer_request(z, request_id="still"))
+            assert_right(await asyncio.wait_for(quiet.read(), PATIENCE_S), z)  # the other went on
+            newcomer.cancel()
+            quiet.cancel()
+        raw.close()
         await nothing_held_and_both_rooms_free(door)
+
+
+async def test_a_quiet_stream_asked_for_its_room_ends_unavailable_saying_to_start_a_new_one(door: Door) -> None:
+    stream_rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+    async with stub(door.target) as client:
+        quiet = [await answered_once(client, seed) for seed in range(stream_rooms)]
+        newcomer = await answered_once(client, 99)  # waits until the first is quiet (QUIET_S), then takes its room
+        with pytest.raises(grpc.aio.AioRpcError):
+            await asyncio.wait_for(quiet[0].read(), PATIENCE_S)
+        assert await quiet[0].code() == grpc.StatusCode.UNAVAILABLE
+        assert "gave its room to another call; start a new stream" in (await quiet[0].details() or "")
+        trailers = dict(await quiet[0].trailing_metadata() or ())
+        assert trailers["ffn-error-type"] == "unavailable" and trailers["grpc-retry-pushback-ms"] == "1000"
+        for call in (*quiet[1:], newcomer):
+            call.cancel()
+    await nothing_held_and_both_rooms_free(door)
 
 
 async def test_with_one_room_for_the_whole_budget_a_stream_waits_for_its_answers_before_each_read(

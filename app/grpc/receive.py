@@ -30,8 +30,9 @@ ModelStreamInfer reads each of its messages with `receive` and rooms of its own 
 half the budget as well: STREAM_ROOMS_SHARE): a read pending on a stream lets grpc core take a whole
 message in as well. There the cost is larger: a stream waiting for its next message holds a room
 while it waits, so at most as many streams as there are stream rooms wait for a message at once (the
-others wait their turn, their next message held back at 64 KiB), and one quiet for `read_timeout_s`
-ends DEADLINE_EXCEEDED. Apart from ModelInfer's rooms, quiet streams never hold up unary calls.
+others wait their turn, their next message held back at 64 KiB). A stream may wait as long as it
+likes, but once quiet (QUIET_S) it gives its room up to a call that finds none, and ends UNAVAILABLE.
+Apart from ModelInfer's rooms, quiet streams never hold up unary calls.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import grpc
 from app.engine.linger import Arrivals
 from app.grpc.malformed import Malformed
 from app.protocol.admission import HeldBytes, Hold
-from app.protocol.errors import InvalidInput, RequestTimeout, TooManyBytesHeld
+from app.protocol.errors import InvalidInput, QuietStreamClosed, RequestTimeout, TooManyBytesHeld
 
 # HTTP/2's initial flow-control window, which grpc core keeps for a stream that has no read pending
 # while BDP probing is off (server.py): what a waiting call's message may have put in memory.
@@ -62,6 +63,29 @@ Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 # of large messages is refused until some arrive, as the budget asks.
 INFER_ROOMS_SHARE = 2
 STREAM_ROOMS_SHARE = 2
+# A stream waiting this long for its next message is quiet: when a call finds no room, the stream
+# quiet longest gives its room up (its stream ends UNAVAILABLE; a client starts a new one), as the
+# HTTP door closes the connection idle longest. A stream whose messages keep coming is never quiet;
+# nor, since grpc shows no message before it is whole, is one whose message takes less than this
+# to arrive (a 31 MiB message takes well under a second over a LAN).
+QUIET_S = 5.0
+LOOK_AGAIN_S = 0.5  # how often a call waiting for a room looks for a reader that has become quiet
+
+
+class Reader:
+    """A holder of a room that waits for a message that may never come (a stream between its messages)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, quiet_s: float) -> None:
+        self._loop = loop
+        self._quiet_at = loop.time() + quiet_s
+        self.asked: asyncio.Future[None] = loop.create_future()  # done: give the room up
+
+    def quiet(self) -> bool:
+        return self._loop.time() >= self._quiet_at
+
+    def ask(self) -> None:
+        if not self.asked.done():
+            self.asked.set_result(None)
 
 
 class Rooms:
@@ -79,9 +103,15 @@ class Rooms:
         self.largest = largest
         self.read_timeout_s = read_timeout_s
         self.limit = max(1, held.limit // share // largest)
+        # A reader is quiet after QUIET_S, or sooner where calls wait less for a room (read_timeout_s).
+        self.quiet_s = min(QUIET_S, read_timeout_s / 2)
         self.max_waiting = max(self.limit, held.limit // (2 * share) // STREAM_WINDOW)
         self.taken = 0  # rooms held, and rooms handed to a waiter that has not woken yet
         self._waiting: deque[asyncio.Future[None]] = deque()
+        # Readers that give their room up when asked (a stream waiting for its next message), in the
+        # order they began to wait, and those asked that have not given it back yet.
+        self._readers: dict[Reader, None] = {}
+        self._asked: set[Reader] = set()
 
     async def take(self) -> Hold:
         """A room, or TooManyBytesHeld (RESOURCE_EXHAUSTED, retry shortly): too many waiting, none free in
@@ -94,6 +124,7 @@ class Rooms:
                 f"(max_body_bytes) of max_held_bytes ({self._held.limit}), and {len(self._waiting)} wait; retry shortly"
             )
         else:
+            self._ask_quietest(len(self._waiting) + 1)
             await self._turn()
         room = Hold(self._held)
         try:
@@ -103,18 +134,51 @@ class Rooms:
             raise
         return room
 
-    def give(self, room: Hold) -> None:
-        """The room back: to the call waiting longest, else free."""
+    def give(self, room: Hold, reader: Reader | None = None) -> None:
+        """The room back (from `reader`, if it held it as one): to the call waiting longest, else free."""
+        if reader is not None:
+            self._readers.pop(reader, None)
+            self._asked.discard(reader)
         room.resize(0)
         self._pass_on()
 
+    def reader(self) -> Reader:
+        """A room's holder that gives it up when asked, once quiet (`give` it back with the room)."""
+        reader = Reader(asyncio.get_running_loop(), self.quiet_s)
+        self._readers[reader] = None
+        return reader
+
+    def _ask_quietest(self, waiters: int) -> None:
+        """`waiters` calls wait for a room: the reader quiet longest gives its own up, unless as many were asked."""
+        if len(self._asked) >= waiters:
+            return
+        for reader in self._readers:  # the oldest first: it began to wait before the others
+            if not reader.quiet():
+                return
+            if reader not in self._asked:
+                self._asked.add(reader)
+                reader.ask()
+                return
+
     async def _turn(self) -> None:
-        turn = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        turn = loop.create_future()
         self._waiting.append(turn)
+        give_up = loop.time() + self.read_timeout_s
         try:
-            async with asyncio.timeout(self.read_timeout_s):
-                await turn
+            # Looked at again every LOOK_AGAIN_S: a reader busy when this call came may be quiet by then.
+            while not turn.done():
+                left = give_up - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    async with asyncio.timeout(min(LOOK_AGAIN_S, left)):
+                        await asyncio.shield(turn)
+                except TimeoutError:
+                    self._ask_quietest(len(self._waiting))
         except BaseException as exc:
+            if not turn.done():
+                turn.cancel()
             if turn.done() and not turn.cancelled():  # handed a room as it gave up: hand it on
                 self._pass_on()
             elif turn in self._waiting:  # else a room given back meanwhile passed it by, cancelled
@@ -141,6 +205,8 @@ async def receive(
     rooms: Rooms,
     method: str,
     arrivals: Arrivals | None = None,
+    *,
+    may_be_quiet: bool = False,
 ) -> Any:
     """One message of a `method` call, read (`read()`: its raw bytes, None if the client sends no more) only
     with a room from `rooms`, then parsed by `parse` (which holds its real size); None for no more.
@@ -149,23 +215,35 @@ async def receive(
     (DEADLINE_EXCEEDED): no whole message within the rooms' `read_timeout_s`; the read is left to end with the call.
     The room is given back on every way out (cancelled, timed out, the read failing).
 
+    `may_be_quiet`: the message may never come (a stream's next): no time bound, but once quiet (the
+    rooms' `quiet_s`) the room is given up when a call finds none, and QuietStreamClosed (UNAVAILABLE,
+    retry) raised.
+
     `arrivals`: the process's batchers (app/engine/linger.py), told the message is on its way from the
     moment it holds a room (calls that stall their message are as few as the rooms) until it is read,
     for a caller that queues its rows in the step that parses it (nothing awaiting between the parse
     and the batcher's queue), so that no batch forms in the gap.
     """
     room = await rooms.take()
+    reader = rooms.reader() if may_be_quiet else None
     with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
         pending = asyncio.ensure_future(read())
         try:
-            done, _ = await asyncio.wait((pending,), timeout=rooms.read_timeout_s)
+            if reader is None:
+                await asyncio.wait((pending,), timeout=rooms.read_timeout_s)
+            else:
+                await asyncio.wait((pending, reader.asked), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            rooms.give(
-                room
-            )  # before `parse` holds the message's own size, with no await between: the trade never fails
+            # Before `parse` holds the message's own size, with no await between: the trade never fails.
+            rooms.give(room, reader)
             if not pending.done():  # it ends with the call, which grpc core ends once answered or cancelled
                 pending.add_done_callback(_retrieved)
-    if not done:
+    if not pending.done():
+        if reader is not None:
+            raise QuietStreamClosed(
+                f"this {method} call waited {rooms.quiet_s:g} s or more for its next message and gave its room "
+                "to another call; start a new stream"
+            )
         raise RequestTimeout(
             f"the {method} message did not arrive whole within {rooms.read_timeout_s:g} s (read_timeout_s)"
         )

@@ -13,9 +13,8 @@ Each message is read only with a room from the streams' rooms (app/grpc/receive.
 budget for what grpc core receives at the door, apart from ModelInfer's, so that quiet streams never
 hold up unary calls), taken right before the read, once the previous
 message's rows are counted, and given back as soon as the message has arrived, which then holds its
-own size (wire.py) until its answer is written. A message that gets no room, or does not arrive
-whole within read_timeout_s of its room, ends the stream, once the requests before it are answered:
-RESOURCE_EXHAUSTED with the retry hint, or DEADLINE_EXCEEDED. (A stream refused a room while requests
+own size (wire.py) until its answer is written. A message that gets no room ends the stream, once
+the requests before it are answered: RESOURCE_EXHAUSTED with the retry hint. (A stream refused a room while requests
 of its own are in flight first waits for their answers, which may hold what it lacks, and asks again.
 Its end is a read too: a stream refused a room after its last answer ends RESOURCE_EXHAUSTED though
 its client had half-closed, which only a read would have shown.) Not a per-message error: the message
@@ -23,8 +22,10 @@ cannot be skipped without receiving it whole (the very bytes the room bounds), n
 in it, unread); and a Triton client sees a stream's end with its status code (its callback gets an
 InferenceServerException naming RESOURCE_EXHAUSTED, and it starts a new stream), where a per-message
 `error_message` reaches it without one. A stream waiting for its next message holds a room while it
-waits (a pending read lets grpc core take a whole message in), so one quiet for read_timeout_s ends
-DEADLINE_EXCEEDED too.
+waits (a pending read lets grpc core take a whole message in), for as long as it likes; but once it
+has waited QUIET_S, it gives the room up when another call finds none, and ends UNAVAILABLE with the
+retry hint (receive.py), the stream quiet longest first, as the HTTP door closes the connection idle
+longest to admit a new one. A stream whose messages keep coming is never the one asked.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from app.grpc.receive import Rooms, receive
 from app.grpc.status import grpc_error, log_if_internal, set_status
 from app.grpc.wire import InferMessage
 from app.grpc.writes import send_within
-from app.protocol.errors import RequestTimeout, TooManyBytesHeld
+from app.protocol.errors import QuietStreamClosed, RequestTimeout, TooManyBytesHeld
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from app.tracing.spans import Tracing
@@ -118,13 +119,13 @@ class StreamInfer:
         call_id = call_request_id(metadata)
         context.set_trailing_metadata(((REQUEST_ID_KEY, call_id),))
         read = partial(_next_message, context)
-        ended: TooManyBytesHeld | RequestTimeout | None = None
+        ended: TooManyBytesHeld | RequestTimeout | QuietStreamClosed | None = None
         try:
             for n in itertools.count(1):
                 # The room only now: the previous message's rows are counted, so no room waits on them.
                 try:
                     request = await self._receive(read, in_flight)
-                except (TooManyBytesHeld, RequestTimeout) as exc:
+                except (TooManyBytesHeld, RequestTimeout, QuietStreamClosed) as exc:
                     ended = exc
                     break
                 if request is None:
@@ -154,12 +155,12 @@ class StreamInfer:
         when max_held_bytes is max_body_bytes), the stream waits for them to be answered and asks once more.
         """
         try:
-            return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
+            return await receive(read, self._parse, self._rooms, "ModelStreamInfer", may_be_quiet=True)
         except TooManyBytesHeld:
             if not in_flight:
                 raise
         await asyncio.gather(*in_flight)
-        return await receive(read, self._parse, self._rooms, "ModelStreamInfer")
+        return await receive(read, self._parse, self._rooms, "ModelStreamInfer", may_be_quiet=True)
 
     async def _answer(
         self,

@@ -99,6 +99,10 @@ class RegionNotFound(EdgeError):
     """No shared-memory region of that name is registered."""
 
 
+class QuietStreamClosed(EdgeError):
+    """A gRPC stream quiet between its messages gave its room to another call; start a new stream."""
+
+
 def _close_connection(exc: Exception) -> dict[str, str]:
     """Answers after which the connection cannot be trusted (framing, a half-read head): close it."""
     return {"Connection": "close"}
@@ -159,6 +163,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
         lambda exc: {"Retry-After": "1", **_close_connection(exc)},
     ),
     NotApplied: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
+    QuietStreamClosed: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
     Unanswered: ErrorKind(503, "unavailable", "UNAVAILABLE", _retry_after(lambda exc: 1)),
     engine.DeadlineExceeded: ErrorKind(504, "deadline_exceeded", "DEADLINE_EXCEEDED"),
     HttpVersionNotSupported: ErrorKind(505, "http_version_not_supported", "UNIMPLEMENTED", _close_connection),
