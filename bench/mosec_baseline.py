@@ -134,17 +134,21 @@ def measure(args: argparse.Namespace, folder: Path) -> list[Cell]:
             f"round {round_}: {server} {encoding} r={rows} C={concurrency}: {cell.rows_per_s:,.0f} rows/s", flush=True
         )
 
+    def answers_right(url: str, rows: int) -> None:
+        """A JSON request of `rows` rows, answered as the model here answers it: a wrong server is not measured."""
+        x = np.random.default_rng(rows).standard_normal((rows, args.d_model)).astype(np.float32)
+        with torch.inference_mode():
+            expected = model(torch.from_numpy(x)).numpy()
+        request = encode_request("ffn", x, "json")
+        check_answer(url, request.body, dict(request.headers), expected, "outputs")
+
     for round_ in range(1, args.repeats + 1):
         with start_server(
             server_env(0.0, 1024), folder / "ffn.toml", prefix=pinned(args.server_cpus), ready_timeout=120.0
         ) as served:
             url = f"{served.url}/v1/models/ffn/transform"
             for rows in args.rows:
-                x = np.random.default_rng(rows).standard_normal((rows, args.d_model)).astype(np.float32)
-                with torch.inference_mode():
-                    expected = model(torch.from_numpy(x)).numpy()
-                request = encode_request("ffn", x, "json")
-                check_answer(url, request.body, dict(request.headers), expected, "outputs")
+                answers_right(url, rows)
                 for encoding in ("json", "binary"):
                     for concurrency in args.concurrency:
                         load("ffn-serve", url, encoding, rows, concurrency, round_)
@@ -152,11 +156,7 @@ def measure(args: argparse.Namespace, folder: Path) -> list[Cell]:
             with mosec_server(weights, library, args.server_cpus) as base:
                 url = f"{base}/inference"
                 for rows in args.rows:
-                    x = np.random.default_rng(rows).standard_normal((rows, args.d_model)).astype(np.float32)
-                    with torch.inference_mode():
-                        expected = model(torch.from_numpy(x)).numpy()
-                    request = encode_request("ffn", x, "json")
-                    check_answer(url, request.body, dict(request.headers), expected, "outputs")
+                    answers_right(url, rows)
                     for concurrency in args.concurrency:
                         load(f"mosec ({library})", url, "json", rows, concurrency, round_)
     return cells
