@@ -90,6 +90,20 @@ async def answered_once(client: service_pb2_grpc.GRPCInferenceServiceStub, seed:
     return call
 
 
+async def all_sent_then_half_closed_all_answered(door: Door, sent: dict[str, np.ndarray]) -> None:
+    """One stream carrying every request of `sent` (by id), half-closed: it ends OK with each answered right."""
+    async with stub(door.target) as client:
+        call = client.ModelStreamInfer()
+        for request_id, x in sent.items():
+            await call.write(infer_request(x, request_id=request_id))
+        await call.done_writing()
+        answers = {answer.infer_response.id: answer async for answer in call}
+        assert await call.code() == grpc.StatusCode.OK
+    assert set(answers) == set(sent)
+    for request_id, x in sent.items():
+        assert_right(answers[request_id], x)
+
+
 async def nothing_held_and_both_rooms_free(door: Door) -> None:
     """The budget back to 0, then every stream room (one at least) taken by streams waiting for a message, and
     given back."""
@@ -115,16 +129,7 @@ async def test_a_stream_waiting_for_its_next_message_holds_one_room_until_it_hal
 
 async def test_half_closed_with_requests_in_flight_every_one_is_answered_and_nothing_stays_held(door: Door) -> None:
     sent = {f"r{i}": rows(1 + 40 * i, seed=i) for i in range(4)}  # up to 240 KiB each
-    async with stub(door.target) as client:
-        call = client.ModelStreamInfer()
-        for request_id, x in sent.items():
-            await call.write(infer_request(x, request_id=request_id))
-        await call.done_writing()
-        answers = {answer.infer_response.id: answer async for answer in call}
-        assert await call.code() == grpc.StatusCode.OK
-    assert set(answers) == set(sent)
-    for request_id, x in sent.items():
-        assert_right(answers[request_id], x)
+    await all_sent_then_half_closed_all_answered(door, sent)
     await nothing_held_and_both_rooms_free(door)
 
 
@@ -249,16 +254,7 @@ async def test_with_one_room_for_the_whole_budget_a_stream_waits_for_its_answers
     # while its own requests hold bytes, waits for their answers and asks again, instead of ending.
     sent = {f"r{i}": rows(1 + 100 * i, seed=i) for i in range(3)}
     async with serving(start_app, held=ROOM) as door:
-        async with stub(door.target) as client:
-            call = client.ModelStreamInfer()
-            for request_id, x in sent.items():
-                await call.write(infer_request(x, request_id=request_id))
-            await call.done_writing()
-            answers = {answer.infer_response.id: answer async for answer in call}
-            assert await call.code() == grpc.StatusCode.OK
-        assert set(answers) == set(sent)
-        for request_id, x in sent.items():
-            assert_right(answers[request_id], x)
+        await all_sent_then_half_closed_all_answered(door, sent)
         await nothing_held_and_both_rooms_free(door)
 
 
