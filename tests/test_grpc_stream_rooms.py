@@ -90,6 +90,11 @@ async def answered_once(client: service_pb2_grpc.GRPCInferenceServiceStub, seed:
     return call
 
 
+def stream_rooms_of(door: Door) -> int:
+    """How many streams may wait for a message at once: the rooms of the streams' share of the budget (one at least)."""
+    return max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+
+
 async def all_sent_then_half_closed_all_answered(door: Door, sent: dict[str, np.ndarray]) -> None:
     """One stream carrying every request of `sent` (by id), half-closed: it ends OK with each answered right."""
     async with stub(door.target) as client:
@@ -108,7 +113,7 @@ async def nothing_held_and_both_rooms_free(door: Door) -> None:
     """The budget back to 0, then every stream room (one at least) taken by streams waiting for a message, and
     given back."""
     await until(lambda: door.held.held == 0, f"the budget back to 0 (held: {door.held.held})")
-    rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+    rooms = stream_rooms_of(door)
     async with stub(door.target) as client:
         calls = [await answered_once(client, seed) for seed in range(rooms)]
         await until(lambda: door.held.held == rooms * ROOM, f"every room taken (held: {door.held.held})")
@@ -160,7 +165,7 @@ async def test_a_client_gone_in_the_middle_of_a_message_gives_its_room_back(door
 
 async def test_streams_left_open_and_quiet_hold_their_own_rooms_not_those_of_unary_calls(door: Door) -> None:
     """Every stream room taken by quiet streams: another stream waits, a ModelInfer call is answered at once."""
-    stream_rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+    stream_rooms = stream_rooms_of(door)
     async with stub(door.target) as client:
         quiet = [await answered_once(client, seed) for seed in range(stream_rooms)]
         await until(lambda: door.held.held == stream_rooms * ROOM, "every stream room taken by a quiet stream")
@@ -206,7 +211,7 @@ async def test_a_quiet_stream_is_not_ended_by_time_but_the_quietest_gives_its_ro
     ended past read_timeout_s (1 s here); a new stream that finds no room takes the one of the stream quiet longest
     (once QUIET_S has passed), which ends UNAVAILABLE, and the other goes on."""
     async with serving(start_app, read_timeout_s=1.0) as door:
-        stream_rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+        stream_rooms = stream_rooms_of(door)
         assert stream_rooms == 2
         raw = await slow_messages(door.port, 1, 0.0, declared=512 << 10, path=STREAM_INFER_PATH)
         async with stub(door.target) as client:
@@ -232,7 +237,7 @@ async def test_a_quiet_stream_is_not_ended_by_time_but_the_quietest_gives_its_ro
 
 
 async def test_a_quiet_stream_asked_for_its_room_ends_unavailable_saying_to_start_a_new_one(door: Door) -> None:
-    stream_rooms = max(1, door.held.limit // STREAM_ROOMS_SHARE // ROOM)
+    stream_rooms = stream_rooms_of(door)
     async with stub(door.target) as client:
         quiet = [await answered_once(client, seed) for seed in range(stream_rooms)]
         newcomer = await answered_once(client, 99)  # waits until the first is quiet (QUIET_S), then takes its room
