@@ -16,7 +16,9 @@ is parsed and when. Each connection:
   turn, one connection a turn of the event loop across the process (app/http/transport/budgets.py), so
   that pipelining connections, however many, cannot fill every turn of the loop;
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
-  head had begun, a quiet close if nothing came (as a keep-alive timeout does);
+  head had begun, a quiet close if nothing came (as a keep-alive timeout does). That deadline and
+  uvicorn's keep-alive one, which every request restarts, share one timer per connection
+  (app/http/transport/deadlines.py): a request moves two floats, not two timers;
 - must not pause for `read_timeout_s` inside a body, and must send the body within
   `read_timeout_s` plus one second per `min_body_rate` bytes of it (the body's clock stops while
   the server holds reading paused): 408. A trickle holds a connection only as long as its bytes
@@ -81,6 +83,7 @@ from app.config.settings import Settings
 from app.errors import ServiceError
 from app.http.errors import error_body
 from app.http.transport.budgets import ConnectionBudget, PipelineTurns
+from app.http.transport.deadlines import Deadlines
 from app.http.transport.lean import LeanDoor, LeanRequest
 from app.observe.identity import new_request_id
 from app.protocol.errors import (
@@ -114,6 +117,9 @@ HEAD_END = b"\r\n\r\n"  # ends every request head, and every chunked body (llhtt
 SERVED_VERSIONS = (b" HTTP/1.1", b" HTTP/1.0")  # how a request line this service answers ends
 LINE_END_BYTES = 10  # a request line's last bytes kept to read its version: " HTTP/1.1" and its CR
 HTTP_VERSION = re.compile(rb" HTTP/(\d\.\d)$")
+# The connection's deadlines (app/http/transport/deadlines.py), on one timer: reset by every request.
+HEAD_DUE = 0  # its next head is whole by then (header_timeout_s): else 408, or a quiet close if nothing came
+KEEP_ALIVE_DUE = 1  # idle past then, it is closed (uvicorn's timeout_keep_alive, as uvicorn's own timer did)
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_started = 0.0  # time.monotonic() at the end of its head
         self._body_paused_base = 0.0  # flow.paused_s() then
         self._last_progress = 0.0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._deadlines = Deadlines(self.loop, (self._head_timed_out, self.timeout_keep_alive_handler))
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._unsent_at_check = 0
@@ -486,7 +492,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._completion_deferred:
             self._completion_deferred = False
-            super().on_response_complete()  # pops the next pipelined request and starts its task
+            self._answer_ended()  # pops the next pipelined request and starts its task
             if self.transport.is_closing():
                 return
         self._feed_held()
@@ -604,7 +610,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._completion_deferred = True
             self.turns.ask(self, self.loop)
             return
-        super().on_response_complete()
+        self._answer_ended()
         if self.transport.is_closing():
             return
         if self._holding():
@@ -654,9 +660,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
+    def _answer_ended(self) -> None:
+        """uvicorn's on_response_complete, its keep-alive timer a deadline on the connection's one timer."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._deadlines.clear(KEEP_ALIVE_DUE)
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._deadlines.set(KEEP_ALIVE_DUE, self.timeout_keep_alive)
+
+    def _unset_keepalive_if_required(self) -> None:
+        # uvicorn's, called as bytes arrive and as the connection goes: here the deadline is cleared.
+        self._deadlines.clear(KEEP_ALIVE_DUE)
+
     def timeout_keep_alive_handler(self) -> None:
         """uvicorn's keep-alive close, unless a request waits unread (the loop was held): reading it
-        cancels this timer, and the head timer still bounds the connection."""
+        clears this deadline, and the head's still bounds the connection."""
         if not self._unread_bytes():
             super().timeout_keep_alive_handler()
 
@@ -700,11 +723,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # ----- the head timeout ------------------------------------------------------------------
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+        self._deadlines.set(HEAD_DUE, self.limits.header_timeout_s)
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
         if self.transport.is_closing():
             return
         if self._head_begun or self._overhead:
@@ -715,9 +736,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()  # an idle connection: closed quietly, as a keep-alive timeout does
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._deadlines.clear(HEAD_DUE)
 
     # ----- the body's pause bound and deadline -----------------------------------------------
 
@@ -751,10 +770,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _cancel_timers(self) -> None:
-        for timer in (self._head_timer, self._quiet_timer, self._body_timer, self._send_timer):
+        self._deadlines.close()
+        for timer in (self._quiet_timer, self._body_timer, self._send_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._quiet_timer = self._body_timer = self._send_timer = None
+        self._quiet_timer = self._body_timer = self._send_timer = None
 
     # ----- answering an error from the protocol ----------------------------------------------
 

@@ -39,6 +39,8 @@ PROTOCOL_METHODS = (
     "on_body",
     "on_message_complete",
     "on_response_complete",
+    "_start_asgi_task",
+    "timeout_keep_alive_handler",
     "pause_writing",
     "resume_writing",
 )
@@ -65,8 +67,9 @@ ON_INSTANCES: dict[str, tuple[str, ...]] = {
         "scheme",
         "access_log",
         "access_logger",
+        "timeout_keep_alive",
     ),
-    "ServerState": ("default_headers",),
+    "ServerState": ("default_headers", "total_requests"),
     "RequestResponseCycle": (
         "response_started",
         "response_complete",
