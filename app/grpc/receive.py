@@ -49,6 +49,7 @@ from app.engine.linger import Arrivals
 from app.grpc.malformed import Malformed
 from app.protocol.admission import HeldBytes, Hold
 from app.protocol.errors import InvalidInput, QuietStreamClosed, RequestTimeout, TooManyBytesHeld
+from app.protocol.watch import Watch
 
 # HTTP/2's initial flow-control window, which grpc core keeps for a stream that has no read pending
 # while BDP probing is off (server.py): what a waiting call's message may have put in memory.
@@ -102,6 +103,7 @@ class Rooms:
         self._held = held
         self.largest = largest
         self.read_timeout_s = read_timeout_s
+        self.read_watch = Watch(read_timeout_s)  # each message's read_timeout_s, on one timer
         self.limit = max(1, held.limit // share // largest)
         # A reader is quiet after QUIET_S, or sooner where calls wait less for a room (read_timeout_s).
         self.quiet_s = min(QUIET_S, read_timeout_s / 2)
@@ -229,10 +231,7 @@ async def receive(
     with arrivals.announced() if arrivals is not None else contextlib.nullcontext():
         pending = asyncio.ensure_future(read())
         try:
-            if reader is None:
-                await asyncio.wait((pending,), timeout=rooms.read_timeout_s)
-            else:
-                await asyncio.wait((pending, reader.asked), return_when=asyncio.FIRST_COMPLETED)
+            await _read_or_given_up(pending, rooms, reader)
         finally:
             # Before `parse` holds the message's own size, with no await between: the trade never fails.
             rooms.give(room, reader)
@@ -274,6 +273,29 @@ def read_with_room(
         return await unary(message, context)
 
     return behaviour
+
+
+async def _read_or_given_up(pending: asyncio.Future[Any], rooms: Rooms, reader: Reader | None) -> None:
+    """Wait until `pending` (the read) is done, or it is too late for it: the rooms' read_timeout_s has passed
+    (on their one timer), or, for a `reader`, it was asked for its room. Never cancels the read."""
+    woken = asyncio.get_running_loop().create_future()
+
+    def wake(_: object = None) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    pending.add_done_callback(wake)
+    ticket = rooms.read_watch.start(wake) if reader is None else None
+    if reader is not None:
+        reader.asked.add_done_callback(wake)
+    try:
+        await woken
+    finally:
+        pending.remove_done_callback(wake)
+        if ticket is not None:
+            ticket.end()
+        if reader is not None:
+            reader.asked.remove_done_callback(wake)
 
 
 def _retrieved(read: asyncio.Future[Any]) -> None:
