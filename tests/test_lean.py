@@ -27,7 +27,7 @@ from app.config.settings import Settings
 from app.http.transport import lean
 from app.http.transport.protocol import uvicorn_options
 from app.main import create_app
-from ffn_client.http1 import Response
+from ffn_client.http1 import Response, read_response
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
 from tests.reference import assert_close, demo_reference
 from tests.test_hostile import JSON_CASES, NPY_CASES, RAW_CASES, V2_BINARY_CASES, V2_JSON_CASES, v2_binary
@@ -352,3 +352,38 @@ async def test_pipelined_requests_are_answered_in_order(taken) -> None:
     assert_close(np.frombuffer(answer_one, np.float32).reshape(1, D), demo_reference(one))
     assert_close(np.frombuffer(answer_two, np.float32).reshape(2, D), demo_reference(two))
     assert taken == [True]  # the second is not offered to the lean path: it waits behind the first
+
+
+async def test_a_lean_body_in_any_cut_is_answered_right_and_the_next_request_read_right(taken) -> None:
+    """A lean request's body reaches it without the parser (protocol.py: _take_lean_body), as views of the
+    reads or copies, whole or in pieces; the connection's next request is read by a fresh parser."""
+    rng = np.random.default_rng(11)
+    cases = [rng.standard_normal((rows, D)).astype(np.float32) for rows in (1, 3, 40, 2)]
+    async with serving(Settings(max_batch_rows=64)) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for index, rows in enumerate(cases):
+            message = http_request("POST", V1, raw_headers(rows.shape), rows.tobytes(), close=False)
+            if index == 0:  # the head and the body in one write
+                pieces = [message]
+            elif index == 1:  # a few bytes at a time, the body cut inside its rows
+                pieces = [message[at : at + 997] for at in range(0, len(message), 997)]
+            elif index == 2:  # the head alone, then the body in two uneven parts
+                head_end = message.index(b"\r\n\r\n") + 4
+                pieces = [message[:head_end], message[head_end : head_end + 5], message[head_end + 5 :]]
+            else:  # the body, then the next request's head in the same write
+                pieces = [message + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"]
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.005)
+            async with asyncio.timeout(30):
+                answers.append(await read_response(reader))
+        async with asyncio.timeout(30):
+            live = await read_response(reader)
+        writer.close()
+    assert taken == [True, True, True, True]
+    for rows, answer in zip(cases, answers, strict=True):
+        assert answer.status == 200, answer.body[:200]
+        assert_close(np.frombuffer(answer.body, np.float32).reshape(rows.shape), demo_reference(rows))
+    assert live.status == 200

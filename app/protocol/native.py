@@ -124,7 +124,7 @@ class RawLayout:
     d_model: int
     nbytes: int
 
-    def rows_of(self, body: bytes | bytearray) -> DecodedInput:
+    def rows_of(self, body: bytes | bytearray | memoryview) -> DecodedInput:
         """The body's rows, viewed in it without a copy: refused unless it is exactly `nbytes` of finite numbers."""
         if len(body) != self.nbytes:
             raise InvalidInput(

@@ -43,15 +43,16 @@ class NativePlan:
     # The answer's headers that no body changes (raw: all but the digest, which names the copy that computed it).
     answer_headers: tuple[tuple[str, str], ...]
 
-    def decode(self, body: bytes | bytearray, max_rows: int) -> codec.DecodedInput:
+    def decode(self, body: bytes | bytearray | memoryview, max_rows: int) -> codec.DecodedInput:
         """The body's rows, refused exactly as the full path refuses them (400, 406), checked answerable."""
         if self.raw is not None:
             return self.raw.rows_of(body)  # answerable: checked when the plan was made
         d_model = self.d_model
+        data = bytes(body) if isinstance(body, memoryview) else body  # a raw body is viewed; the others read bytes
         if self.encoding_in == "npy":
-            decoded = codec.decode_npy(body, d_model)
+            decoded = codec.decode_npy(data, d_model)
         else:
-            decoded = codec.decode_json(body, d_model, max_rows)
+            decoded = codec.decode_json(data, d_model, max_rows)
         codec.check_answerable(self.encoding_out, decoded.dtype)
         return decoded
 

@@ -361,7 +361,8 @@ class LeanRequest:
         self.response_complete = False
         self.disconnected = False
         self.scope: dict[str, Any] = {}  # the protocol marks a refusal here (REFUSED)
-        self.chunks: list[bytes] = []
+        # The body as it arrived: views of the protocol's reads, or copies (protocol.py: _take_lean_body).
+        self.chunks: list[bytes | memoryview] = []
         # uvicorn's access line, when its log is on: what it says of the request, read before a
         # pipelined request's head replaces the protocol's url.
         self.logged = (
@@ -372,7 +373,7 @@ class LeanRequest:
         self.served: Any = None
         self.future: asyncio.Future[Any] | None = None
 
-    def body(self, chunk: bytes) -> None:
+    def body(self, chunk: bytes | memoryview) -> None:
         if not self.response_complete:
             self.chunks.append(chunk)
 
@@ -390,10 +391,10 @@ class LeanRequest:
             served = self.door.engine.model(self.name, self.version)
             if self.plan is not None:
                 future = self._queue_native(served, body)
-            elif self.route == PREDICT_ROUTE:
-                future = self._queue_predict(served, body)
+            elif self.route == PREDICT_ROUTE:  # its decoders read bytes: a view of the read is copied
+                future = self._queue_predict(served, bytes(body) if isinstance(body, memoryview) else body)
             else:
-                future = self._queue_v2(served, body)
+                future = self._queue_v2(served, bytes(body) if isinstance(body, memoryview) else body)
         except Exception as exc:
             self._fail(exc)
             return
@@ -402,7 +403,7 @@ class LeanRequest:
         self.future = future
         future.add_done_callback(self._computed)
 
-    def _queue_native(self, served: Any, body: bytes) -> asyncio.Future[np.ndarray]:
+    def _queue_native(self, served: Any, body: bytes | memoryview) -> asyncio.Future[np.ndarray]:
         assert self.plan is not None and self.deadline is not None, "a native request has its plan; this is a bug."
         if not self.plan.core.is_for(served):
             self.plan = self.plan.for_copy(served)

@@ -38,6 +38,10 @@ is parsed and when. Each connection:
   join its head): a process killed between two writes would leave a head without its body, which
   a proxy can no longer retry.
 
+A request the lean path serves (lean.py) gets its Content-Length body from the protocol, not
+from the parser, which would copy every slice: views of the reads that are mostly its body,
+copies of the rest; a fresh parser then reads the connection's next message.
+
 It also tells a request that its client left, through the callback the request left in its
 scope under ON_DISCONNECT (app/http/endpoints.py: unless_disconnected), so that no task per request
 has to wait for the disconnect message.
@@ -366,6 +370,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                     if self._line_done and (refusal := self._version_refusal()) is not None:
                         self._refuse(refusal)  # before llhttp, which takes no version, 2.0 and RTSP/1.0
                         return offset
+                if self._body_left and self._lean is not None and self.cycle is self._lean:
+                    self._take_lean_body(data, offset, end)  # the parser never sees it
+                    self._tail = b""  # a Content-Length body's bytes end no head
+                    if not self._count(end - offset) or self.transport.is_closing():
+                        return end
+                    offset = end
+                    continue
                 try:
                     self.parser.feed_data(view[offset:end])
                 except httptools.HttpParserUpgrade:
@@ -585,6 +596,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._lean.body(body)
         else:
             super().on_body(body)
+
+    def _take_lean_body(self, data: bytes | bytearray, offset: int, end: int) -> None:
+        """A lean request's Content-Length body, data[offset:end], handed to it without the parser.
+
+        httptools would copy every body slice into a bytes object of its own (and the request join
+        them again); here a slice that is most of its read is handed over as a view of it, no copy,
+        and a small one in a read mostly of other bytes is copied, so that a view never keeps
+        alive more than twice the body's bytes. Once the body is whole the message is complete,
+        and a fresh parser, which has seen no body to wait for, reads the connection's next message.
+        """
+        if 2 * (end - offset) >= len(data) and isinstance(data, bytes):
+            chunk: bytes | memoryview = data if offset == 0 and end == len(data) else memoryview(data)[offset:end]
+        else:
+            chunk = bytes(data[offset:end])
+        self.on_body(chunk)  # type: ignore[arg-type]
+        if self._body_left == 0:
+            self.on_message_complete()
+            self.parser = httptools.HttpRequestParser(self)
 
     def on_message_complete(self) -> None:
         if self._lean is not None and self.cycle is self._lean:
