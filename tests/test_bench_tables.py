@@ -32,3 +32,19 @@ def test_bench_codec_times_each_cell_of_this_checkout() -> None:
     assert all(cell["decode_us"] > 0 and cell["encode_us"] > 0 for cell in cells.values())
     text = codec.table({"this": [cells, cells]})
     assert text.splitlines()[2].startswith("| json r=1 | ")
+
+
+def test_the_alternating_table_gives_each_sides_medians_and_their_ratio() -> None:
+    from bench.alternating import Round
+    from bench.alternating import table as alternating_table
+
+    rounds = [
+        *(Round("this", 1, 16, rate, cpu, 0) for rate, cpu in ((10_000, 100.0), (12_000, 90.0), (11_000, 95.0))),
+        *(Round("other", 1, 16, rate, cpu, 0) for rate, cpu in ((9_000, 110.0), (10_000, 100.0), (11_000, 120.0))),
+        Round("this", 256, 1, 200_000, 1_000.0, 1),
+        Round("other", 256, 1, 250_000, 800.0, 0),
+    ]
+    lines = alternating_table(rounds).splitlines()
+    # medians 11,000 and 10,000 rows/s (1.100), 95.0 and 110.0 µs (95 / 110 = 0.864)
+    assert lines[2] == "| 1 | 16 | 11,000 | 10,000 | 1.100 | 95.0 | 110.0 | 0.864 | 0 |"
+    assert lines[3] == "| 256 | 1 | 200,000 | 250,000 | 0.800 | 1000.0 | 800.0 | 1.250 | 1 |"
