@@ -9,11 +9,14 @@
 
 bench.transport starts each server for its cell in turn: on this shared 2-core machine the host's
 speed drifts by more than a few percent between two servers' turns, which hides a change of that
-size. Here both servers are started once, pinned to the same server core (the idle one costs
+size. Here both servers serve at once, pinned to the same server core (the idle one costs
 nothing), and each round loads one then the other, the order swapped every round, so that a
-drift hits both alike; the table gives each side's median rows/s and server CPU per request
-(its process tree, from /proc) and their ratio. Run the same checkout against itself first
-(`--against .`): what that shows is the method's own spread on the machine at that hour.
+drift hits both alike. The server started first came out several percent slower than the
+second in an A/A run (one checkout against itself) on this machine, whichever it was: so the
+rounds run in two halves, the servers started in one order for the first half and in the other
+for the second (restarted between). The table gives each side's median rows/s and server CPU
+per request (its process tree, from /proc) and their ratio. Run the same checkout against
+itself first (`--against .`): what that shows is the method's own spread at that hour.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from bench import transport
 from bench.gpu import service
 from ffn_core import FFNConfig, build_ffn, save_ffn
+from ffn_testing import ServerProcess
 
 SIDES = ("this", "other")
 
@@ -84,9 +88,9 @@ def table(rounds: list[Round]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     defaults = transport.parse_args([])
-    server_cores, client_cores = transport.cores(defaults.server_cpus), transport.cores(defaults.client_cpus)
+    server_cores = transport.cores(defaults.server_cpus)
     rounds: list[Round] = []
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         torch.manual_seed(0)
         model = build_ffn(FFNConfig(transport.D_MODEL, args.d_ff, "gelu")).requires_grad_(False)
@@ -94,15 +98,51 @@ def main(argv: list[str] | None = None) -> int:
         config = folder / "model.toml"
         config.write_text(f'[[models]]\nname = "{service.MODEL}"\nweights = "model.safetensors"\n')
         configs = {"near-free": config}
-        servers = {}
-        for side, checkout in zip(SIDES, (transport.REPO_ROOT, args.against.resolve()), strict=True):
-            server = transport.Server(side, "near-free", checkout, shared_engine=args.shared_engine)
-            servers[side] = stack.enter_context(transport.running(server, configs, server_cores))
-        for rows in args.rows:
-            body, headers, _ = service.prepared_body(rows, transport.D_MODEL, folder)
-            for concurrency in args.concurrency:
-                for process in servers.values():  # warm-up, untimed
-                    service.load(
+        checkouts = dict(zip(SIDES, (transport.REPO_ROOT, args.against.resolve()), strict=True))
+        for half, first in enumerate((0, args.rounds // 2)):
+            with contextlib.ExitStack() as started:
+                servers: dict[str, ServerProcess] = {}
+                for side in SIDES if half == 0 else SIDES[::-1]:  # the first started, then the other first
+                    server = transport.Server(side, "near-free", checkouts[side], shared_engine=args.shared_engine)
+                    servers[side] = started.enter_context(transport.running(server, configs, server_cores))
+                rounds += measure(servers, args, folder, range(first, args.rounds if half else args.rounds // 2))
+    layout = "one front and the engine" if args.shared_engine else "one process"
+    print()
+    print(
+        f"this checkout against {args.against}: d_model {transport.D_MODEL}, d_ff {args.d_ff}, {layout} each, "
+        f"both on cores {defaults.server_cpus}, load on {defaults.client_cpus}; {args.rounds} rounds of "
+        f"{args.seconds:g} s, alternating, in two halves started in either order; medians"
+    )
+    print()
+    print(table(rounds))
+    return 0
+
+
+def measure(servers: dict[str, ServerProcess], args: argparse.Namespace, folder: Path, numbers: range) -> list[Round]:
+    """Rounds `numbers` of every cell against both servers, the order swapped every round."""
+    defaults = transport.parse_args([])
+    client_cores = transport.cores(defaults.client_cpus)
+    rounds: list[Round] = []
+    for rows in args.rows:
+        body, headers, _ = service.prepared_body(rows, transport.D_MODEL, folder)
+        for concurrency in args.concurrency:
+            for process in servers.values():  # warm-up, untimed
+                service.load(
+                    defaults.generator,
+                    process.url,
+                    body,
+                    headers,
+                    rows,
+                    transport.D_MODEL,
+                    concurrency,
+                    1.0,
+                    client_cores,
+                )
+            for number in numbers:
+                for side in SIDES if number % 2 == 0 else SIDES[::-1]:
+                    process = servers[side]
+                    before = service.tree_cpu_seconds(process.pid)
+                    result = service.load(
                         defaults.generator,
                         process.url,
                         body,
@@ -110,49 +150,25 @@ def main(argv: list[str] | None = None) -> int:
                         rows,
                         transport.D_MODEL,
                         concurrency,
-                        1.0,
+                        args.seconds,
                         client_cores,
                     )
-                for number in range(args.rounds):
-                    for side in SIDES if number % 2 == 0 else SIDES[::-1]:
-                        process = servers[side]
-                        before = service.tree_cpu_seconds(process.pid)
-                        result = service.load(
-                            defaults.generator,
-                            process.url,
-                            body,
-                            headers,
-                            rows,
-                            transport.D_MODEL,
-                            concurrency,
-                            args.seconds,
-                            client_cores,
-                        )
-                        cpu = service.tree_cpu_seconds(process.pid) - before
-                        found = Round(
-                            side,
-                            rows,
-                            concurrency,
-                            result.requests * rows / result.seconds,
-                            1e6 * cpu / max(result.requests, 1),
-                            result.errors,
-                        )
-                        rounds.append(found)
-                        print(
-                            f"round {number + 1}/{args.rounds} {side:5s} r={rows} C={concurrency}: "
-                            f"{found.rows_per_s:,.0f} rows/s, {found.cpu_us_per_request:.1f} µs CPU/req",
-                            flush=True,
-                        )
-    layout = "one front and the engine" if args.shared_engine else "one process"
-    print()
-    print(
-        f"this checkout against {args.against}: d_model {transport.D_MODEL}, d_ff {args.d_ff}, {layout} each, "
-        f"both on cores {defaults.server_cpus}, load on {defaults.client_cpus}; {args.rounds} rounds of "
-        f"{args.seconds:g} s, alternating; medians"
-    )
-    print()
-    print(table(rounds))
-    return 0
+                    cpu = service.tree_cpu_seconds(process.pid) - before
+                    found = Round(
+                        side,
+                        rows,
+                        concurrency,
+                        result.requests * rows / result.seconds,
+                        1e6 * cpu / max(result.requests, 1),
+                        result.errors,
+                    )
+                    rounds.append(found)
+                    print(
+                        f"round {number + 1}/{args.rounds} {side:5s} r={rows} C={concurrency}: "
+                        f"{found.rows_per_s:,.0f} rows/s, {found.cpu_us_per_request:.1f} µs CPU/req",
+                        flush=True,
+                    )
+    return rounds
 
 
 if __name__ == "__main__":
