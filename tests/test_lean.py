@@ -25,7 +25,7 @@ import uvicorn
 
 from app.config.settings import Settings
 from app.http.transport import lean
-from app.http.transport.protocol import uvicorn_options
+from app.http.transport.protocol import BODY_PAST_PARSER_BYTES, uvicorn_options
 from app.main import create_app
 from ffn_client.http1 import Response, read_response
 from ffn_testing import ServerProcess, http_request, raw_request, start_server
@@ -355,10 +355,12 @@ async def test_pipelined_requests_are_answered_in_order(taken) -> None:
 
 
 async def test_a_lean_body_in_any_cut_is_answered_right_and_the_next_request_read_right(taken) -> None:
-    """A lean request's body reaches it without the parser (protocol.py: _take_lean_body), as views of the
-    reads or copies, whole or in pieces; the connection's next request is read by a fresh parser."""
+    """A lean request's large body reaches it without the parser (protocol.py: _take_lean_body), as views
+    of the reads or copies, whole or in pieces; the connection's next request is read by a fresh parser.
+    A small body (the first) goes through the parser as before, on the same connection."""
     rng = np.random.default_rng(11)
-    cases = [rng.standard_normal((rows, D)).astype(np.float32) for rows in (1, 3, 40, 2)]
+    rows_past_parser = -(-BODY_PAST_PARSER_BYTES // (D * 4))  # the fewest float32 rows taken past the parser
+    cases = [rng.standard_normal((rows, D)).astype(np.float32) for rows in (1, *[rows_past_parser + 3] * 3)]
     async with serving(Settings(max_batch_rows=64)) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         answers = []
