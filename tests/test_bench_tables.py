@@ -48,3 +48,17 @@ def test_the_alternating_table_gives_each_sides_medians_and_their_ratio() -> Non
     # medians 11,000 and 10,000 rows/s (1.100), 95.0 and 110.0 µs (95 / 110 = 0.864)
     assert lines[2] == "| 1 | 16 | 11,000 | 10,000 | 1.100 | 95.0 | 110.0 | 0.864 | 0 |"
     assert lines[3] == "| 256 | 1 | 200,000 | 250,000 | 0.800 | 1000.0 | 800.0 | 1.250 | 1 |"
+
+
+def test_bench_cold_times_each_call_warm_and_cold_and_restores_onednn() -> None:
+    """bench/cold.py in miniature: every call timed both ways, and torch's oneDNN switch left as it was."""
+    import torch
+
+    from bench import cold
+
+    before = torch.backends.mkldnn.enabled
+    timings = cold.measure(repeat=3, sweep_mib=0.1)
+    assert torch.backends.mkldnn.enabled == before
+    assert len(timings) == 6 and all(t.warm_us > 0 and t.cold_us > 0 for t in timings)
+    lines = cold.table(timings).splitlines()
+    assert lines[2].startswith("| near-free model's pass, 16 rows | ") and len(lines) == 8
