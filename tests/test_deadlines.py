@@ -1,4 +1,4 @@
-"""A connection's deadlines on one timer (app/http/transport/deadlines.py), driven by a hand-turned clock."""
+"""A connection's deadlines on one timer (app/http/transport/budgets.py: Deadlines), driven by a hand-turned clock."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, cast
 
 import pytest
 
-from app.http.transport.deadlines import Deadlines
+from app.http.transport.budgets import Deadlines
 
 
 class Timer:

@@ -1,4 +1,4 @@
-"""Waits of one length on one timer (app/protocol/watch.py), on a real event loop.
+"""Waits of one length on one timer (app/protocol/admission.py: Watch), on a real event loop.
 
 The lengths are short and the checks come well after them; nothing asserts how soon a wait ended,
 only which waits were called late, and how many timers they took.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from app.protocol.watch import COMPACT_AT, Watch
+from app.protocol.admission import COMPACT_AT, Watch
 
 LENGTH_S = 0.05
 

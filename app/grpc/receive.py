@@ -47,9 +47,8 @@ import grpc
 
 from app.engine.linger import Arrivals
 from app.grpc.malformed import Malformed
-from app.protocol.admission import HeldBytes, Hold
+from app.protocol.admission import HeldBytes, Hold, Watch
 from app.protocol.errors import InvalidInput, QuietStreamClosed, RequestTimeout, TooManyBytesHeld
-from app.protocol.watch import Watch
 
 # HTTP/2's initial flow-control window, which grpc core keeps for a stream that has no read pending
 # while BDP probing is off (server.py): what a waiting call's message may have put in memory.

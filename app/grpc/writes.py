@@ -19,7 +19,7 @@ import grpc
 from app.grpc.connections import close_connection
 from app.grpc.wire import InferMessage
 from app.observe.throttle import Throttle
-from app.protocol.watch import Watch
+from app.protocol.admission import Watch
 
 log = logging.getLogger("ffn_serve")
 
@@ -42,7 +42,7 @@ def answered_within(answer: Callable[[Any, Any], Awaitable[Any]], send_timeout_s
     grpc sends a unary answer, its status with it, in one operation once the method returns, and
     calls the call's done callbacks when that operation is complete: when the client's window has
     taken the answer. A deadline started at the return (every answer's on one timer,
-    app/protocol/watch.py) ends the client's connection if that has not happened within
+    app/protocol/admission.py: Watch) ends the client's connection if that has not happened within
     `send_timeout_s`; the call's end ends the wait and gives the request's and answer's bytes back. (Writing the answer from the method, as a unary-stream method, gives the
     write itself a deadline too, but costs grpc a second operation a call: 26 % more of the
     server's CPU per call at 16 clients, measured.)

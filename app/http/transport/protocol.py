@@ -18,7 +18,7 @@ is parsed and when. Each connection:
 - must send its head within `header_timeout_s` of opening or of its previous answer: 408 if a
   head had begun, a quiet close if nothing came (as a keep-alive timeout does). That deadline and
   uvicorn's keep-alive one, which every request restarts, share one timer per connection
-  (app/http/transport/deadlines.py): a request moves two floats, not two timers;
+  (app/http/transport/budgets.py: Deadlines): a request moves two floats, not two timers;
 - must not pause for `read_timeout_s` inside a body, and must send the body within
   `read_timeout_s` plus one second per `min_body_rate` bytes of it (the body's clock stops while
   the server holds reading paused): 408. A trickle holds a connection only as long as its bytes
@@ -87,8 +87,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.config.settings import Settings
 from app.errors import ServiceError
 from app.http.errors import error_body
-from app.http.transport.budgets import ConnectionBudget, PipelineTurns
-from app.http.transport.deadlines import Deadlines
+from app.http.transport.budgets import ConnectionBudget, Deadlines, PipelineTurns
 from app.http.transport.lean import LeanDoor, LeanRequest
 from app.observe.identity import new_request_id
 from app.protocol.errors import (
@@ -127,7 +126,7 @@ HEAD_END = b"\r\n\r\n"  # ends every request head, and every chunked body (llhtt
 SERVED_VERSIONS = (b" HTTP/1.1", b" HTTP/1.0")  # how a request line this service answers ends
 LINE_END_BYTES = 10  # a request line's last bytes kept to read its version: " HTTP/1.1" and its CR
 HTTP_VERSION = re.compile(rb" HTTP/(\d\.\d)$")
-# The connection's deadlines (app/http/transport/deadlines.py), on one timer: reset by every request.
+# The connection's deadlines (app/http/transport/budgets.py: Deadlines), on one timer: reset by every request.
 HEAD_DUE = 0  # its next head is whole by then (header_timeout_s): else 408, or a quiet close if nothing came
 KEEP_ALIVE_DUE = 1  # idle past then, it is closed (uvicorn's timeout_keep_alive, as uvicorn's own timer did)
 
