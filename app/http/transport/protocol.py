@@ -40,7 +40,7 @@ is parsed and when. Each connection:
 
 A request the lean path serves (lean.py) gets a Content-Length body of BODY_PAST_PARSER_BYTES or
 more from the protocol, not from the parser, which would copy every slice: views of the reads
-that are mostly its body, copies of the rest; a fresh parser then reads the connection's next
+that are nearly all body, copies of the rest; a fresh parser then reads the connection's next
 message.
 
 It also tells a request that its client left, through the callback the request left in its
@@ -119,6 +119,7 @@ ONE_WRITE_BYTES = 64 * 1024
 # less than the fresh parser the next message would then need (bench.alternating: one client's
 # one-row requests were 4 % slower with every body taken past the parser).
 BODY_PAST_PARSER_BYTES = 64 * 1024
+VIEW_SLACK = 8  # a body slice is taken as a view of its read when the read's other bytes are at most 1/8 of it
 CAP_WARNING_EVERY_S = 60.0  # one log line per minute at most while connections are refused
 MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hyper: one at a time)
 FRAMING_SHARE = 64  # a message's non-body bytes may pass max_header_bytes by this fraction of its body
@@ -609,12 +610,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """A lean request's Content-Length body, data[offset:end], handed to it without the parser.
 
         httptools would copy every body slice into a bytes object of its own (and the request join
-        them again); here a slice that is most of its read is handed over as a view of it, no copy,
-        and a small one in a read mostly of other bytes is copied, so that a view never keeps
-        alive more than twice the body's bytes. Once the body is whole the message is complete,
-        and a fresh parser, which has seen no body to wait for, reads the connection's next message.
+        them again); here a slice that is nearly all of its read is handed over as a view of it, no
+        copy, and one in a read with more other bytes (a head, the next request) is copied: a view
+        keeps alive at most 1/VIEW_SLACK more than the body's own bytes, which the process's held
+        bytes count. Once the body is whole the message is complete, and a fresh parser, which has
+        seen no body to wait for, reads the connection's next message.
         """
-        if 2 * (end - offset) >= len(data) and isinstance(data, bytes):
+        size = end - offset
+        if VIEW_SLACK * (len(data) - size) <= size and isinstance(data, bytes):
             chunk: bytes | memoryview = data if offset == 0 and end == len(data) else memoryview(data)[offset:end]
         else:
             chunk = bytes(data[offset:end])
