@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import tempfile
@@ -126,33 +127,23 @@ def measure(servers: dict[str, ServerProcess], args: argparse.Namespace, folder:
     for rows in args.rows:
         body, headers, _ = service.prepared_body(rows, transport.D_MODEL, folder)
         for concurrency in args.concurrency:
+            load = functools.partial(
+                service.load,
+                defaults.generator,
+                body=body,
+                headers=headers,
+                rows=rows,
+                d_model=transport.D_MODEL,
+                concurrency=concurrency,
+                cores=client_cores,
+            )
             for process in servers.values():  # warm-up, untimed
-                service.load(
-                    defaults.generator,
-                    process.url,
-                    body,
-                    headers,
-                    rows,
-                    transport.D_MODEL,
-                    concurrency,
-                    1.0,
-                    client_cores,
-                )
+                load(url=process.url, seconds=1.0)
             for number in numbers:
                 for side in SIDES if number % 2 == 0 else SIDES[::-1]:
                     process = servers[side]
                     before = service.tree_cpu_seconds(process.pid)
-                    result = service.load(
-                        defaults.generator,
-                        process.url,
-                        body,
-                        headers,
-                        rows,
-                        transport.D_MODEL,
-                        concurrency,
-                        args.seconds,
-                        client_cores,
-                    )
+                    result = load(url=process.url, seconds=args.seconds)
                     cpu = service.tree_cpu_seconds(process.pid) - before
                     found = Round(
                         side,
