@@ -188,9 +188,10 @@ class Counting:
             self.outcomes.counter(self.model, error_type_of(error), self.protocol).inc()
 
 
-# A timer may fire up to the loop's clock resolution early (uvloop's: a millisecond): a wait due
-# that soon is late, so that the timer is not armed again for a moment's wait.
-WATCH_EARLY_S = 0.002
+# A timer may fire up to the loop's clock resolution early (asyncio's, uvloop's: a millisecond): a
+# wait due that soon is late, so that the timer is not armed again for a moment's wait. The HTTP
+# door's per-connection deadlines (app/http/transport/budgets.py: Deadlines) take the same margin.
+TIMER_EARLY_S = 0.002
 COMPACT_AT = 64  # tickets queued before the queue is looked at for ended ones behind its head
 
 
@@ -244,7 +245,7 @@ class Watch:
         loop = self._loop
         if loop is None:
             return
-        now = loop.time() + WATCH_EARLY_S
+        now = loop.time() + TIMER_EARLY_S
         queue = self._queue
         while queue:
             head = queue[0]

@@ -58,6 +58,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from app.protocol.admission import TIMER_EARLY_S
+
 Connection = TypeVar("Connection")
 
 
@@ -182,11 +184,6 @@ class PipelineTurns:
                 self._schedule()
 
 
-# A timer may fire up to the loop's clock resolution early (asyncio's, uvloop's: a millisecond);
-# a deadline that close is due, so that the timer is not armed again for a moment's wait.
-EARLY_S = 0.002
-
-
 class Deadlines:
     """Numbered deadlines on one timer; each calls its handler once, when it passes, unless cleared first."""
 
@@ -227,7 +224,7 @@ class Deadlines:
 
     def _fire(self) -> None:
         self._timer, self._timer_at = None, math.inf
-        now = self._loop.time() + EARLY_S
+        now = self._loop.time() + TIMER_EARLY_S  # a deadline that close is due
         for which, due in enumerate(self._due):
             if due <= now and self._due[which] == due:  # an earlier handler may have moved or cleared it
                 self._due[which] = math.inf
