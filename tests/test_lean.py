@@ -43,6 +43,7 @@ PREDICT = "/v1/models/demo:predict"
 ID = {"X-Request-Id": "one-id-for-both"}  # else error bodies differ by their ids
 x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
 RAW = raw_headers((3, D))
+LARGE = np.random.default_rng(8).standard_normal((-(-BODY_PAST_PARSER_BYTES // (4 * D)) + 8, D)).astype(np.float32)
 COMPARED = (
     "content-type",
     "x-shape",
@@ -163,6 +164,15 @@ CASES: dict[str, Case] = {
     "content-encoding br": (V1, {**RAW, "Content-Encoding": "br"}, x.tobytes()),
     "transfer-encoding gzip": (V1, {**RAW, "Transfer-Encoding": "gzip, chunked"}, b"0\r\n\r\n"),
     "body over max_body_bytes": (V1, raw_headers((700, D)), np.zeros((700, D), np.float32).tobytes()),
+    # Bodies of BODY_PAST_PARSER_BYTES or more: the lean path takes them past the parser (protocol.py).
+    "large raw": (V1, raw_headers(LARGE.shape), LARGE.tobytes()),
+    "large raw answered as json": (V1, {**raw_headers(LARGE.shape), "accept": "application/json"}, LARGE.tobytes()),
+    "large raw a row short": (V1, raw_headers(LARGE.shape), LARGE[:-1].tobytes()),
+    "large raw with a nan": (V1, raw_headers(LARGE.shape), np.where(LARGE > 2.5, np.nan, LARGE).tobytes()),
+    "large npy": (V1, {"Content-Type": "application/x-npy"}, npy_bytes(LARGE)),
+    "large json": (V1, JSON, orjson.dumps({"inputs": LARGE.tolist()})),
+    "large v2 binary": (V2, *_v2_binary(LARGE)),
+    "large kserve v1": (PREDICT, JSON, orjson.dumps({"instances": LARGE.tolist()})),
 }
 NO_KEY: dict[str, Case] = {  # sent without the key (the rest carry it)
     "no key": (V1, RAW, x.tobytes()),
