@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from app.engine.errors import DeadlineExceeded, ModelError, NotTogether, Overloa
 from app.observe.identity import CURRENT, RequestContext
 from app.observe.logs import RequestIds
 from app.observe.metrics import Metrics
+from ffn_core.dtypes import DTYPES
 
 D = 4
 
@@ -526,3 +528,35 @@ async def test_a_batcher_started_while_a_request_is_served_stamps_none_of_its_li
         logger.removeHandler(handler)
         await batcher.stop()
     assert [record.request_id for record in records if "forward pass failed" in record.getMessage()] == [None]
+
+
+async def test_request_rows_and_the_queue_gauge_are_exact_once_the_turn_ends(executor):
+    """Observed once per turn of the loop (PerTurnCounts), every request's rows are counted and the
+    gauge shows the queue's work as the turn left it, before the next turn (a scrape's) can read them."""
+    forward = RecordingForward()
+    metrics = Metrics()
+    batcher = Batcher(forward, executor=executor, metrics=metrics, max_batch_rows=64)
+    await batcher.start()
+    count = counter(metrics)
+    first = await hold(forward, batcher, rows(1))  # its pass runs, held: what follows waits in the queue
+    assert count("ffn_request_rows_count") == 1 and count("ffn_queue_rows") == 0
+    queued = [batcher.submit_array(rows(n).numpy(), DTYPES["float32"]) for n in (2, 3, 4)]  # one turn
+    await asyncio.sleep(0)
+    assert count("ffn_request_rows_count") == 4 and count("ffn_request_rows_sum") == 1 + 2 + 3 + 4
+    buckets = {
+        bound: metrics.registry.get_sample_value("ffn_request_rows_bucket", {"model": "model", "le": bound})
+        for bound in ("1.0", "2.0", "4.0")
+    }
+    assert buckets == {"1.0": 1, "2.0": 2, "4.0": 4}
+    assert count("ffn_queue_rows") == 9
+    queued[1].cancel()  # its client left: its rows leave the queue's work as its callback runs, a turn later
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert count("ffn_queue_rows") == 6
+    forward.release.set()
+    assert torch.equal(await asyncio.wait_for(first, 5), rows(1) * 2 + 1)
+    for n, future in ((2, queued[0]), (4, queued[2])):
+        np.testing.assert_array_equal(await asyncio.wait_for(future, 5), rows(n).numpy() * 2 + 1)
+    await asyncio.sleep(0)
+    assert count("ffn_queue_rows") == 0 and count("ffn_request_rows_count") == 4
+    await batcher.stop()

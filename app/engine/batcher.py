@@ -140,7 +140,8 @@ class Batcher:
         self._ceiling = max_batch_rows  # lowered after out-of-memory
         self._instruments = instruments or (metrics or Metrics()).for_model(name)
         self._instruments.batch_ceiling.set(self._ceiling)
-        self._queue = WorkQueue(on_work=self._instruments.queue_rows.set)
+        self._per_turn = PerTurnCounts(self._instruments)
+        self._queue = WorkQueue(on_work=self._per_turn.queue_work)
         self._plain_went_last = False  # whose turn it is when rows and a Monte Carlo request both wait
         self._concurrent = True  # requests came together lately: the turns after an inline pass are worth it
         self._arrived = asyncio.Event()
@@ -268,7 +269,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         tag = None if self.observer is None else self.observer.tag()
         entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, tag=tag, answer=answer)
-        self._instruments.request_rows.observe(n)
+        self._per_turn.request_rows(n)
         self._queue.push([entry], deadline)
         self._arrived.set()
         entry.future.add_done_callback(lambda future: self._settled(entry, future))
@@ -286,7 +287,7 @@ class Batcher:
     def _count_rows(self, sizes: Sequence[int]) -> None:
         """Requests of `sizes` rows queued: the request-rows histogram."""
         for size in sizes:
-            self._instruments.request_rows.observe(size)
+            self._per_turn.request_rows(size)
 
     def _count_ended(self, requests: int, arrived: float, *, answered: bool) -> None:
         """`requests` that arrived at `arrived` (perf_counter) ended now: their latency, or a failure each."""
@@ -683,6 +684,52 @@ class Batcher:
             torch.cuda.empty_cache()
             raise
         return Moments(mean.to("cpu"), std.to("cpu"))
+
+
+class PerTurnCounts:
+    """The request-rows histogram and the queue gauge, observed once per turn of the event loop.
+
+    Each submit observed a request's rows (a histogram: its lock and its buckets walked in Python)
+    and set the queue's gauge, and each batch set the gauge again: some 4 µs a request. Here a
+    turn's values are kept as plain numbers and observed together at the turn's end
+    (`loop.call_soon`), before any later turn, a scrape's included, can read them: every count
+    stays exact, the gauge shows the queue's work as the turn left it. Outside a running loop
+    (a batcher stopped by a test's teardown) each value is observed at once.
+    """
+
+    def __init__(self, instruments: ModelInstruments) -> None:
+        self._instruments = instruments
+        self._rows: list[int] = []
+        self._work: int | None = None  # the queue's work as last changed this turn; None: unchanged
+        self._due = False
+
+    def request_rows(self, n: int) -> None:
+        self._rows.append(n)
+        self._flush_soon()
+
+    def queue_work(self, work: int) -> None:
+        self._work = work
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._due = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._due = False
+        rows, self._rows = self._rows, []
+        if rows:
+            observe_many(self._instruments.request_rows, rows)
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._instruments.queue_rows.set(work)
 
 
 # The doors' numpy arrays as the engine's tensors and back: views, no copy unless a dtype changes.
