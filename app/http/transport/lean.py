@@ -68,6 +68,18 @@ _PATHS = re.compile(
 MAX_LENGTH_DIGITS = 18  # a Content-Length past this is no body this service takes (and int() stays cheap)
 HUNG_UP = error_type_of(ClientDisconnected(""))  # how a request whose client left is counted
 _PLANNED = (b"content-type", b"x-shape", b"x-dtype", b"accept", b"accept-encoding", b"inference-header-content-length")
+# What admit does with a header field, found with one lookup (most of a request's fields, Host
+# and User-Agent, are none of these): a planned one's index in _PLANNED, or one of the kinds below.
+_LENGTH, _AUTHORIZATION, _REQUEST_ID, _TIMEOUT, _FULL_WAY, _ORIGIN = range(len(_PLANNED), len(_PLANNED) + 6)
+_FIELDS: dict[bytes, int] = {field: at for at, field in enumerate(_PLANNED)} | {
+    b"content-length": _LENGTH,
+    b"authorization": _AUTHORIZATION,
+    b"x-request-id": _REQUEST_ID,
+    b"x-timeout-ms": _TIMEOUT,
+    b"transfer-encoding": _FULL_WAY,
+    b"content-encoding": _FULL_WAY,
+    b"origin": _ORIGIN,  # the full way where CORS is on: its middleware answers it
+}
 
 
 class LeanProtocol(Protocol):
@@ -178,21 +190,23 @@ class LeanDoor:
         request_ids: list[bytes] = []
         for field, value in protocol.headers:
             size += len(field) + len(value) + 4
-            if field in _PLANNED:
-                at = _PLANNED.index(field)
-                if planned[at] is None:  # the first, as Starlette's Headers.get reads it
-                    planned[at] = value
-            elif field == b"content-length":
+            kind = _FIELDS.get(field)
+            if kind is None:
+                continue
+            if kind < _LENGTH:
+                if planned[kind] is None:  # the first, as Starlette's Headers.get reads it
+                    planned[kind] = value
+            elif kind == _LENGTH:
                 length = value if length is None else b"twice"  # two: not digits, so the full way
-            elif field == b"authorization":
+            elif kind == _AUTHORIZATION:
                 if authorization is None:  # the first, as the guard reads it
                     authorization = value
-            elif field == b"x-request-id":
+            elif kind == _REQUEST_ID:
                 request_ids.append(value)
-            elif field == b"x-timeout-ms":
+            elif kind == _TIMEOUT:
                 if timeout is None:
                     timeout = value
-            elif field in (b"transfer-encoding", b"content-encoding") or (self._cors and field == b"origin"):
+            elif kind == _FULL_WAY or self._cors:
                 return None
         if size > self._max_header_bytes:
             return None

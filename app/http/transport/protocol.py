@@ -125,6 +125,7 @@ MAX_UNANSWERED = 4  # requests parsed and not yet answered on one connection (hy
 FRAMING_SHARE = 64  # a message's non-body bytes may pass max_header_bytes by this fraction of its body
 HEAD_END = b"\r\n\r\n"  # ends every request head, and every chunked body (llhttp takes CRLF only)
 SERVED_VERSIONS = (b" HTTP/1.1", b" HTTP/1.0")  # how a request line this service answers ends
+CR, CRLF = ord("\r"), b"\r\n"
 LINE_END_BYTES = 10  # a request line's last bytes kept to read its version: " HTTP/1.1" and its CR
 HTTP_VERSION = re.compile(rb" HTTP/(\d\.\d)$")
 # The connection's deadlines (app/http/transport/budgets.py: Deadlines), on one timer: reset by every request.
@@ -372,11 +373,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 if end <= offset:
                     break  # held until answers go out
                 self._slice_body, self._completed = 0, False
-                if not (self._in_body or self._line_done):
-                    self._keep_line_end(data, offset, end)
-                    if self._line_done and (refusal := self._version_refusal()) is not None:
-                        self._refuse(refusal)  # before llhttp, which takes no version, 2.0 and RTSP/1.0
-                        return offset
+                if not (self._in_body or self._line_done) and (refusal := self._line_refusal(data, offset, end)):
+                    self._refuse(refusal)  # before llhttp, which takes no version, 2.0 and RTSP/1.0
+                    return offset
                 if self._body_left and self._body_past_parser and self.cycle is self._lean:
                     self._take_lean_body(data, offset, end)  # the parser never sees it
                     self._tail = b""  # a Content-Length body's bytes end no head
@@ -402,6 +401,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         finally:
             view.release()
         return offset
+
+    def _line_refusal(self, data: bytes | bytearray, offset: int, end: int) -> ServiceError | None:
+        """Why the request line read so far, with data[offset:end], cannot be answered; None if it can, or is not whole.
+
+        The common case first: the whole line in this slice, no empty lines before it, ending in a
+        served version; checked in place, nothing kept. Otherwise its end is kept across slices.
+        """
+        if not self._line_end and data[offset] not in CRLF:
+            newline = data.find(b"\n", offset, end)
+            if newline != -1:
+                stop = newline - 1 if data[newline - 1] == CR else newline
+                if data.endswith(SERVED_VERSIONS, offset, stop):
+                    self._line_done = True
+                    return None
+        self._keep_line_end(data, offset, end)
+        return self._version_refusal() if self._line_done else None
 
     def _keep_line_end(self, data: bytes | bytearray, offset: int, end: int) -> None:
         """Keep the last bytes of the request line in data[offset:end], a head's slice, for its version.
