@@ -560,3 +560,47 @@ async def test_request_rows_and_the_queue_gauge_are_exact_once_the_turn_ends(exe
     await asyncio.sleep(0)
     assert count("ffn_queue_rows") == 0 and count("ffn_request_rows_count") == 4
     await batcher.stop()
+
+
+async def test_array_entries_are_told_their_end_once_and_a_failing_callback_harms_no_other(executor, caplog):
+    """submit_array's `settled`: told its answer by its batch, its cancellation or failure as a callback;
+    once each; a callback that raises is logged, and the batch's other requests still get theirs."""
+    forward = RecordingForward()
+    batcher = await make(forward, executor, max_batch_rows=64)
+    first = await hold(forward, batcher, rows(1))  # what follows waits for one batch together
+    told: dict[str, list[object]] = {}
+
+    def settled(name: str, *, fails: bool = False) -> Callable[[asyncio.Future[np.ndarray]], None]:
+        def tell(future: asyncio.Future[np.ndarray]) -> None:
+            outcome = "cancelled" if future.cancelled() else future.exception() or future.result().copy()
+            told.setdefault(name, []).append(outcome)
+            if fails:
+                raise RuntimeError("a caller's bug")
+
+        return tell
+
+    float32 = DTYPES["float32"]
+    a = batcher.submit_array(rows(2, 1.0).numpy(), float32, settled=settled("a"))
+    b = batcher.submit_array(rows(1, 2.0).numpy(), float32, settled=settled("b", fails=True))
+    c = batcher.submit_array(rows(3, 3.0).numpy(), float32, settled=settled("c"))
+    d = batcher.submit_array(rows(1, 4.0).numpy(), float32, settled=settled("d"))
+    expired = batcher.submit_array(rows(1, 5.0).numpy(), float32, deadline=0.0, settled=settled("expired"))
+    c.cancel()
+    with caplog.at_level(logging.ERROR, logger="ffn_serve.batcher"):
+        forward.release.set()
+        await asyncio.wait_for(first, 5)
+        for future in (a, b, d):
+            await asyncio.wait_for(future, 5)
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(expired, 5)
+        await asyncio.sleep(0)
+    for name, x in (("a", rows(2, 1.0)), ("b", rows(1, 2.0)), ("d", rows(1, 4.0))):
+        (answer,) = told[name]
+        np.testing.assert_array_equal(answer, x.numpy() * 2 + 1)
+    assert told["c"] == ["cancelled"]
+    (error,) = told["expired"]
+    assert isinstance(error, DeadlineExceeded)
+    assert forward.batches == [[1], [2 + 1 + 1]]  # one part of a, b and d's rows: c withdrawn, expired never computed
+    assert "answer callback failed" in caplog.text
+    await answers_right(batcher, rows(2))
+    await batcher.stop()

@@ -24,6 +24,7 @@ retries; only an entry that fails alone gets `InsufficientMemory`, and the batch
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -56,6 +57,8 @@ from ffn_core.torch_dtypes import TORCH
 
 log = logging.getLogger("ffn_serve.batcher")
 
+# Told of a request's future once it is done (Batcher.submit_array's `settled`).
+Settled = Callable[[asyncio.Future[np.ndarray]], None]
 # forward(parts) -> the FFN of their concatenation, (sum of rows, d_model), on the host.
 Forward = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
@@ -250,7 +253,12 @@ class Batcher:
         return entry.future
 
     def submit_array(
-        self, rows: np.ndarray, answer: DType, *, deadline: float | None = None
+        self,
+        rows: np.ndarray,
+        answer: DType,
+        *,
+        deadline: float | None = None,
+        settled: Settled | None = None,
     ) -> asyncio.Future[np.ndarray]:
         """`submit_soon` for the doors' numpy rows: the answer's rows as an array carrying `answer`.
 
@@ -259,20 +267,28 @@ class Batcher:
         slice of the batch's output as one array (converted per entry only where a request asks
         for another dtype than the batch computed in). `rows`: (n, d_model), C-contiguous,
         bfloat16 as uint16 patterns; read in place, never written. Cancelling the future withdraws them.
+
+        `settled`: called once with the future when it is done. Answered by its batch, at once,
+        from the batch's completion: no turn of the loop and no callback scheduled per request
+        between the pass and the answer. Failed, expired or cancelled, as a done-callback.
         """
         n = rows.shape[0]
         if n > self._ceiling:  # rare: more rows than a batch, answered in pieces as tensors
-            computed = self.submit_soon(rows_as_tensor(rows), deadline=deadline)
-            return future_as_array(computed, answer)
+            converted = future_as_array(self.submit_soon(rows_as_tensor(rows), deadline=deadline), answer)
+            if settled is not None:
+                converted.add_done_callback(settled)
+            return converted
         arrived = time.perf_counter()
         self._admit(n, 1, arrived)
         loop = asyncio.get_running_loop()
         tag = None if self.observer is None else self.observer.tag()
         entry = Entry(rows, loop.create_future(), loop.time(), arrived, deadline, tag=tag, answer=answer)
+        entry.settled = settled
         self._per_turn.request_rows(n)
         self._queue.push([entry], deadline)
         self._arrived.set()
-        entry.future.add_done_callback(lambda future: self._settled(entry, future))
+        entry.watch = functools.partial(self._settled, entry)  # kept: _split takes it off an answered entry
+        entry.future.add_done_callback(entry.watch)
         return entry.future
 
     def _settled(self, entry: Entry, future: asyncio.Future[torch.Tensor]) -> None:
@@ -283,6 +299,8 @@ class Batcher:
             self._count_ended(entry.requests, entry.arrived, answered=answered)
         if not answered:
             self._queue.release(entry)
+        if entry.settled is not None:  # not answered by its batch (which took this callback off)
+            entry.settled(future)
 
     def _count_rows(self, sizes: Sequence[int]) -> None:
         """Requests of `sizes` rows queued: the request-rows histogram."""
@@ -550,34 +568,50 @@ class Batcher:
         answered = self._split(batch, output)
         if answered:  # the array entries' latencies, observed together (their _settled counts nothing)
             now = time.perf_counter()
-            observe_many(self._instruments.request_seconds, [now - arrived for arrived in answered])
+            observe_many(self._instruments.request_seconds, [now - entry.arrived for entry in answered])
         if self.observer is not None:  # before the waiters resume: they see their batch reported
             self.observer.batch(batch, started, started + elapsed, rows)
+        for entry in answered:
+            if entry.settled is not None:
+                self._deliver(entry)
+
+    def _deliver(self, entry: Entry) -> None:
+        """Hand an entry its answer now; a caller's bug is logged, and its batch's other entries still get theirs."""
+        assert entry.settled is not None, "only an entry with a settled callback is delivered to; this is a bug."
+        try:
+            entry.settled(entry.future)
+        except Exception:
+            log.exception("model %s: a request's answer callback failed; this is a bug", self.name)
 
     @staticmethod
-    def _split(batch: list[Entry], output: torch.Tensor) -> list[float]:
+    def _split(batch: list[Entry], output: torch.Tensor) -> list[Entry]:
         """Answer each entry its rows of the batch's output: views, in order, no copy.
 
         An array entry (submit_array) gets a slice of the output as one array, made once per batch,
         when it asks for the dtype the batch computed in; else its rows converted alone. Returns
-        when each array entry answered had arrived (perf_counter), to be counted together."""
+        the array entries answered, to be counted together and those with a `settled` callback
+        told: the batcher's own callback is taken off their futures, so none is scheduled for them."""
         offset = 0
         array: np.ndarray | None = None
-        answered: list[float] = []
+        answered: list[Entry] = []
         for entry in batch:
             n = entry.n
-            if not entry.future.done():
+            future = entry.future
+            if not future.done():
                 answer = entry.answer
                 if answer is None:
-                    entry.future.set_result(output[offset : offset + n])
+                    future.set_result(output[offset : offset + n])
                 else:
                     if TORCH[answer.name] == output.dtype:
                         if array is None:
                             array = answer_as_array(output, answer)
-                        entry.future.set_result(array[offset : offset + n])
+                        rows = array[offset : offset + n]
                     else:
-                        entry.future.set_result(answer_as_array(output[offset : offset + n], answer))
-                    answered.append(entry.arrived)
+                        rows = answer_as_array(output[offset : offset + n], answer)
+                    if entry.watch is not None:  # it would find nothing to count or release
+                        future.remove_done_callback(entry.watch)
+                    future.set_result(rows)
+                    answered.append(entry)
             offset += n
         return answered
 

@@ -109,10 +109,17 @@ class ModelFacade(ListedModel, Protocol):
         ...
 
     def infer_soon(
-        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+        self,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+        settled: Callable[[asyncio.Future[np.ndarray]], None] | None = None,
     ) -> asyncio.Future[np.ndarray]:
         """`infer` without a coroutine: refused (raising) or sent now; the answer's future, which a caller
-        with no task per request waits on (the HTTP door's lean path). Cancelling it withdraws the rows."""
+        with no task per request waits on (the HTTP door's lean path). Cancelling it withdraws the rows.
+        `settled`: called once with the future when it is done; where the batch runs in this process,
+        at once from the batch's completion, else as a done-callback."""
         ...
 
     async def infer_monte_carlo(

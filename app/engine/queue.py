@@ -50,6 +50,10 @@ class Entry:
     requests: int = 1  # how many requests its rows are (the hand-off's engine queues a frame's as one entry)
     # An entry of numpy rows (Batcher.submit_array) is answered an array carrying this dtype; None: a tensor.
     answer: DType | None = None
+    # Batcher.submit_array's: told when the entry's future is done (its batch tells it at once), and
+    # the batcher's own done-callback, which its batch takes off the future first.
+    settled: Callable[[asyncio.Future[Any]], None] | None = None
+    watch: Callable[[asyncio.Future[Any]], None] | None = None
     n: int = field(init=False)  # rows.shape[0], read several times per batch: kept, not asked of torch each time
 
     def __post_init__(self) -> None:

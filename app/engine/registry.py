@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from app.config.settings import ModelSpec, Settings
-from app.engine.batcher import Batcher, answer_as_array, future_as_array, rows_as_tensor
+from app.engine.batcher import Batcher, Settled, answer_as_array, future_as_array, rows_as_tensor
 from app.engine.description import ModelDescription, listing
 from app.engine.linger import Arrivals
 from app.engine.montecarlo import MonteCarloRequest, MonteCarloResult
@@ -280,20 +280,30 @@ class ServedModel:
         return await self.infer_soon(rows, answer_dtype, deadline=deadline)
 
     def infer_soon(
-        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None, requests: Sequence[int] | None = None
+        self,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+        requests: Sequence[int] | None = None,
+        settled: Settled | None = None,
     ) -> asyncio.Future[np.ndarray]:
         """`infer` without a coroutine: refused (raising) or queued now; the answer's future.
 
         Cancelling the future withdraws the rows. `requests`: the row counts of several requests
         whose rows `rows` holds back to back, each counted as a request (Batcher.submit_soon). For
         a caller with a turn's worth of requests (the hand-off's engine, the HTTP door's lean path),
-        so that it pays no task per request.
+        so that it pays no task per request. `settled`: told once the future is done, at once by the
+        batch that answers it (Batcher.submit_array).
         """
         self.check_serving()
         if requests is None:
-            return self._batcher.submit_array(rows, answer_dtype, deadline=deadline)
+            return self._batcher.submit_array(rows, answer_dtype, deadline=deadline, settled=settled)
         computed = self._batcher.submit_soon(rows_as_tensor(rows), deadline=deadline, requests=requests)
-        return future_as_array(computed, answer_dtype)
+        converted = future_as_array(computed, answer_dtype)
+        if settled is not None:
+            converted.add_done_callback(settled)
+        return converted
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None

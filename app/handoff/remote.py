@@ -134,12 +134,21 @@ class RemoteModel:
         return await self.infer_soon(rows, answer_dtype, deadline=deadline)
 
     def infer_soon(
-        self, rows: np.ndarray, answer_dtype: DType, *, deadline: float | None
+        self,
+        rows: np.ndarray,
+        answer_dtype: DType,
+        *,
+        deadline: float | None,
+        settled: Callable[[asyncio.Future[np.ndarray]], None] | None = None,
     ) -> asyncio.Future[np.ndarray]:
         """`infer` without a coroutine (the HTTP door's lean path): sent to the least loaded engine now, the
-        answer's future; cancelling it withdraws the request. The current request's context crosses with it."""
+        answer's future; cancelling it withdraws the request. The current request's context crosses with it.
+        `settled`: a done-callback of the future."""
         client = self._least_loaded()
-        return client.infer_soon(Ask(self.name, None, rows, answer_dtype, deadline=deadline, context=current()))
+        future = client.infer_soon(Ask(self.name, None, rows, answer_dtype, deadline=deadline, context=current()))
+        if settled is not None:
+            future.add_done_callback(settled)
+        return future
 
     async def infer_monte_carlo(
         self, rows: np.ndarray, request: MonteCarloRequest, answer_dtype: DType, *, deadline: float | None

@@ -414,8 +414,7 @@ class LeanRequest:
             return
         finally:
             CURRENT.reset(token)
-        self.future = future
-        future.add_done_callback(self._computed)
+        self.future = future  # told its end through _computed, which each _queue_* hands on
 
     def _queue_native(self, served: Any, body: bytes | memoryview) -> asyncio.Future[np.ndarray]:
         assert self.plan is not None and self.deadline is not None, "a native request has its plan; this is a bug."
@@ -428,7 +427,7 @@ class LeanRequest:
             self.hold.resize(decoded.rows.nbytes)
         self.decoded, self.served = decoded, served
         future: asyncio.Future[np.ndarray] = served.infer_soon(
-            decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline
+            decoded.rows, plan.answer_dtype(decoded), deadline=self.deadline, settled=self._computed
         )
         return future
 
@@ -438,7 +437,9 @@ class LeanRequest:
         del body
         self.hold.resize(decoded.rows.nbytes)  # the body is gone, parsed into an array of its own
         self.decoded = decoded
-        future: asyncio.Future[np.ndarray] = served.infer_soon(decoded.rows, decoded.dtype, deadline=self.deadline)
+        future: asyncio.Future[np.ndarray] = served.infer_soon(
+            decoded.rows, decoded.dtype, deadline=self.deadline, settled=self._computed
+        )
         return future
 
     def _queue_v2(self, served: Any, body: bytes) -> asyncio.Future[Any]:
@@ -449,10 +450,12 @@ class LeanRequest:
         self.call, self.served = call, served
         rows, dtype = call.request.rows, call.request.dtype
         if call.monte_carlo is None:
-            future: asyncio.Future[Any] = served.infer_soon(rows, dtype, deadline=call.deadline)
+            future: asyncio.Future[Any] = served.infer_soon(rows, dtype, deadline=call.deadline, settled=self._computed)
             return future
         # Monte Carlo dropout: rare and long (passes in slices), it runs as the full path runs it, in a task.
-        return asyncio.ensure_future(served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline))
+        task = asyncio.ensure_future(served.infer_monte_carlo(rows, call.monte_carlo, dtype, deadline=call.deadline))
+        task.add_done_callback(self._computed)
+        return task
 
     def _computed(self, future: asyncio.Future[Any]) -> None:
         if self.response_complete:  # the client left (or was refused) meanwhile: nobody reads an answer
