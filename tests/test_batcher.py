@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -603,4 +605,26 @@ async def test_array_entries_are_told_their_end_once_and_a_failing_callback_harm
     assert forward.batches == [[1], [2 + 1 + 1]]  # one part of a, b and d's rows: c withdrawn, expired never computed
     assert "answer callback failed" in caplog.text
     await answers_right(batcher, rows(2))
+    await batcher.stop()
+
+
+async def test_an_answered_array_entry_and_its_batch_are_freed_without_the_garbage_collector(executor):
+    """Nothing of an answered request (its entry, its future, the batch's output) waits for a collection:
+    a cycle among them would keep every batch's input and output alive until the collector ran."""
+    batcher = await make(RecordingForward(), executor, max_batch_rows=64)
+    outputs: list[weakref.ref[np.ndarray]] = []
+
+    def keep(future: asyncio.Future[np.ndarray]) -> None:
+        outputs.append(weakref.ref(future.result().base))
+
+    gc.disable()
+    try:
+        for i in range(3):  # each batch's list of entries goes when the collector takes the next
+            future = batcher.submit_array(rows(2, 10.0 * i).numpy(), DTYPES["float32"], settled=keep)
+            np.testing.assert_array_equal(await asyncio.wait_for(future, 5), rows(2, 10.0 * i).numpy() * 2 + 1)
+            del future
+        await answers_right(batcher, rows(1))
+        assert len(outputs) == 3 and all(output() is None for output in outputs)
+    finally:
+        gc.enable()
     await batcher.stop()

@@ -299,8 +299,10 @@ class Batcher:
             self._count_ended(entry.requests, entry.arrived, answered=answered)
         if not answered:
             self._queue.release(entry)
+        entry.watch = None
         if entry.settled is not None:  # not answered by its batch (which took this callback off)
-            entry.settled(future)
+            settled, entry.settled = entry.settled, None
+            settled(future)
 
     def _count_rows(self, sizes: Sequence[int]) -> None:
         """Requests of `sizes` rows queued: the request-rows histogram."""
@@ -571,17 +573,19 @@ class Batcher:
             observe_many(self._instruments.request_seconds, [now - entry.arrived for entry in answered])
         if self.observer is not None:  # before the waiters resume: they see their batch reported
             self.observer.batch(batch, started, started + elapsed, rows)
-        for entry in answered:
-            if entry.settled is not None:
-                self._deliver(entry)
+        self._deliver(answered)
 
-    def _deliver(self, entry: Entry) -> None:
-        """Hand an entry its answer now; a caller's bug is logged, and its batch's other entries still get theirs."""
-        assert entry.settled is not None, "only an entry with a settled callback is delivered to; this is a bug."
-        try:
-            entry.settled(entry.future)
-        except Exception:
-            log.exception("model %s: a request's answer callback failed; this is a bug", self.name)
+    def _deliver(self, answered: list[Entry]) -> None:
+        """Tell the answered entries that have a `settled` callback, now: the answer is written from the batch's
+        completion. A caller's bug is logged, and the batch's other entries still get theirs."""
+        for entry in answered:
+            settled, entry.settled = entry.settled, None  # told once; the entry no longer holds its caller
+            if settled is None:
+                continue
+            try:
+                settled(entry.future)
+            except Exception:
+                log.exception("model %s: a request's answer callback failed; this is a bug", self.name)
 
     @staticmethod
     def _split(batch: list[Entry], output: torch.Tensor) -> list[Entry]:
@@ -610,6 +614,7 @@ class Batcher:
                         rows = answer_as_array(output[offset : offset + n], answer)
                     if entry.watch is not None:  # it would find nothing to count or release
                         future.remove_done_callback(entry.watch)
+                        entry.watch = None  # it holds the entry: kept, they would wait for the collector
                     future.set_result(rows)
                     answered.append(entry)
             offset += n
