@@ -393,6 +393,8 @@ async def test_a_killed_engine_fails_what_is_in_flight_and_a_restarted_one_serve
 ) -> None:
     path, started = engine_process
     first = await asyncio.to_thread(start_engine, path, started)
+    if hasattr(os, "SCHED_BATCH"):  # woken by a front's frame, it never preempts the front (yield_to_fronts)
+        assert os.sched_getscheduler(first.pid) == os.SCHED_BATCH
     client = EngineClient(path)
     try:
         assert_close(await client.infer(Ask("demo", None, rows(2), F32, deadline=None)), demo_reference(rows(2)))

@@ -72,6 +72,10 @@ async def answers_through_both_doors(server: ServerProcess, fronts: int) -> None
     assert len(processes) == fronts + 1  # the engine and the fronts
     assert [pid for pid in processes if maps_libtorch(pid)] == [engine_pid(server)]
     assert not maps_libtorch(server.pid)  # nor the supervisor
+    if hasattr(os, "SCHED_BATCH"):  # woken by a front, the engine never preempts it; the fronts as any process
+        assert [os.sched_getscheduler(pid) == os.SCHED_BATCH for pid in (server.pid, *processes)] == [
+            pid == engine_pid(server) for pid in (server.pid, *processes)
+        ]
 
     sent = 0
     for i in range(12):  # a connection each: the kernel spreads them over the fronts
