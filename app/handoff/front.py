@@ -422,4 +422,11 @@ class _Link:
 
 def _dtype_name(rows: np.ndarray) -> str:
     """The rows' dtype by ffn_core/dtypes.py's name: a uint16 array carries bfloat16."""
-    return "bfloat16" if rows.dtype == np.uint16 else str(rows.dtype)
+    dtype = rows.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # numpy's str(dtype) runs in Python (a microsecond a request): each kind is named once
+        name = _DTYPE_NAMES[dtype] = "bfloat16" if dtype == np.uint16 else str(dtype)
+    return name
+
+
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
