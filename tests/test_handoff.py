@@ -29,7 +29,7 @@ from app.handoff.frames import LENGTH, encode
 from app.handoff.front import Ask, EngineClient
 from app.handoff.messages import Hello
 from app.observe.metrics import Metrics
-from app.process.engine_process import launch
+from app.process.engine_process import launch, yield_to_fronts
 from ffn_core import load_ffn
 from ffn_core.dtypes import DTYPES
 from tests.reference import assert_close, demo_reference, numpy_ffn, numpy_weights
@@ -425,3 +425,22 @@ async def test_a_killed_engine_fails_what_is_in_flight_and_a_restarted_one_serve
         assert_close(await client.infer(Ask("demo", None, x, F32, deadline=None)), demo_reference(x))
     finally:
         await client.close()
+
+
+def test_an_engine_refused_sched_batch_says_so_and_runs_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sandbox that refuses SCHED_BATCH (a seccomp profile) leaves the default policy, in one log line."""
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("this platform has no SCHED_BATCH")
+    asked: list[int] = []
+
+    def refuse(pid: int, policy: int, param: os.sched_param) -> None:
+        asked.append(policy)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    with caplog.at_level("INFO", logger="ffn_serve.engine"):
+        yield_to_fronts()  # no exception: the engine starts as before
+    assert asked == [os.SCHED_BATCH]
+    assert "SCHED_BATCH refused (Operation not permitted)" in caplog.text

@@ -167,7 +167,7 @@ def yield_to_fronts() -> None:
     try:
         os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError as exc:  # a sandbox that refuses it: scheduled as any process
-        log.info("the engine runs with the default scheduling policy: SCHED_BATCH refused (%s)", exc)
+        log.info("the engine runs with the default scheduling policy: SCHED_BATCH refused (%s)", exc.strerror or exc)
 
 
 def engine_main(
