@@ -206,7 +206,7 @@ class LeanDoor:
             elif kind == _TIMEOUT:
                 if timeout is None:
                     timeout = value
-            elif kind == _FULL_WAY or self._cors:
+            elif kind == _FULL_WAY or (kind == _ORIGIN and self._cors):
                 return None
         if size > self._max_header_bytes:
             return None
@@ -405,10 +405,10 @@ class LeanRequest:
             served = self.door.engine.model(self.name, self.version)
             if self.plan is not None:
                 future = self._queue_native(served, body)
-            elif self.route == PREDICT_ROUTE:  # its decoders read bytes: a view of the read is copied
-                future = self._queue_predict(served, bytes(body) if isinstance(body, memoryview) else body)
-            else:
-                future = self._queue_v2(served, bytes(body) if isinstance(body, memoryview) else body)
+            else:  # KServe V1's and V2's decoders read bytes: a view of the read is copied
+                data = bytes(body) if isinstance(body, memoryview) else body
+                queue = self._queue_predict if self.route == PREDICT_ROUTE else self._queue_v2
+                future = queue(served, data)
         except Exception as exc:
             self._fail(exc)
             return
