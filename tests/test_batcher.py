@@ -628,26 +628,3 @@ async def test_an_answered_array_entry_and_its_batch_are_freed_without_the_garba
     finally:
         gc.enable()
     await batcher.stop()
-
-
-async def test_a_batch_on_the_model_thread_is_answered_once_the_next_batch_is_taken(executor):
-    """A pass on the model thread: its requests are told on the loop's next turn, after the collector has
-    taken the next batch (its pass then runs while the answers are encoded), not before."""
-    forward = RecordingForward()
-    batcher = await make(forward, executor, max_batch_rows=64)  # inline_rows 0: every pass on the thread
-    queued_when_told: list[int] = []
-
-    def told(future: asyncio.Future[np.ndarray]) -> None:
-        queued_when_told.append(batcher.queued_work)
-
-    forward.release.clear()
-    first = batcher.submit_array(rows(2).numpy(), DTYPES["float32"], settled=told)
-    await asyncio.to_thread(forward.started.wait, 5)  # its pass runs, held
-    second = batcher.submit_array(rows(3, 8.0).numpy(), DTYPES["float32"])  # waits for the next batch
-    assert batcher.queued_work == 3
-    forward.release.set()
-    np.testing.assert_array_equal(await asyncio.wait_for(first, 5), rows(2).numpy() * 2 + 1)
-    np.testing.assert_array_equal(await asyncio.wait_for(second, 5), rows(3, 8.0).numpy() * 2 + 1)
-    assert queued_when_told == [0]  # the second batch was taken before the first was told
-    assert forward.batches == [[2], [3]]
-    await batcher.stop()

@@ -573,12 +573,7 @@ class Batcher:
             observe_many(self._instruments.request_seconds, [now - entry.arrived for entry in answered])
         if self.observer is not None:  # before the waiters resume: they see their batch reported
             self.observer.batch(batch, started, started + elapsed, rows)
-        if self._launch is None and not self._runs_inline(rows):
-            # The collector awaits this batch: answered here, the answers' encoding would hold back the
-            # next batch's pass on the model thread, which it overlaps when told on the loop's next turn.
-            asyncio.get_running_loop().call_soon(self._deliver, answered)
-        else:  # a pass on the loop's thread, or a batch in a task of its own (staged): told now
-            self._deliver(answered)
+        self._deliver(answered)
 
     def _deliver(self, answered: list[Entry]) -> None:
         """Tell the answered entries that have a `settled` callback, now: the answer is written from the batch's
