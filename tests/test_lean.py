@@ -25,6 +25,7 @@ import uvicorn
 
 from app.config.settings import Settings
 from app.http.transport import lean
+from app.http.transport.direct_body import DIRECT_BODY_BYTES
 from app.http.transport.protocol import BODY_PAST_PARSER_BYTES, uvicorn_options
 from app.main import create_app
 from ffn_client.http1 import Response, read_response
@@ -44,6 +45,8 @@ ID = {"X-Request-Id": "one-id-for-both"}  # else error bodies differ by their id
 x = np.random.default_rng(7).standard_normal((3, D)).astype(np.float32)
 RAW = raw_headers((3, D))
 LARGE = np.random.default_rng(8).standard_normal((-(-BODY_PAST_PARSER_BYTES // (4 * D)) + 8, D)).astype(np.float32)
+# Most of its body is read straight into the request's buffer (app/http/transport/direct_body.py).
+HUGE = np.random.default_rng(9).standard_normal((8 * DIRECT_BODY_BYTES // (4 * D), D)).astype(np.float32)
 COMPARED = (
     "content-type",
     "x-shape",
@@ -173,6 +176,12 @@ CASES: dict[str, Case] = {
     "large json": (V1, JSON, orjson.dumps({"inputs": LARGE.tolist()})),
     "large v2 binary": (V2, *_v2_binary(LARGE)),
     "large kserve v1": (PREDICT, JSON, orjson.dumps({"instances": LARGE.tolist()})),
+    "huge raw": (V1, raw_headers(HUGE.shape), HUGE.tobytes()),
+    "huge raw a row short": (V1, raw_headers(HUGE.shape), HUGE[:-1].tobytes()),
+    "huge raw with a nan": (V1, raw_headers(HUGE.shape), np.where(HUGE > 3.5, np.nan, HUGE).tobytes()),
+    "huge npy": (V1, {"Content-Type": "application/x-npy"}, npy_bytes(HUGE)),
+    "huge v2 binary": (V2, *_v2_binary(HUGE)),
+    "huge v2 binary answered binary": (V2, *_v2_binary(HUGE, parameters={"binary_data_output": True})),
 }
 NO_KEY: dict[str, Case] = {  # sent without the key (the rest carry it)
     "no key": (V1, RAW, x.tobytes()),

@@ -231,6 +231,15 @@ async def test_async_client_transforms_over_https(tls_server: ServerProcess, pki
         assert_close(await client.transform("demo", x), demo_reference(x))
 
 
+def test_large_bodies_over_https_are_answered_right_one_after_another(tls_server: ServerProcess, pki: Pki) -> None:
+    # Bodies of 800 KB on one connection: each one's rest is read straight into its buffer through
+    # the TLS transport (app/http/transport/direct_body.py), and the next head read after it.
+    with Client(tls_server.url, verify=pki.ca_file) as client:
+        for seed in range(3):
+            x = rows(400, seed=seed)
+            assert_close(client.transform("demo", x), demo_reference(x))
+
+
 def test_tritonclient_http_infers_over_https(tls_server: ServerProcess, pki: Pki) -> None:
     x = rows(4, seed=1)
     client = triton_http.InferenceServerClient(

@@ -391,6 +391,11 @@ class LeanRequest:
         if not self.response_complete:
             self.chunks.append(chunk)
 
+    def body_so_far(self) -> list[bytes | memoryview]:
+        """The body's chunks read so far, handed over to the buffer its rest is read into (direct_body.py)."""
+        chunks, self.chunks = self.chunks, []
+        return chunks
+
     def complete(self) -> None:
         """The body is whole: decode it and queue its rows, or answer why not."""
         if self.response_complete:

@@ -88,6 +88,7 @@ from app.config.settings import Settings
 from app.errors import ServiceError
 from app.http.errors import error_body
 from app.http.transport.budgets import ConnectionBudget, Deadlines, PipelineTurns
+from app.http.transport.direct_body import DIRECT_BODY_BYTES, DirectBody
 from app.http.transport.lean import LeanDoor, LeanRequest
 from app.observe.identity import new_request_id
 from app.protocol.errors import (
@@ -265,6 +266,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._lean: LeanRequest | None = None  # the request the lean path serves on this connection, until answered
         self._lean_ready: LeanRequest | None = None  # ... whose body the read just completed
         self._body_past_parser = False  # the lean request's body is taken without the parser (_take_lean_body)
+        self._direct: DirectBody | None = None  # ... and its rest read straight into its buffer (_read_body_directly)
 
     # ----- connection ------------------------------------------------------------------------
 
@@ -292,6 +294,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.turns.withdraw(self)
         self._drop_unparsed()
         self.budget.closed(self)
+        self._direct = None
         if self._lean is not None:  # the client left before its answer: its rows are withdrawn
             self._lean.abandon()
             self._lean = self._lean_ready = None
@@ -318,6 +321,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._unparsed, self._unparsed_at = data, 0
         self._feed()
         self._account()
+        if self._body_past_parser and (self._body_left or 0) >= DIRECT_BODY_BYTES and self._direct is None:
+            self._read_body_directly()
 
     def send_400_response(self, msg: str) -> None:
         self._refuse(InvalidInput(f"malformed HTTP request: {msg}"))
@@ -640,6 +645,53 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._body_left == 0:
             self.on_message_complete()
             self.parser = httptools.HttpRequestParser(self)
+
+    # ----- a large lean body, read straight into its buffer (app/http/transport/direct_body.py) ---
+
+    def _read_body_directly(self) -> None:
+        """After a read that left a lean body's rest of DIRECT_BODY_BYTES or more: read that rest into its buffer."""
+        lean = self._lean
+        if lean is None or self.cycle is not lean or self._discarding or self._holding() or self.transport.is_closing():
+            return
+        received = lean.body_so_far()
+        left = self._body_left or 0
+        self._direct = DirectBody(self, received, sum(len(chunk) for chunk in received) + left)
+        self.transport.set_protocol(self._direct)
+
+    def reads_directly(self, reader: DirectBody) -> bool:
+        return (
+            reader is self._direct
+            and self._lean is not None
+            and self.cycle is self._lean
+            and bool(self._body_left)
+            and not self._discarding
+            and not self.transport.is_closing()
+        )
+
+    def take_transport_back(self, reader: DirectBody) -> None:
+        if reader is self._direct:
+            self._direct = None
+        if self.transport.get_protocol() is reader:
+            self.transport.set_protocol(self)
+
+    def body_read(self, reader: DirectBody, nbytes: int) -> None:
+        """`nbytes` more of the lean body in `reader`: the budgets and clocks of a body slice fed, then its end."""
+        self._unset_keepalive_if_required()
+        self._last_progress = time.monotonic()
+        self._slice_body, self._completed = nbytes, False
+        self._body_left = (self._body_left or 0) - nbytes
+        if self._body_left == 0:
+            self.take_transport_back(reader)
+            assert self._lean is not None, "reads_directly said the lean request is there; this is a bug."
+            self._lean.body(reader.body())
+            self.on_message_complete()
+            self.parser = httptools.HttpRequestParser(self)
+        if not self._count(nbytes) or self.transport.is_closing():
+            return
+        if self._lean_ready is not None:
+            ready, self._lean_ready = self._lean_ready, None
+            ready.complete()
+        self._account()
 
     def on_message_complete(self) -> None:
         if self._lean is not None and self.cycle is self._lean:
