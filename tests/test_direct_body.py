@@ -1,7 +1,7 @@
 """A lean request's large body read straight into its buffer (app/http/transport/direct_body.py).
 
-In-process servers on 127.0.0.1, real sockets: the body's rest is read through a DirectBody (the
-tests count them), in any cut; the answers equal numpy's FFN; the connection's next request is
+In-process servers on 127.0.0.1, real sockets, on asyncio's loop and on uvloop's: the body's rest
+is read through a DirectBody (the tests count them), in any cut; the answers equal numpy's FFN; the connection's next request is
 read by the parser; a hang-up, a stalled body and bytes sent after a refusal are handled as they
 are without it, and every byte held is given back. tests/test_lean.py sends the same large bodies
 to a server with the lean path off and compares the answers.
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Coroutine
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
+import uvloop
 
 from app.config.settings import Settings
 from app.http.transport import direct_body
@@ -26,6 +29,16 @@ from tests.test_lean import V1, D, serving
 from tests.wire import raw_headers
 
 ROWS = 8 * DIRECT_BODY_BYTES // (4 * D) + 5  # a body of 8 times the size read directly: past any one read of the loop
+
+
+# Each test runs on asyncio's own loop and on uvloop's (the server's): each switches a transport's
+# protocol its own way.
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def _on(loop: str, scenario: Coroutine[Any, Any, None]) -> None:
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(scenario)
 
 
 @pytest.fixture
@@ -56,7 +69,7 @@ async def _write(writer: asyncio.StreamWriter, pieces: list[bytes]) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(direct) -> None:
+async def _a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(direct: list[int]) -> None:
     cases = [_rows(seed) for seed in range(4)]
     async with serving(Settings(max_batch_rows=1024)) as (port, app):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -92,7 +105,14 @@ async def test_a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_requ
     assert held == 0
 
 
-async def test_a_bad_large_body_read_directly_is_refused_as_any_other(direct) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(
+    loop: str, direct: list[int]
+) -> None:
+    _on(loop, _a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(direct))
+
+
+async def _a_bad_large_body_read_directly_is_refused_as_any_other(direct: list[int]) -> None:
     rows = _rows(5)
     with_nan = rows.copy()
     with_nan[-1, -1] = np.nan
@@ -111,7 +131,12 @@ async def test_a_bad_large_body_read_directly_is_refused_as_any_other(direct) ->
     assert held == 0
 
 
-async def test_a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_bad_large_body_read_directly_is_refused_as_any_other(loop: str, direct: list[int]) -> None:
+    _on(loop, _a_bad_large_body_read_directly_is_refused_as_any_other(direct))
+
+
+async def _a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct: list[int]) -> None:
     rows = _rows(6)
     async with serving(Settings(max_batch_rows=1024)) as (port, app):
         message = http_request("POST", V1, raw_headers(rows.shape), rows.tobytes(), close=False)
@@ -133,7 +158,12 @@ async def test_a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_he
     assert_close(np.frombuffer(after.content, np.float32).reshape(rows.shape), demo_reference(rows))
 
 
-async def test_a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(direct) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(loop: str, direct: list[int]) -> None:
+    _on(loop, _a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct))
+
+
+async def _a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(direct: list[int]) -> None:
     rows = _rows(7)
     async with serving(Settings(max_batch_rows=1024, read_timeout_s=0.5)) as (port, app):
         message = http_request("POST", V1, raw_headers(rows.shape), rows.tobytes(), close=False)
@@ -156,3 +186,10 @@ async def test_a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows
     assert after.status_code == 200
     assert_close(np.frombuffer(after.content, np.float32).reshape(rows.shape), demo_reference(rows))
     assert held == 0
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(
+    loop: str, direct: list[int]
+) -> None:
+    _on(loop, _a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(direct))
