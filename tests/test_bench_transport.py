@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from bench import stages, transport
+from bench import stages, transport, transport_plot
 from bench.transport import Cell
 
 
@@ -141,4 +141,52 @@ def test_tls_rows_are_compared_with_the_echo_over_https_and_their_cost_is_the_di
     assert cost == [
         "| 1 | 16 | echo | 0.050 | 0.070 | +0.020 | 0.50 | 0.60 | 75% |",
         "| 1 | 16 | near-free | 0.200 | 0.250 | +0.050 | 1.00 | 1.20 | 80% |",
+    ]
+
+
+def test_the_plot_reads_each_cell_against_the_echo_of_the_same_rows_and_clients(tmp_path, capsys):
+    def cell(server: str, rows: int, clients: int, rows_per_s: float, cpu_ms: float) -> dict[str, object]:
+        return {
+            "server": server,
+            "rows": rows,
+            "concurrency": clients,
+            "rows_per_s": rows_per_s,
+            "cpu_ms_per_request": cpu_ms,
+        }
+
+    cells = [
+        cell("echo", 1, 16, 30_000.0, 0.040),
+        cell("near-free", 1, 16, 12_000.0, 0.100),
+        cell("near-free+engine", 1, 16, 6_000.0, 0.180),
+        cell("echo", 256, 16, 400_000.0, 0.600),
+        cell("near-free", 256, 16, 240_000.0, 1.050),
+        cell("near-free", 16, 16, 100_000.0, 0.150),  # no echo of its rows and clients: left out
+    ]
+    found = {(r.server, r.rows, r.concurrency): r for r in transport_plot.ratios(cells)}
+    assert set(found) == {("near-free", 1, 16), ("near-free+engine", 1, 16), ("near-free", 256, 16)}
+    assert found["near-free", 1, 16].share_of_echo == pytest.approx(0.4)
+    assert found["near-free", 1, 16].cpu_in_echoes == pytest.approx(2.5)
+    assert found["near-free+engine", 1, 16].cpu_in_echoes == pytest.approx(4.5)
+    assert found["near-free", 256, 16].share_of_echo == pytest.approx(0.6)
+    assert found["near-free", 256, 16].cpu_in_echoes == pytest.approx(1.75)
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"header": "a run", "cells": cells}))
+    png = tmp_path / "img" / "run.png"
+    assert transport_plot.main([str(run), str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split() == [
+        "r=1",
+        "C=16",
+        "near-free",
+        "40%",
+        "of",
+        "the",
+        "echo's",
+        "rows/s,",
+        "2.5x",
+        "its",
+        "CPU",
+        "a",
+        "request",
     ]
