@@ -70,9 +70,12 @@ class DirectBody(asyncio.BufferedProtocol):
         self._into_body = False  # where the last get_buffer pointed: the body, or the spare buffer
         self._spare: bytearray | None = None
 
-    def body(self) -> memoryview:
-        """The whole body, once read: a view of the buffer, which it keeps alive."""
-        return self._view
+    def take_body(self) -> memoryview:
+        """The whole body, once read: a view of the buffer, which it keeps alive; this reader keeps neither."""
+        view = self._view
+        self._view = memoryview(b"")
+        self.buffer = np.empty(0, dtype=np.uint8)
+        return view
 
     def get_buffer(self, sizehint: int) -> memoryview | bytearray:
         self._into_body = self.owner.reads_directly(self)

@@ -403,6 +403,10 @@ class LeanRequest:
         chunks, self.chunks = self.chunks, []
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
+        if isinstance(body, memoryview) and (self.plan is None or self.plan.core.raw is None):
+            # Only a raw body is viewed: the other decoders read bytes. Copied here, the view goes now,
+            # and with it a large body's buffer (direct_body.py), before the decoder's parse holds more.
+            body = bytes(body)
         token = CURRENT.set(self.context)
         try:
             # Looked up again: a reload may have swapped the copy while the body arrived. From here to
@@ -410,10 +414,9 @@ class LeanRequest:
             served = self.door.engine.model(self.name, self.version)
             if self.plan is not None:
                 future = self._queue_native(served, body)
-            else:  # KServe V1's and V2's decoders read bytes: a view of the read is copied
-                data = bytes(body) if isinstance(body, memoryview) else body
+            else:  # KServe V1's and V2's decoders read bytes (the body is, above)
                 queue = self._queue_predict if self.route == PREDICT_ROUTE else self._queue_v2
-                future = queue(served, data)
+                future = queue(served, bytes(body) if isinstance(body, memoryview) else body)
         except Exception as exc:
             self._fail(exc)
             return

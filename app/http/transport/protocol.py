@@ -683,14 +683,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._body_left == 0:
             self.take_transport_back(reader)
             assert self._lean is not None, "reads_directly said the lean request is there; this is a bug."
-            self._lean.body(reader.body())
+            self._lean.body(reader.take_body())
             self.on_message_complete()
             self.parser = httptools.HttpRequestParser(self)
         if not self._count(nbytes) or self.transport.is_closing():
             return
         if self._lean_ready is not None:
+            # Once this read's callback has returned: the loop holds the buffer until then, and a body
+            # its decoder copies (JSON, .npy, V2, KServe V1) lets it go before the parse (LeanRequest.complete).
             ready, self._lean_ready = self._lean_ready, None
-            ready.complete()
+            self.loop.call_soon(ready.complete)
         self._account()
 
     def on_message_complete(self) -> None:
