@@ -277,6 +277,38 @@ async def test_a_cancelled_large_request_keeps_its_slot_until_the_engine_answers
         await client.close()
 
 
+async def test_a_cancelled_small_request_keeps_its_slot_until_the_engine_answers_and_the_next_is_right(
+    slow_served: tuple[Path, Metrics], tmp_path: Path
+) -> None:
+    """A small slot's rows are read in place too: the slot is taken again only once the engine has answered
+    for its request, and the next request in that slot is answered right."""
+    socket_path, metrics = slow_served
+    client = EngineClient(socket_path, slots=2, slot_bytes=3000 * D_MODEL * 4, large_bytes=0)
+    weights = numpy_weights(load_ffn(tmp_path / "slow.safetensors"))
+    try:
+        blocker = await blocking(client, metrics)  # in one slot
+        gone = asyncio.create_task(client.infer(Ask("slow", None, rows(1000, 5), F32, deadline=None)))
+        async with asyncio.timeout(60):
+            while client.in_flight < 2:
+                await asyncio.sleep(0)
+        link = client._link
+        assert link is not None and link.arena.free == 0  # both small slots taken
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert link.arena.free == 0  # not given back before the engine says so
+        async with asyncio.timeout(120):
+            while link.arena.free == 0:  # the engine's answer for the cancelled request gives it back
+                await asyncio.sleep(0.01)
+        x = rows(1000, 6)
+        later = await asyncio.wait_for(client.infer(Ask("slow", None, x, F32, deadline=None)), 120)
+        assert_close(later, numpy_ffn(x, weights), rtol=1e-4)
+        assert_close(await asyncio.wait_for(blocker, 120), numpy_ffn(rows(3000, 99), weights), rtol=1e-4)
+        assert client.in_flight == 0 and link.arena.free == 2
+    finally:
+        await client.close()
+
+
 async def test_no_free_slot_is_overloaded_and_a_slot_is_free_again_once_answered(served: Path) -> None:
     client = EngineClient(served, slots=1)
     try:

@@ -448,18 +448,13 @@ class EngineServer:
 
 
 def _rows(arena: Arena, message: Submit, dtype: np.dtype) -> np.ndarray:
-    """A request's rows. From a small slot, copied out: small rows cost little to copy, and the slot is
-    the answer's to write. From a large slot, read in place: the engine holds no copy of them while
-    they wait for their batch, only the slots it was given. The front takes a slot again only once
-    the engine has answered for it; a batch still reading rows whose request was cancelled (and its
-    slot taken again) computes an answer nobody reads, into no slot."""
+    """A request's rows, read in place in its slot, small or large: the engine holds no copy of them while they
+    wait for their batch, only the slots it was given, and a slot's answer is written only once its batch is
+    computed. The front takes a slot again only once the engine has answered for it; a batch still reading rows
+    whose request was cancelled (and its slot taken again) computes, for those rows alone (the FFN is
+    position-wise), an answer nobody reads, into no slot."""
     view = arena.region(message.place, message.room, math.prod(message.shape) * dtype.itemsize)
-    if message.place >= arena.large_start:
-        return np.frombuffer(view, dtype=dtype).reshape(message.shape)
-    try:
-        return np.frombuffer(view, dtype=dtype).reshape(message.shape).copy()
-    finally:
-        view.release()
+    return np.frombuffer(view, dtype=dtype).reshape(message.shape)
 
 
 @dataclass(frozen=True)
