@@ -608,6 +608,25 @@ async def test_array_entries_are_told_their_end_once_and_a_failing_callback_harm
     await batcher.stop()
 
 
+async def test_an_answered_batch_lets_its_rows_go_while_the_collector_waits_for_the_next(executor):
+    """A batch's rows go with its answers, not when the next request comes: the layout's engine reads a
+    request's rows in place in a front's slot memory, which it can unmap only once no array views it."""
+    batcher = await make(RecordingForward(), executor, max_batch_rows=64)
+    gc.disable()
+    try:
+        x = rows(2, 3.0).numpy()
+        held = weakref.ref(x)
+        future = batcher.submit_array(x, DTYPES["float32"])
+        np.testing.assert_array_equal(await asyncio.wait_for(future, 5), rows(2, 3.0).numpy() * 2 + 1)
+        del x, future
+        for _ in range(10):  # the collector's turns after the pass; then it waits, with no request to come
+            await asyncio.sleep(0)
+        assert held() is None
+    finally:
+        gc.enable()
+    await batcher.stop()
+
+
 async def test_an_answered_array_entry_and_its_batch_are_freed_without_the_garbage_collector(executor):
     """Nothing of an answered request (its entry, its future, the batch's output) waits for a collection:
     a cycle among them would keep every batch's input and output alive until the collector ran."""
@@ -619,7 +638,7 @@ async def test_an_answered_array_entry_and_its_batch_are_freed_without_the_garba
 
     gc.disable()
     try:
-        for i in range(3):  # each batch's list of entries goes when the collector takes the next
+        for i in range(3):  # each batch's list of entries goes once it is answered
             future = batcher.submit_array(rows(2, 10.0 * i).numpy(), DTYPES["float32"], settled=keep)
             np.testing.assert_array_equal(await asyncio.wait_for(future, 5), rows(2, 10.0 * i).numpy() * 2 + 1)
             del future

@@ -473,6 +473,7 @@ class Batcher:
                     self._slots.release()
                     continue
                 await self._in_slot(self._run_slice(entry), [entry])
+                del entry  # answered: its rows go now, not when the next request comes (see below)
                 continue
             if self.max_wait_s > 0:
                 await self._wait_for_more()
@@ -493,11 +494,17 @@ class Batcher:
             if self._launch is None:  # one batch at a time: run it here, with no task to schedule
                 inline = self._runs_inline(sum(entry.n for entry in batch))
                 await self._in_slot(self._run(batch), batch)
+                taken = len(batch)
+                # Answered: the batch's entries, and the rows they hold, go now. Kept in this frame, the
+                # last batch's stayed while the collector waited for the next request, and with them a
+                # front's slot memory the engine reads rows in place from (app/handoff/engine.py).
+                del batch
                 if inline:
-                    await self._turns_after_inline_pass(len(batch))
+                    await self._turns_after_inline_pass(taken)
                 continue
             self._idle.clear()
             task = asyncio.create_task(self._in_slot(self._run(batch), batch), name=f"batch-{self.name}")
+            del batch  # the task holds it, until its batch is answered
             self._in_flight.add(task)
             task.add_done_callback(self._landed)
 
