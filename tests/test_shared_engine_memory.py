@@ -34,13 +34,14 @@ from app.handoff.memory import NAME
 from ffn_testing import ServerProcess, free_ports, process_tree, start_server
 from tests.reference import demo_reference
 from tests.wire import raw_headers
-from tests.worker_logs import records, replaced, worker_pids
+from tests.worker_logs import pids_that_served, records, replaced, worker_pids
 
 pytestmark = pytest.mark.server
 
 D_MODEL = 512
 LAYOUT = {"FFN_SHARED_ENGINE": "true", "FFN_WORKERS": "2", "FFN_WARMUP": "false", "FFN_TORCH_THREADS": "1"}
 SHM = Path("/dev/shm")
+TRANSFORM = "/v1/models/demo/transform"
 # The server in a mount namespace of its own, over a tmpfs of Docker's default size on /dev/shm.
 SMALL_SHM = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"', "sh"]
 
@@ -186,25 +187,31 @@ async def good_requests_beside_a_scribbler(server: ServerProcess, hostile: list)
 def test_killed_front_killed_engine_then_a_clean_stop_leave_nothing_and_log_no_traceback() -> None:
     before = set(os.listdir(SHM))
     held: set[str] = set()
-    env = {**LAYOUT, "FFN_LOG_FORMAT": "json"}
+    env = {**LAYOUT, "FFN_LOG_FORMAT": "json", "FFN_ACCESS_LOG": "true"}
     with start_server(env=env, ready_timeout=180) as server:
         with httpx.Client(base_url=server.url, timeout=60) as client:
-            x = rows(3, 2)
-            assert_right(x, transform(client, x))
             engine = int(re.findall(r"engine process started \(pid (\d+)\)", server.logs())[-1])
             fronts = worker_pids(server)
+            since = len(server.logs())
+            x = rows(3, 2)
+            assert_right(x, transform(client, x))
             for pid in fronts.values():
                 until(lambda pid=pid: blocks_mapped(pid) == 1, f"front {pid} linked")  # type: ignore[misc]
             until(lambda: blocks_mapped(engine) == 2, "the engine mapping each front's block")
             held |= what_the_tree_holds(server)[0]
+            # The front that served the engine's last request is the one killed: its rows were read in
+            # place in that front's block, and the engine keeps nothing of them once answered.
+            until(lambda: bool(pids_that_served(server, TRANSFORM, since)), "the access line of the request")
+            (served,) = pids_that_served(server, TRANSFORM, since)
+            (slot,) = [slot for slot, pid in fronts.items() if pid == served]
 
             since = len(server.logs())
-            os.kill(fronts[1], signal.SIGKILL)
-            replacement = replaced(server, 1, fronts[1], since)
+            os.kill(served, signal.SIGKILL)
+            replacement = replaced(server, slot, served, since)
             until(lambda: blocks_mapped(replacement) == 1, "the replacement linked")
             # Nothing of the killed front: not its process, not its block (the engine unmapped it).
             until(lambda: blocks_mapped(engine) == 2, "the engine holding the live fronts' blocks only")
-            assert not Path(f"/proc/{fronts[1]}").exists()
+            assert not Path(f"/proc/{served}").exists()
 
             since = len(server.logs())
             os.kill(engine, signal.SIGKILL)
