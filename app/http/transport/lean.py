@@ -415,8 +415,9 @@ class LeanRequest:
             if self.plan is not None:
                 future = self._queue_native(served, body)
             else:  # KServe V1's and V2's decoders read bytes (the body is, above)
+                assert not isinstance(body, memoryview), "a body not viewed is made bytes above; this is a bug."
                 queue = self._queue_predict if self.route == PREDICT_ROUTE else self._queue_v2
-                future = queue(served, bytes(body) if isinstance(body, memoryview) else body)
+                future = queue(served, body)
         except Exception as exc:
             self._fail(exc)
             return

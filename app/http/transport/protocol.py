@@ -650,8 +650,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _read_body_directly(self) -> None:
         """After a read that left a lean body's rest of DIRECT_BODY_BYTES or more: read that rest into its buffer."""
-        lean = self._lean
-        if lean is None or self.cycle is not lean or self._discarding or self._holding() or self.transport.is_closing():
+        lean = self._lean_body_arriving()
+        if lean is None or self._holding():
             return
         received = lean.body_so_far()
         left = self._body_left or 0
@@ -659,14 +659,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.set_protocol(self._direct)
 
     def reads_directly(self, reader: DirectBody) -> bool:
-        return (
-            reader is self._direct
-            and self._lean is not None
-            and self.cycle is self._lean
-            and bool(self._body_left)
-            and not self._discarding
-            and not self.transport.is_closing()
-        )
+        return reader is self._direct and bool(self._body_left) and self._lean_body_arriving() is not None
+
+    def _lean_body_arriving(self) -> LeanRequest | None:
+        """The lean request whose body this connection is reading, unless it was refused, or the connection is going."""
+        lean = self._lean
+        if lean is None or self.cycle is not lean or self._discarding or self.transport.is_closing():
+            return None
+        return lean
 
     def take_transport_back(self, reader: DirectBody) -> None:
         if reader is self._direct:
