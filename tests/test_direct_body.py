@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -36,9 +36,16 @@ ROWS = 8 * DIRECT_BODY_BYTES // (4 * D) + 5  # a body of 8 times the size read d
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
-def _on(loop: str, scenario: Coroutine[Any, Any, None]) -> None:
-    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
-        runner.run(scenario)
+def on_each_loop(scenario: Callable[[list[int]], Coroutine[Any, Any, None]]) -> Callable[[str, list[int]], None]:
+    """The test that runs `scenario` (given the `direct` fixture) on each loop of LOOPS."""
+
+    @pytest.mark.parametrize("loop", LOOPS)
+    def test(loop: str, direct: list[int]) -> None:
+        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+            runner.run(scenario(direct))
+
+    test.__doc__ = scenario.__doc__
+    return test
 
 
 @pytest.fixture
@@ -69,7 +76,10 @@ async def _write(writer: asyncio.StreamWriter, pieces: list[bytes]) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(direct: list[int]) -> None:
+@on_each_loop
+async def test_a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(
+    direct: list[int],
+) -> None:
     cases = [_rows(seed) for seed in range(4)]
     async with serving(Settings(max_batch_rows=1024)) as (port, app):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -105,14 +115,8 @@ async def _a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_
     assert held == 0
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(
-    loop: str, direct: list[int]
-) -> None:
-    _on(loop, _a_large_body_in_any_cut_is_read_into_its_buffer_and_the_next_request_read_right(direct))
-
-
-async def _a_bad_large_body_read_directly_is_refused_as_any_other(direct: list[int]) -> None:
+@on_each_loop
+async def test_a_bad_large_body_read_directly_is_refused_as_any_other(direct: list[int]) -> None:
     rows = _rows(5)
     with_nan = rows.copy()
     with_nan[-1, -1] = np.nan
@@ -131,12 +135,8 @@ async def _a_bad_large_body_read_directly_is_refused_as_any_other(direct: list[i
     assert held == 0
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_bad_large_body_read_directly_is_refused_as_any_other(loop: str, direct: list[int]) -> None:
-    _on(loop, _a_bad_large_body_read_directly_is_refused_as_any_other(direct))
-
-
-async def _a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct: list[int]) -> None:
+@on_each_loop
+async def test_a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct: list[int]) -> None:
     rows = _rows(6)
     async with serving(Settings(max_batch_rows=1024)) as (port, app):
         message = http_request("POST", V1, raw_headers(rows.shape), rows.tobytes(), close=False)
@@ -158,14 +158,12 @@ async def _a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(d
     assert_close(np.frombuffer(after.content, np.float32).reshape(rows.shape), demo_reference(rows))
 
 
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(loop: str, direct: list[int]) -> None:
-    _on(loop, _a_client_that_hangs_up_during_a_direct_read_gives_back_what_it_held(direct))
-
-
-async def _a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(direct: list[int]) -> None:
+@on_each_loop
+async def test_a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(
+    direct: list[int],
+) -> None:
     rows = _rows(7)
-    async with serving(Settings(max_batch_rows=1024, read_timeout_s=0.5)) as (port, app):
+    async with serving(Settings(max_batch_rows=1024, read_timeout_s=1.0)) as (port, app):
         message = http_request("POST", V1, raw_headers(rows.shape), rows.tobytes(), close=False)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         await _write(writer, [message[: len(message) // 3]])
@@ -186,10 +184,3 @@ async def _a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_
     assert after.status_code == 200
     assert_close(np.frombuffer(after.content, np.float32).reshape(rows.shape), demo_reference(rows))
     assert held == 0
-
-
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(
-    loop: str, direct: list[int]
-) -> None:
-    _on(loop, _a_body_that_stalls_during_a_direct_read_gets_408_and_what_follows_is_discarded(direct))
