@@ -612,6 +612,9 @@ async def test_an_answered_batch_lets_its_rows_go_while_the_collector_waits_for_
     """A batch's rows go with its answers, not when the next request comes: the layout's engine reads a
     request's rows in place in a front's slot memory, which it can unmap only once no array views it."""
     batcher = await make(RecordingForward(), executor, max_batch_rows=64)
+    # On the loop's thread: a pass on the model thread leaves its arguments to the executor's worker,
+    # which lets them go when that thread next runs, whenever a loaded machine schedules it.
+    batcher.inline_rows = 64
     gc.disable()
     try:
         x = rows(2, 3.0).numpy()
